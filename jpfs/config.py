@@ -1,0 +1,203 @@
+"""The cluster file: one TOML file that tells every process where everything is.
+
+```toml
+[cluster]
+name = "jpfs"
+secret_file = "secret"        # relative paths are relative to this file
+replicas = 1
+chunk_size = "4MiB"
+
+[[meta]]                       # one table per metadata shard, in shard order
+address = "127.0.0.1:7301"
+data = "meta-0"                # optional: where `jpfs cluster up` keeps this shard's LMDB
+
+[[storage]]                    # one table per storage node, in node order
+address = "127.0.0.1:7401"
+data = "storage-0"
+```
+
+``JPFS_CLUSTER`` names the default cluster file. Shard and node *indices* are what metadata records,
+so addresses may change between restarts; the number and order of shards may not.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+DEFAULT_CHUNK_SIZE = 4 << 20
+ENV_CLUSTER = "JPFS_CLUSTER"
+DEFAULT_CLUSTER_PATHS = (
+    "./jpfs-cluster/cluster.toml", "~/.jpfs/cluster.toml", "/etc/jpfs/cluster.toml"
+)
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """``"4MiB"`` -> 4194304; ``"20G"`` -> 20 * 2**30 (sizes are binary, as `du -h` prints them)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r} (try 4MiB, 512K, 20G)")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    return int(number * (1 << (10 * " kmgtp".index(unit or " "))))
+
+
+def format_size(n: float) -> str:
+    """A byte count for humans: 1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"127.0.0.1:7301"`` or ``"[::1]:7301"`` -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"not a host:port address: {text!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class Server:
+    address: str
+    data: str | None = None
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        return parse_address(self.address)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A parsed cluster file."""
+
+    meta: tuple[Server, ...]
+    storage: tuple[Server, ...] = ()
+    secret: bytes = field(default=b"", repr=False)
+    replicas: int = 1
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    name: str = "jpfs"
+    path: Path | None = None
+    secret_file: str = "secret"
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.meta)
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.storage)
+
+    def data_dir(self, role: str, index: int) -> Path:
+        """Where a daemon keeps its files (relative entries resolve next to the cluster file)."""
+        server = (self.meta if role == "meta" else self.storage)[index]
+        base = self.path.parent if self.path else Path.cwd()
+        return (base / (server.data or f"{role}-{index}")).resolve()
+
+    def to_toml(self) -> str:
+        doc = {
+            "cluster": {
+                "name": self.name,
+                "secret_file": self.secret_file,
+                "replicas": self.replicas,
+                "chunk_size": self.chunk_size,
+            },
+            "meta": [_server_table(s) for s in self.meta],
+            "storage": [_server_table(s) for s in self.storage],
+        }
+        return tomli_w.dumps(doc)
+
+
+def _server_table(s: Server) -> dict:
+    return {"address": s.address, **({"data": s.data} if s.data else {})}
+
+
+def load(path: str | os.PathLike | None = None) -> Cluster:
+    """Read a cluster file (default: ``$JPFS_CLUSTER``, then the usual places)."""
+    p = find_cluster_file(path)
+    try:
+        doc = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{p}: not valid TOML: {e}") from None
+    c = doc.get("cluster", {})
+    meta = tuple(_server(p, "meta", i, t) for i, t in enumerate(doc.get("meta", [])))
+    storage = tuple(_server(p, "storage", i, t) for i, t in enumerate(doc.get("storage", [])))
+    if not meta:
+        raise ValueError(f"{p}: no [[meta]] shards")
+    secret_file = c.get("secret_file", "secret")
+    secret_path = (p.parent / secret_file).expanduser()
+    try:
+        secret = secret_path.read_bytes().strip()
+    except OSError as e:
+        raise ValueError(f"{p}: cannot read the secret file {secret_path}: {e.strerror}") from None
+    replicas = int(c.get("replicas", 1))
+    if replicas < 1:
+        raise ValueError(f"{p}: replicas must be at least 1")
+    if storage and replicas > len(storage):
+        raise ValueError(f"{p}: replicas = {replicas} but only {len(storage)} storage nodes")
+    return Cluster(
+        meta=meta,
+        storage=storage,
+        secret=secret,
+        replicas=replicas,
+        chunk_size=parse_size(c.get("chunk_size", DEFAULT_CHUNK_SIZE)),
+        name=str(c.get("name", "jpfs")),
+        path=p.resolve(),
+        secret_file=secret_file,
+    )
+
+
+def _server(path: Path, role: str, i: int, t: dict) -> Server:
+    if "address" not in t:
+        raise ValueError(f"{path}: [[{role}]] number {i} has no address")
+    parse_address(t["address"])
+    return Server(address=t["address"], data=t.get("data"))
+
+
+def find_cluster_file(path: str | os.PathLike | None = None) -> Path:
+    """The cluster file to use: the argument, ``$JPFS_CLUSTER``, or the first default that exists.
+
+    A directory means the ``cluster.toml`` inside it (what ``jpfs cluster up --dir`` writes).
+    """
+    candidates = [path] if path else ([os.environ[ENV_CLUSTER]] if os.environ.get(ENV_CLUSTER)
+                                      else list(DEFAULT_CLUSTER_PATHS))
+    for cand in candidates:
+        p = Path(cand).expanduser()
+        if p.is_dir():
+            p = p / "cluster.toml"
+        if p.is_file():
+            return p
+    if path or os.environ.get(ENV_CLUSTER):
+        raise FileNotFoundError(f"no cluster file at {candidates[0]}")
+    raise FileNotFoundError(
+        "no cluster file: pass --cluster, set JPFS_CLUSTER, or start one with "
+        "`jpfs cluster up --dir ./jpfs-cluster`"
+    )
+
+
+def write(cluster: Cluster, path: str | os.PathLike) -> None:
+    """Write a cluster file atomically (readers never see half of it)."""
+    p = Path(path)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(cluster.to_toml())
+    os.replace(tmp, p)
+
+
+def new_secret(path: str | os.PathLike) -> bytes:
+    """Create a random cluster secret readable only by its owner."""
+    secret = secrets.token_hex(32).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret + b"\n")
+    return secret

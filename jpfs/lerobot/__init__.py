@@ -1,0 +1,1 @@
+"""jpfs/lerobot"""

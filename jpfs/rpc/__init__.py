@@ -1,0 +1,11 @@
+"""The JPFS wire protocol: frames, handshake, ``serve()`` and pooled clients."""
+
+from .client import Connection, Pool, connect
+from .frame import FileSegment, Limits
+from .server import serve
+from .service import Method, Reply, Service, method_table
+
+__all__ = [
+    "Connection", "FileSegment", "Limits", "Method", "Pool", "Reply", "Service", "connect",
+    "method_table", "serve",
+]

@@ -1,0 +1,295 @@
+"""Client connections: one multiplexed connection per server, pooled, with deadlines and retry.
+
+A ``Connection`` sends requests with fresh ids and a single reader task matches answers to
+callers, so one TCP connection carries many calls in flight. A ``Pool`` keeps connections to a
+list of servers, reconnects after a server restart, and retries calls that are safe to repeat
+(idempotent methods, or any call that never left this host).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import math
+import socket as _socket
+from dataclasses import dataclass, field
+
+import trio
+
+from ..config import parse_address
+from ..errors import DeadlineError, JPFSError, ProtocolError, Unavailable, error
+from . import frame as F
+from .auth import HANDSHAKE_TIMEOUT, client_handshake
+from .service import Method
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 60.0
+"""Per-call deadline when the caller gives none."""
+
+DEFAULT_RETRY_FOR = 15.0
+"""How long a call keeps retrying an unreachable server before giving up."""
+
+_SEND_TIMEOUT = 60.0
+
+
+@dataclass
+class _Pending:
+    into: memoryview | None
+    done: trio.Event = field(default_factory=trio.Event)
+    result: object = None
+    payload: memoryview | None = None
+    exc: BaseException | None = None
+
+
+class Connection:
+    """One authenticated connection; ``call`` may be used by many tasks at once."""
+
+    def __init__(self, fs: F.FrameSocket, address: str, role: str):
+        self.fs = fs
+        self.address = address
+        self.role = role
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self.broken: JPFSError | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.broken is None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    async def reader(self) -> None:
+        """Match answers to callers until the connection ends; then fail what is left."""
+        try:
+            while True:
+                kind, body, payload = await self.fs.read_frame(self._choose_dest)
+                if kind not in (F.RESPONSE, F.ERROR) or not isinstance(body, list) or not body:
+                    raise ProtocolError(f"unexpected frame from {self.address}")
+                if kind == F.ERROR and body[0] == 0:
+                    raise F.decode_error(body)  # the server is closing the connection
+                call = self._pending.pop(body[0], None)
+                if call is None:
+                    continue  # the caller gave up (deadline); its answer is dropped
+                if kind == F.ERROR:
+                    call.exc = F.decode_error(body)
+                elif len(body) != 2:
+                    call.exc = ProtocolError(f"malformed response from {self.address}")
+                else:
+                    call.result, call.payload = body[1], payload
+                call.done.set()
+        except EOFError:
+            self._fail(Unavailable(f"{self.role} server {self.address} closed the connection"))
+        except JPFSError as e:
+            self._fail(e if isinstance(e, Unavailable) else Unavailable(
+                f"connection to {self.role} server {self.address} failed: {e.strerror}"))
+        finally:
+            self._fail(Unavailable(f"connection to {self.address} closed"))
+
+    def _choose_dest(self, kind: int, body: object, length: int) -> memoryview | None:
+        if isinstance(body, list) and body:
+            call = self._pending.get(body[0])
+            if call is not None and call.into is not None and len(call.into) == length:
+                return call.into
+        return None
+
+    def _fail(self, exc: JPFSError) -> None:
+        if self.broken is None:
+            self.broken = exc
+        self.fs.close()
+        pending, self._pending = self._pending, {}
+        for call in pending.values():
+            call.exc = exc
+            call.done.set()
+
+    def close(self) -> None:
+        self._fail(Unavailable(f"connection to {self.address} closed"))
+
+    async def call(
+        self,
+        method: str,
+        args: list,
+        payload: F.Payload = (),
+        *,
+        deadline: float,
+        into: memoryview | None = None,
+    ) -> tuple[object, memoryview | None]:
+        """Send one request and wait for its answer until ``deadline`` (trio.current_time)."""
+        if self.broken is not None:
+            raise self.broken
+        req_id = next(self._ids)
+        call = _Pending(into)
+        self._pending[req_id] = call
+        remaining_ms = max(1, int((deadline - trio.current_time()) * 1000)) \
+            if math.isfinite(deadline) else None
+        try:
+            # A frame half-sent would corrupt the stream for everyone: never cancel mid-frame.
+            async with self.fs.send_lock:
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(_SEND_TIMEOUT) as scope:
+                        await self.fs.send_frame(F.REQUEST, [req_id, method, args, remaining_ms],
+                                                 payload)
+                    if scope.cancelled_caught:
+                        raise Unavailable(f"sending to {self.address} timed out")
+        except JPFSError as e:
+            self._pending.pop(req_id, None)
+            self._fail(e if isinstance(e, Unavailable) else Unavailable(str(e)))
+            raise _Sent(self.broken) from None
+        with trio.move_on_at(deadline):
+            await call.done.wait()
+        if not call.done.is_set():
+            self._pending.pop(req_id, None)
+            raise DeadlineError(f"{method} to {self.role} server {self.address}: deadline exceeded")
+        if call.exc is not None:
+            if isinstance(call.exc, Unavailable):
+                raise _Sent(call.exc)
+            raise call.exc
+        return call.result, call.payload
+
+
+class _Sent(Exception):
+    """Internal: the connection failed after the request may have reached the server."""
+
+    def __init__(self, cause: JPFSError):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+async def connect(
+    address: str, secret: bytes, nursery: trio.Nursery, *, limits: F.Limits = F.Limits(),
+    timeout: float = 5.0,
+) -> Connection:
+    """Open, authenticate and start the reader of one connection."""
+    host, port = parse_address(address)
+    family = _socket.AF_INET6 if ":" in host else _socket.AF_INET
+    sock = trio.socket.socket(family, _socket.SOCK_STREAM)
+    try:
+        with trio.fail_after(timeout):
+            await sock.connect((host, port))
+            sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+            fs = F.FrameSocket(sock, limits)
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                role = await client_handshake(fs, secret)
+    except trio.TooSlowError:
+        sock.close()
+        raise Unavailable(f"connecting to {address} timed out") from None
+    except EOFError:
+        sock.close()
+        raise Unavailable(f"{address} closed the connection during the handshake") from None
+    except OSError as e:
+        sock.close()
+        if isinstance(e, JPFSError):
+            raise
+        raise Unavailable(f"cannot connect to {address}: {e.strerror or e}") from None
+    except BaseException:
+        sock.close()
+        raise
+    conn = Connection(fs, address, role)
+    nursery.start_soon(conn.reader)
+    return conn
+
+
+class Pool:
+    """Connections to an ordered list of servers of one role (shards or storage nodes).
+
+    Calls name a server by index. A broken connection is replaced on the next call; a call that
+    fails because the server is unreachable is retried with backoff for ``retry_for`` seconds when
+    that is safe: always if the request never left, and for idempotent methods otherwise.
+    """
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        addresses: list[str],
+        secret: bytes,
+        *,
+        role: str,
+        limits: F.Limits = F.Limits(),
+        connections_per_server: int = 1,
+        retry_for: float = DEFAULT_RETRY_FOR,
+        timeout: float = DEFAULT_TIMEOUT,
+    ):
+        self.nursery = nursery
+        self.addresses = list(addresses)
+        self.secret = secret
+        self.role = role
+        self.limits = limits
+        self.per_server = connections_per_server
+        self.retry_for = retry_for
+        self.timeout = timeout
+        self._conns: list[list[Connection]] = [[] for _ in addresses]
+        self._locks = [trio.Lock() for _ in addresses]
+        self._rr = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.addresses)
+
+    async def _connection(self, index: int) -> Connection:
+        conns = self._conns[index]
+        live = [c for c in conns if c.alive]
+        if len(live) != len(conns):
+            self._conns[index] = conns = live
+        if len(conns) >= self.per_server:
+            return min(conns, key=lambda c: c.in_flight)
+        async with self._locks[index]:
+            conns = self._conns[index] = [c for c in self._conns[index] if c.alive]
+            if len(conns) < self.per_server and (not conns or conns[0].in_flight):
+                conn = await connect(self.addresses[index], self.secret, self.nursery,
+                                     limits=self.limits)
+                conns.append(conn)
+                return conn
+            return min(conns, key=lambda c: c.in_flight)
+
+    async def call(self, index: int, method: Method, args: list, payload: F.Payload = (),
+                   **kw) -> object:
+        """Call ``method`` on server ``index`` and return its result."""
+        result, _ = await self.call_payload(index, method, args, payload, **kw)
+        return result
+
+    async def call_payload(
+        self,
+        index: int,
+        method: Method,
+        args: list,
+        payload: F.Payload = (),
+        *,
+        timeout: float | None = None,
+        into: memoryview | None = None,
+        retry_for: float | None = None,
+    ) -> tuple[object, memoryview | None]:
+        """Call ``method`` on server ``index``; returns (result, reply payload or None).
+
+        ``into`` receives the reply payload when its size matches (no copy); ``timeout`` bounds
+        the whole call including retries, ``retry_for`` how long an unreachable server is retried.
+        """
+        if not 0 <= index < len(self.addresses):
+            raise error(errno.EINVAL, f"no {self.role} server number {index}")
+        now = trio.current_time()
+        deadline = now + (self.timeout if timeout is None else timeout)
+        give_up = min(deadline, now + (self.retry_for if retry_for is None else retry_for))
+        delay = 0.02
+        while True:
+            try:
+                conn = await self._connection(index)
+                return await conn.call(method.name, args, payload, deadline=deadline, into=into)
+            except Unavailable as e:  # never reached the server: always safe to retry
+                last: JPFSError = e
+            except _Sent as e:
+                if not method.idempotent:
+                    raise e.cause from None
+                last = e.cause
+            if trio.current_time() + delay >= give_up:
+                raise last
+            log.debug("%s server %s unavailable (%s); retrying", self.role,
+                      self.addresses[index], last.strerror)
+            await trio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def close(self) -> None:
+        for conns in self._conns:
+            for c in conns:
+                c.close()
+        self._conns = [[] for _ in self.addresses]

@@ -1,0 +1,260 @@
+"""Length-prefixed frames over a trio socket.
+
+A frame is a 16-byte header, a msgpack body, then an optional raw payload::
+
+    magic "JP" | version u8 | kind u8 | body length u32 | payload length u64   (network order)
+
+The payload carries bulk bytes (file data) outside msgpack, so they are never copied through the
+codec: the sender hands over buffers or ``sendfile`` segments, the receiver reads straight into a
+buffer it chose (``recv_into``). Every length is checked against ``Limits`` before anything is
+allocated, so a hostile peer cannot make us allocate gigabytes.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgpack
+import trio
+
+from ..errors import JPFSError, ProtocolError, Unavailable, errno_name, from_name
+
+MAGIC = b"JP"
+VERSION = 1
+HEADER = struct.Struct("!2sBBIQ")
+HEADER_SIZE = HEADER.size
+
+# Frame kinds.
+REQUEST = 1
+RESPONSE = 2
+ERROR = 3
+HELLO = 4
+AUTH = 5
+AUTH_OK = 6
+KINDS = frozenset({REQUEST, RESPONSE, ERROR, HELLO, AUTH, AUTH_OK})
+
+_RECV_BUFFER = 256 << 10
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The largest frame parts a peer may send us."""
+
+    max_body: int = 64 << 20
+    max_payload: int = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class FileSegment:
+    """``length`` bytes of open file ``fd`` from ``offset``: sent with ``os.sendfile``."""
+
+    fd: int
+    offset: int
+    length: int
+
+
+Payload = Sequence["bytes | bytearray | memoryview | FileSegment"]
+
+
+def payload_length(parts: Payload) -> int:
+    return sum(p.length if isinstance(p, FileSegment) else len(p) for p in parts)
+
+
+def pack_body(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack_body(data) -> object:
+    try:
+        return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable frame body: {e}") from None
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, trio.ClosedResourceError):
+        return "closed locally"
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
+
+
+def encode_error(req_id: int, exc: JPFSError) -> list:
+    """The body of an ERROR frame: [request id, errno name, message]."""
+    return [req_id, errno_name(exc.errno or 5), exc.strerror or str(exc)]
+
+
+def decode_error(body: object) -> JPFSError:
+    """Rebuild the exception an ERROR frame carries."""
+    if isinstance(body, list) and len(body) == 3 and isinstance(body[1], str):
+        return from_name(body[1], body[2] if isinstance(body[2], str) else None)
+    return ProtocolError("malformed error frame")
+
+
+class FrameSocket:
+    """One connected trio socket that reads and writes frames.
+
+    Reads are buffered (many small frames per ``recv``); writes are scatter-gather (``sendmsg``)
+    plus ``sendfile`` for file segments. One task reads and one task at a time writes; callers
+    serialise writes with ``send_lock``.
+    """
+
+    def __init__(self, sock: trio.socket.SocketType, limits: Limits = Limits()):
+        self.sock = sock
+        self.limits = limits
+        self.send_lock = trio.Lock()
+        self._buf = bytearray(_RECV_BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self.closed = False
+
+    # ---------------------------------------------------------------- receiving
+
+    async def _fill(self, need: int) -> None:
+        """Ensure ``need`` bytes are buffered (need <= buffer size)."""
+        if self._end - self._start >= need:
+            return
+        if self._start and len(self._buf) - self._start < need:
+            n = self._end - self._start
+            self._buf[:n] = self._buf[self._start:self._end]
+            self._start, self._end = 0, n
+        while self._end - self._start < need:
+            try:
+                got = await self.sock.recv_into(self._view[self._end:])
+            except (OSError, trio.ClosedResourceError) as e:
+                raise Unavailable(f"connection lost: {_why(e)}") from None
+            if not got:
+                if self._end == self._start:
+                    raise EOFError
+                raise ProtocolError("connection closed in the middle of a frame")
+            self._end += got
+
+    async def _read_exact_into(self, dest: memoryview) -> None:
+        """Fill ``dest``: first from the buffer, then straight from the socket."""
+        have = min(self._end - self._start, len(dest))
+        if have:
+            dest[:have] = self._view[self._start:self._start + have]
+            self._start += have
+        pos = have
+        while pos < len(dest):
+            try:
+                got = await self.sock.recv_into(dest[pos:])
+            except (OSError, trio.ClosedResourceError) as e:
+                raise Unavailable(f"connection lost: {_why(e)}") from None
+            if not got:
+                raise ProtocolError("connection closed in the middle of a frame")
+            pos += got
+
+    async def read_header(self) -> tuple[int, int, int]:
+        """Read and check one header: (kind, body length, payload length); EOFError at clean end."""
+        await self._fill(HEADER_SIZE)
+        magic, version, kind, body_len, payload_len = HEADER.unpack_from(self._buf, self._start)
+        self._start += HEADER_SIZE
+        if magic != MAGIC:
+            raise ProtocolError("not a JPFS frame (bad magic)")
+        if version != VERSION:
+            raise ProtocolError(
+                f"unsupported protocol version {version} (this side speaks {VERSION})")
+        if kind not in KINDS:
+            raise ProtocolError(f"unknown frame kind {kind}")
+        if body_len > self.limits.max_body:
+            raise ProtocolError(
+                f"frame body of {body_len} bytes exceeds the limit of {self.limits.max_body}")
+        if payload_len > self.limits.max_payload:
+            raise ProtocolError(
+                f"frame payload of {payload_len} bytes exceeds the limit of "
+                f"{self.limits.max_payload}")
+        return kind, body_len, payload_len
+
+    async def read_body(self, body_len: int) -> object:
+        if body_len <= len(self._buf):
+            await self._fill(body_len)
+            body = unpack_body(self._view[self._start:self._start + body_len])
+            self._start += body_len
+            return body
+        big = bytearray(body_len)
+        await self._read_exact_into(memoryview(big))
+        return unpack_body(big)
+
+    async def read_payload(self, length: int, dest: memoryview | None = None) -> memoryview:
+        """Read a payload into ``dest`` (if given and the right size) or a fresh buffer."""
+        if dest is None or len(dest) != length:
+            dest = memoryview(bytearray(length))
+        if length:
+            await self._read_exact_into(dest)
+        return dest
+
+    async def skip_payload(self, length: int) -> None:
+        scratch = memoryview(bytearray(min(length, 1 << 20)))
+        while length:
+            n = min(length, len(scratch))
+            await self._read_exact_into(scratch[:n])
+            length -= n
+
+    async def read_frame(
+        self, choose_dest: Callable[[int, object, int], memoryview | None] | None = None
+    ) -> tuple[int, object, memoryview | None]:
+        """Read one whole frame: (kind, body, payload or None)."""
+        kind, body_len, payload_len = await self.read_header()
+        body = await self.read_body(body_len)
+        payload = None
+        if payload_len:
+            dest = choose_dest(kind, body, payload_len) if choose_dest else None
+            payload = await self.read_payload(payload_len, dest)
+        return kind, body, payload
+
+    # ---------------------------------------------------------------- sending
+
+    async def send_frame(self, kind: int, body: object, payload: Payload = ()) -> None:
+        """Send one frame. The caller holds ``send_lock``."""
+        raw = pack_body(body)
+        total = payload_length(payload)
+        head = HEADER.pack(MAGIC, VERSION, kind, len(raw), total)
+        buffers: list = [head, raw]
+        for part in payload:
+            if isinstance(part, FileSegment):
+                await self._sendmsg_all(buffers)
+                buffers = []
+                await self._sendfile_all(part)
+            elif len(part):
+                buffers.append(part)
+        await self._sendmsg_all(buffers)
+
+    async def _sendmsg_all(self, buffers: list) -> None:
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        while views:
+            try:
+                sent = await self.sock.sendmsg(views[:64])
+            except (OSError, trio.ClosedResourceError) as e:
+                raise Unavailable(f"connection lost: {_why(e)}") from None
+            while sent:
+                if sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+
+    async def _sendfile_all(self, seg: FileSegment) -> None:
+        offset, left = seg.offset, seg.length
+        fileno = self.sock.fileno()
+        while left:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                sent = os.sendfile(fileno, seg.fd, offset, left)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
+                continue
+            except (OSError, trio.ClosedResourceError) as e:
+                raise Unavailable(f"connection lost: {_why(e)}") from None
+            if sent == 0:
+                raise ProtocolError("file segment shorter than announced (file truncated?)")
+            offset += sent
+            left -= sent
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()

@@ -1,0 +1,194 @@
+"""``serve()``: accept connections, authenticate, and run requests concurrently.
+
+One connection carries many requests in flight (each answered by request id, in completion order).
+Bad input never takes the server down: a malformed frame or a failed handshake closes that one
+connection (after telling the peer why, where the stream still allows it); a bad request inside a
+good frame gets an error answer and the connection stays up.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket as _socket
+
+import trio
+
+from ..errors import JPFSError, ProtocolError, Unavailable, error
+from . import frame as F
+from .auth import HANDSHAKE_TIMEOUT, server_handshake
+from .service import Reply, Service, as_error
+
+log = logging.getLogger(__name__)
+
+_PREAUTH_LIMITS = F.Limits(max_body=4096, max_payload=0)
+_SEND_TIMEOUT = 60.0
+
+
+async def serve(
+    service: Service,
+    host: str,
+    port: int,
+    secret: bytes,
+    *,
+    limits: F.Limits = F.Limits(),
+    max_inflight: int = 256,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``service`` on ``host:port`` until cancelled; ``task_status.started(port)``.
+
+    Start it with ``port = await nursery.start(serve, ...)``; port 0 picks a free port.
+    """
+    family = _socket.AF_INET6 if ":" in host else _socket.AF_INET
+    listener = trio.socket.socket(family, _socket.SOCK_STREAM)
+    listener.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+    await listener.bind((host, port))
+    listener.listen(1024)
+    bound = listener.getsockname()[1]
+    log.info("%s server listening on %s:%d", service.role, host, bound)
+    task_status.started(bound)
+    with listener:
+        async with trio.open_nursery() as nursery:
+            while True:
+                try:
+                    sock, peer = await listener.accept()
+                except OSError as e:  # EMFILE and friends: back off, keep serving
+                    log.warning("accept failed: %s", e)
+                    await trio.sleep(0.1)
+                    continue
+                sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+                nursery.start_soon(_connection, sock, peer, service, secret, limits, max_inflight)
+
+
+async def _connection(sock, peer, service: Service, secret: bytes, limits, max_inflight) -> None:
+    fs = F.FrameSocket(sock, _PREAUTH_LIMITS)
+    where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+    try:
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            await server_handshake(fs, secret, service.role)
+    except (JPFSError, EOFError, trio.TooSlowError) as e:
+        if isinstance(e, JPFSError):
+            reason = e
+        elif isinstance(e, trio.TooSlowError):
+            reason = ProtocolError("handshake timed out")
+        else:
+            reason = ProtocolError("closed during handshake")
+        log.warning("rejected connection from %s: %s", where, reason.strerror)
+        await _send_final_error(fs, reason)
+        fs.close()
+        return
+    fs.limits = limits
+    try:
+        async with trio.open_nursery() as nursery:
+            await _request_loop(fs, where, service, nursery, trio.Semaphore(max_inflight))
+            nursery.cancel_scope.cancel()
+    finally:
+        fs.close()
+
+
+async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery, slots) -> None:
+    while True:
+        try:
+            kind, body_len, payload_len = await fs.read_header()
+            if kind != F.REQUEST:
+                raise ProtocolError(f"expected a request frame, got kind {kind}")
+            body = await fs.read_body(body_len)
+        except EOFError:
+            return
+        except Unavailable:
+            return
+        except ProtocolError as e:
+            log.warning("closing connection from %s: %s", where, e.strerror)
+            await _send_final_error(fs, e)
+            return
+        req_id, method, args, deadline = _parse_request(body)
+        spec = service.methods.get(method) if isinstance(method, str) else None
+        problem: JPFSError | None = None
+        if req_id is None:
+            problem = ProtocolError("malformed request: expected [id, method, args, deadline]")
+        elif spec is None:
+            problem = error(errno.ENOSYS, f"unknown method {method!r} for a {service.role} server")
+        elif payload_len and not spec.payload:
+            problem = error(errno.EINVAL, f"{method}: takes no payload")
+        try:
+            payload = None
+            if problem is None and spec.payload:
+                payload = await fs.read_payload(payload_len)
+            elif payload_len:
+                await fs.skip_payload(payload_len)
+        except (ProtocolError, Unavailable):
+            return
+        if problem is not None:
+            if req_id is None:
+                await _send_final_error(fs, problem)
+                return
+            await _send(fs, F.ERROR, F.encode_error(req_id, problem))
+            continue
+        await slots.acquire()
+        nursery.start_soon(_run, fs, where, service, spec, req_id, args, deadline, payload, slots)
+
+
+def _parse_request(body: object) -> tuple:
+    if (
+        isinstance(body, list)
+        and len(body) == 4
+        and isinstance(body[0], int)
+        and not isinstance(body[0], bool)
+        and 0 <= body[0] < (1 << 63)
+        and (body[3] is None or isinstance(body[3], (int, float)))
+    ):
+        return body[0], body[1], body[2], body[3]
+    return None, None, None, None
+
+
+async def _run(fs, where, service: Service, spec, req_id, args, deadline, payload, slots) -> None:
+    try:
+        try:
+            spec.check(args)
+            fn = service.handlers[spec.name]
+            kwargs = {"payload": payload} if spec.payload else {}
+            with trio.move_on_after(deadline / 1000 if deadline else float("inf")) as scope:
+                result = await fn(*args, **kwargs)
+            if scope.cancelled_caught:
+                raise error(errno.ETIMEDOUT, f"{spec.name}: deadline exceeded on the server")
+        except Exception as e:  # every failure becomes an answer; the server lives on
+            err = as_error(e)
+            if err is None:
+                log.exception("%s from %s failed", spec.name, where)
+                err = error(errno.EIO,
+                            f"{spec.name}: internal server error: {type(e).__name__}: {e}")
+            await _send(fs, F.ERROR, F.encode_error(req_id, err))
+            return
+        if isinstance(result, Reply):
+            try:
+                await _send(fs, F.RESPONSE, [req_id, result.result], result.payload)
+            finally:
+                if result.on_sent:
+                    result.on_sent()
+        else:
+            await _send(fs, F.RESPONSE, [req_id, result])
+    finally:
+        slots.release()
+
+
+async def _send(fs: F.FrameSocket, kind: int, body, payload=()) -> None:
+    """Send one frame; a failure mid-frame leaves the stream unusable, so close it."""
+    try:
+        async with fs.send_lock:
+            if fs.closed:
+                return
+            with trio.fail_after(_SEND_TIMEOUT):
+                await fs.send_frame(kind, body, payload)
+    except (JPFSError, trio.TooSlowError, OSError) as e:
+        log.info("dropping connection: send failed: %s", e)
+        fs.close()
+
+
+async def _send_final_error(fs: F.FrameSocket, exc: JPFSError) -> None:
+    """Best effort: tell the peer why we are closing."""
+    with trio.move_on_after(1.0):
+        try:
+            async with fs.send_lock:
+                await fs.send_frame(F.ERROR, F.encode_error(0, exc))
+        except (JPFSError, OSError):
+            pass

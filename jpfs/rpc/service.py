@@ -1,0 +1,97 @@
+"""Method specifications shared by servers (argument checks) and clients (retry policy)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import JPFSError, error
+from .frame import Payload
+
+_EINVAL = 22
+
+
+@dataclass(frozen=True)
+class Method:
+    """One remote method: its name, positional argument types and call properties.
+
+    ``args`` holds one entry per positional argument: a type, a tuple of types, or ``None`` for
+    anything. The last ``optional`` arguments may be left out. ``idempotent`` methods are retried
+    by the client after a lost connection; ``payload`` methods receive the request payload as a
+    keyword argument.
+    """
+
+    name: str
+    args: tuple = ()
+    optional: int = 0
+    idempotent: bool = False
+    payload: bool = False
+
+    def check(self, args: object) -> list:
+        """Raise EINVAL unless ``args`` fit this method's signature."""
+        if not isinstance(args, list):
+            raise error(_EINVAL, f"{self.name}: arguments must be a list")
+        lo, hi = len(self.args) - self.optional, len(self.args)
+        if not lo <= len(args) <= hi:
+            want = f"{lo}" if lo == hi else f"{lo} to {hi}"
+            raise error(_EINVAL, f"{self.name}: takes {want} arguments, got {len(args)}")
+        for i, (value, kind) in enumerate(zip(args, self.args, strict=False)):
+            if kind is None or value is None and i >= lo:
+                continue
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+                raise error(_EINVAL, f"{self.name}: argument {i} has type {type(value).__name__}")
+            if isinstance(value, int) and not isinstance(value, bool) and not (
+                -(1 << 63) <= value < (1 << 64)
+            ):
+                raise error(_EINVAL, f"{self.name}: argument {i} out of range")
+        return args
+
+
+@dataclass
+class Reply:
+    """A handler's answer with a raw payload (bytes or ``FileSegment``s for ``sendfile``)."""
+
+    result: object
+    payload: Payload = ()
+    on_sent: object = None
+    """Optional callable run after the payload is on the wire (releases pinned volumes)."""
+
+
+@dataclass
+class Service:
+    """What a server offers: a role name and its methods, bound to an implementation object.
+
+    Each method ``m`` is served by ``impl.m(*args)`` (``payload=`` added for payload methods).
+    """
+
+    role: str
+    methods: dict[str, Method]
+    impl: object
+    handlers: dict = field(init=False)
+
+    def __post_init__(self):
+        self.handlers = {}
+        for name in self.methods:
+            fn = getattr(self.impl, name, None)
+            if fn is None:
+                raise TypeError(f"{type(self.impl).__name__} does not implement {name}")
+            self.handlers[name] = fn
+
+
+def method_table(*methods: Method) -> dict[str, Method]:
+    table = {m.name: m for m in methods}
+    if len(table) != len(methods):
+        raise ValueError("duplicate method names")
+    return table
+
+
+def as_error(exc: BaseException) -> JPFSError | None:
+    """JPFSError for the errors a handler may raise on bad input; None for anything else."""
+    if isinstance(exc, JPFSError):
+        return exc
+    if isinstance(exc, (TypeError, ValueError, OverflowError, UnicodeError)):
+        return error(_EINVAL, f"invalid argument: {exc}")
+    return None
+
+
+__all__: Sequence[str] = ["Method", "Reply", "Service", "method_table", "as_error"]

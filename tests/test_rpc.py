@@ -1,0 +1,285 @@
+"""The wire protocol: multiplexing, payloads, errors, deadlines, auth, abuse, reconnects."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import socket
+import struct
+
+import msgpack
+import pytest
+import trio
+
+from jpfs.errors import AuthError, DeadlineError, JPFSError, Unavailable
+from jpfs.rpc import FileSegment, Limits, Method, Pool, Reply, Service, method_table, serve
+from jpfs.rpc import frame as F
+
+SECRET = b"s3cret"
+
+METHODS = method_table(
+    Method("echo", (None,), idempotent=True),
+    Method("add", (int, int), idempotent=True),
+    Method("fail", (str,)),
+    Method("nap", ((int, float),), idempotent=True),
+    Method("blob", (), payload=True),
+    Method("file", (str, int, int)),
+    Method("crash", ()),
+)
+
+
+class Echo:
+    def __init__(self):
+        self.calls = 0
+
+    async def echo(self, x):
+        self.calls += 1
+        return x
+
+    async def add(self, a, b):
+        return a + b
+
+    async def fail(self, name):
+        raise JPFSError(getattr(errno, name), f"asked to fail with {name}")
+
+    async def nap(self, seconds):
+        await trio.sleep(seconds)
+        return seconds
+
+    async def blob(self, payload):
+        return Reply(len(payload), [bytes(payload[::-1])])
+
+    async def file(self, path, offset, length):
+        fd = os.open(path, os.O_RDONLY)
+        return Reply(length, [FileSegment(fd, offset, length)], on_sent=lambda: os.close(fd))
+
+    async def crash(self):
+        raise RuntimeError("bug in handler")
+
+
+async def start(nursery, secret=SECRET, port=0, limits=Limits()):
+    svc = Service("test", METHODS, Echo())
+    port = await nursery.start(functools.partial(serve, limits=limits), svc, "127.0.0.1", port,
+                               secret)
+    return port, svc
+
+
+@pytest.fixture
+async def server(nursery):
+    port, svc = await start(nursery)
+    return port
+
+
+@pytest.fixture
+async def pool(nursery, server):
+    p = Pool(nursery, [f"127.0.0.1:{server}"], SECRET, role="test", retry_for=2.0)
+    yield p
+    p.close()
+
+
+async def test_call_and_many_in_flight(pool):
+    assert await pool.call(0, METHODS["add"], [2, 3]) == 5
+    results = {}
+
+    async def one(i):
+        results[i] = await pool.call(0, METHODS["echo"], [[i, b"x" * i, "s"]])
+
+    async with trio.open_nursery() as n:
+        for i in range(200):
+            n.start_soon(one, i)
+    assert all(results[i] == [i, b"x" * i, "s"] for i in range(200))
+    assert len(pool._conns[0]) == 1  # all of it on one multiplexed connection
+
+
+async def test_payload_both_ways_and_into(pool):
+    data = os.urandom(3 << 20)
+    n, payload = await pool.call_payload(0, METHODS["blob"], [], [data[:1000], data[1000:]])
+    assert n == len(data) and bytes(payload) == data[::-1]
+    dest = memoryview(bytearray(len(data)))
+    _, got = await pool.call_payload(0, METHODS["blob"], [], [data], into=dest)
+    assert got.obj is dest.obj and bytes(dest) == data[::-1]
+
+
+async def test_sendfile_payload(pool, tmp_path):
+    p = tmp_path / "f"
+    data = os.urandom(5 << 20)
+    p.write_bytes(data)
+    n, payload = await pool.call_payload(0, METHODS["file"], [str(p), 12345, 4 << 20])
+    assert bytes(payload) == data[12345:12345 + (4 << 20)]
+
+
+async def test_errors_carry_errno(pool):
+    with pytest.raises(FileNotFoundError) as info:
+        await pool.call(0, METHODS["fail"], ["ENOENT"])
+    assert info.value.errno == errno.ENOENT and "ENOENT" in info.value.strerror
+    with pytest.raises(JPFSError) as info:
+        await pool.call(0, Method("nope", ()), [])
+    assert info.value.errno == errno.ENOSYS
+    with pytest.raises(JPFSError) as info:
+        await pool.call(0, Method("add", (None, None)), ["a", 1])
+    assert info.value.errno == errno.EINVAL
+    with pytest.raises(JPFSError) as info:
+        await pool.call(0, Method("add", (None,)), [1])
+    assert info.value.errno == errno.EINVAL
+    with pytest.raises(JPFSError) as info:
+        await pool.call(0, METHODS["crash"], [])
+    assert info.value.errno == errno.EIO and "RuntimeError" in info.value.strerror
+    assert await pool.call(0, METHODS["add"], [1, 1]) == 2  # still serving
+
+
+async def test_deadline(pool):
+    with pytest.raises(DeadlineError):
+        await pool.call(0, METHODS["nap"], [5], timeout=0.2)
+    assert await pool.call(0, METHODS["nap"], [0.01]) == 0.01
+
+
+async def test_wrong_secret_is_refused(nursery, server):
+    bad = Pool(nursery, [f"127.0.0.1:{server}"], b"wrong", role="test", retry_for=0)
+    with pytest.raises(AuthError) as info:
+        await bad.call(0, METHODS["add"], [1, 2])
+    assert info.value.errno == errno.EACCES
+
+
+async def test_server_without_secret_is_refused_by_client(nursery):
+    port, _ = await start(nursery, secret=b"other")
+    p = Pool(nursery, [f"127.0.0.1:{port}"], SECRET, role="test", retry_for=0)
+    with pytest.raises(AuthError):
+        await p.call(0, METHODS["add"], [1, 2])
+
+
+def _raw_session(port: int, secret: bytes = SECRET) -> socket.socket:
+    """A blocking socket that completed the handshake by hand."""
+    import hashlib
+    import hmac
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    head = _recv_exact(s, F.HEADER_SIZE)
+    _, _, kind, blen, _ = F.HEADER.unpack(head)
+    _, server_nonce, _ = msgpack.unpackb(_recv_exact(s, blen))
+    cn = b"c" * 16
+    mac = hmac.new(secret, b"jpfs-client" + server_nonce + cn, hashlib.sha256).digest()
+    body = msgpack.packb([cn, mac])
+    s.sendall(F.HEADER.pack(F.MAGIC, F.VERSION, F.AUTH, len(body), 0) + body)
+    head = _recv_exact(s, F.HEADER_SIZE)
+    _recv_exact(s, F.HEADER.unpack(head)[3])
+    return s
+
+
+def _recv_exact(s, n):
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        if not chunk:
+            raise EOFError
+        out += chunk
+    return out
+
+
+def _read_error(s):
+    head = _recv_exact(s, F.HEADER_SIZE)
+    _, _, kind, blen, plen = F.HEADER.unpack(head)
+    assert kind == F.ERROR
+    return msgpack.unpackb(_recv_exact(s, blen))
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64,  # bad magic
+        F.HEADER.pack(F.MAGIC, F.VERSION, F.REQUEST, 1 << 31, 0),  # oversize body
+        F.HEADER.pack(F.MAGIC, F.VERSION, F.REQUEST, 10, 1 << 40),  # oversize payload
+        F.HEADER.pack(F.MAGIC, 99, F.REQUEST, 1, 0) + b"\x90",  # unknown version
+        F.HEADER.pack(F.MAGIC, F.VERSION, F.REQUEST, 3, 0) + b"\xc1\xc1\xc1",  # bad msgpack
+        F.HEADER.pack(F.MAGIC, F.VERSION, F.REQUEST, 2, 0) + msgpack.packb("x"),  # not a list
+    ],
+)
+async def test_garbage_after_auth_closes_only_that_connection(pool, server, garbage):
+    def abuse():
+        s = _raw_session(server)
+        s.sendall(garbage)
+        err = _read_error(s)
+        assert err[1] == "EPROTO"
+        assert s.recv(1) == b""  # closed by the server
+        s.close()
+
+    await trio.to_thread.run_sync(abuse)
+    assert await pool.call(0, METHODS["add"], [20, 22]) == 42
+
+
+async def test_bad_requests_in_good_frames_keep_the_connection(server):
+    def abuse():
+        s = _raw_session(server)
+        for body in ([7, "nope", [], None], [8, "add", ["x", 1], None], [9, "add", [1], None],
+                     [10, 5, [], None]):
+            raw = msgpack.packb(body)
+            s.sendall(F.HEADER.pack(F.MAGIC, F.VERSION, F.REQUEST, len(raw), 0) + raw)
+            err = _read_error(s)
+            assert err[0] == body[0] and err[1] in ("ENOSYS", "EINVAL")
+        raw = msgpack.packb([11, "add", [1, 2], None])
+        s.sendall(F.HEADER.pack(F.MAGIC, F.VERSION, F.REQUEST, len(raw), 0) + raw)
+        head = _recv_exact(s, F.HEADER_SIZE)
+        assert msgpack.unpackb(_recv_exact(s, F.HEADER.unpack(head)[3])) == [11, 3]
+        s.close()
+
+    await trio.to_thread.run_sync(abuse)
+
+
+async def test_truncated_frames_and_silent_peers(pool, server):
+    def abuse():
+        # garbage before the handshake, a truncated frame, and a hang-up mid-payload
+        s = socket.create_connection(("127.0.0.1", server))
+        s.sendall(os.urandom(100))
+        s.close()
+        s = _raw_session(server)
+        raw = msgpack.packb([1, "blob", [], None])
+        s.sendall(F.HEADER.pack(F.MAGIC, F.VERSION, F.REQUEST, len(raw), 1000) + raw + b"ab")
+        s.close()
+        s = _raw_session(server)
+        s.sendall(F.HEADER.pack(F.MAGIC, F.VERSION, F.REQUEST, 50, 0)[:7])
+        s.close()
+
+    await trio.to_thread.run_sync(abuse)
+    assert await pool.call(0, METHODS["add"], [1, 2]) == 3
+
+
+async def test_reconnects_after_restart_and_retries_idempotent(nursery):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    scope = trio.CancelScope()
+
+    async def run_server(task_status=trio.TASK_STATUS_IGNORED):
+        with scope:
+            await serve(Service("test", METHODS, Echo()), "127.0.0.1", port, SECRET,
+                        task_status=task_status)
+
+    await nursery.start(run_server)
+    p = Pool(nursery, [f"127.0.0.1:{port}"], SECRET, role="test", retry_for=10)
+    assert await p.call(0, METHODS["add"], [1, 2]) == 3
+    scope.cancel()
+    await trio.sleep(0.05)
+
+    async def restart_later():
+        await trio.sleep(0.3)
+        scope2 = trio.CancelScope()
+        nonlocal scope
+        scope = scope2
+        await nursery.start(run_server)
+
+    nursery.start_soon(restart_later)
+    assert await p.call(0, METHODS["add"], [3, 4]) == 7  # retried until the server was back
+    scope.cancel()
+
+
+async def test_unreachable_server_gives_up(nursery):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = Pool(nursery, [f"127.0.0.1:{port}"], SECRET, role="test", retry_for=0.3)
+    with pytest.raises(Unavailable):
+        await p.call(0, METHODS["add"], [1, 2])
+
+
+def test_header_is_sixteen_bytes():
+    assert F.HEADER_SIZE == 16 == struct.calcsize("!2sBBIQ")
