@@ -1,0 +1,85 @@
+"""What every JPFS daemon shares: its command line, logging, pid file and signal handling.
+
+A daemon is started as ``jpfs-meta --cluster FILE --index I`` (or ``jpfs-storage ...``): it reads
+its own address and data directory from the cluster file, writes ``<role>-<index>.pid`` when asked,
+and stops cleanly (finishing the transaction in hand) on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import trio
+
+from jpfs import config
+
+log = logging.getLogger(__name__)
+
+
+def parser(role: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"jpfs-{role}", description=description)
+    p.add_argument("--cluster", help="cluster file (default: $JPFS_CLUSTER)")
+    p.add_argument("--index", type=int, required=True, help=f"which {role} server this is (0-based)")
+    p.add_argument("--data", help="data directory (default: from the cluster file)")
+    p.add_argument("--listen", help="host:port to bind (default: this server's cluster address)")
+    p.add_argument("--pid-file", help="write the process id here while running")
+    p.add_argument("--log-file", help="log here instead of stderr")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def setup_logging(level: str, log_file: str | None) -> None:
+    handler: logging.Handler = (
+        logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
+    )
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level), handlers=[handler], force=True)
+
+
+def resolve(args: argparse.Namespace, role: str) -> tuple[config.Cluster, Path, str, int]:
+    """The cluster, data directory and listen address for this daemon."""
+    cluster = config.load(args.cluster)
+    servers = cluster.meta if role == "meta" else cluster.storage
+    if not 0 <= args.index < len(servers):
+        raise SystemExit(f"jpfs-{role}: --index {args.index} but the cluster file lists "
+                         f"{len(servers)} {role} servers")
+    data = Path(args.data).resolve() if args.data else cluster.data_dir(role, args.index)
+    host, port = config.parse_address(args.listen or servers[args.index].address)
+    return cluster, data, host, port
+
+
+def run(args: argparse.Namespace, main: Callable[[], Awaitable[None]]) -> None:
+    """Run ``main`` under trio until it returns or a SIGTERM/SIGINT arrives."""
+    pid_file = Path(args.pid_file) if args.pid_file else None
+    if pid_file:
+        pid_file.write_text(f"{os.getpid()}\n")
+
+    async def supervised() -> None:
+        async with trio.open_nursery() as nursery:
+            async def stop_on_signal() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for sig in signals:
+                        log.info("received %s: shutting down", signal.Signals(sig).name)
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(stop_on_signal)
+            await main()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(supervised)
+    finally:
+        if pid_file:
+            try:
+                if pid_file.read_text().strip() == str(os.getpid()):
+                    pid_file.unlink()
+            except OSError:
+                pass
+        log.info("stopped")

@@ -1,0 +1,50 @@
+"""``jpfs bench NAME``: benchmarks and workload generators from the ``jpfs_bench`` package.
+
+Every module ``jpfs_bench.NAME`` listed in ``BENCHES`` provides::
+
+    HELP: str                                  one line for `jpfs bench --help`
+    DESCRIPTION: str                           the subcommand's own --help text
+    def add_arguments(parser) -> None          its options (keep heavy imports out of module level)
+    def run(args) -> dict                      do the work, print a human-readable report, and
+                                               return the figures
+
+Every subcommand takes ``--json``: the returned dict is then printed as one JSON object on the
+last line of stdout, so scripts can parse it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+BENCHES = ("gen", "meta", "read", "loader", "aggregate", "convert", "mount")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks and LeRobot-shaped workload generators",
+                       description=__doc__.split("\n\n")[0])
+    bsub = p.add_subparsers(dest="bench", metavar="NAME")
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    for name in BENCHES:
+        try:
+            module = importlib.import_module(f"jpfs_bench.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"jpfs_bench.{name}":
+                continue
+            raise
+        bp = bsub.add_parser(name, help=module.HELP, description=module.DESCRIPTION,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(bp)
+        bp.add_argument("--json", action="store_true",
+                        help="print the figures as one JSON object on the last line")
+        bp.set_defaults(func=lambda args, m=module: _run(m, args))
+
+
+def _run(module, args: argparse.Namespace) -> int:
+    result = module.run(args)
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps(result, sort_keys=True, default=str))
+    return 0
