@@ -1,0 +1,128 @@
+"""How a shard lays out its records in LMDB.
+
+Named databases of one environment:
+
+- ``inode``   ino (u64 BE) -> Inode record (msgpack array)
+- ``dentry``  parent (u64 BE) + name -> child ino (u64 BE) + kind (u32 BE); big-endian ids make one
+              directory's entries one contiguous, name-ordered key range (readdir is a cursor walk)
+- ``chunk``   ino + chunk index (u64 BE each) -> [blob, nodes, length, blob_len, xxh]
+- ``xattr``   ino + name -> value
+- ``lock``    lock key -> txid: keys held by a prepared cross-shard transaction
+- ``prepared`` txid -> participant record (ops, coordinator)
+- ``intent``  txid -> coordinator record (state, participants)
+- ``state``   small singletons (inode counter, shard index)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import msgpack
+
+from jpfs.types import Attr, Chunk
+
+U64 = struct.Struct(">Q")
+DENTRY_VALUE = struct.Struct(">QI")
+
+DBS = ("inode", "dentry", "chunk", "xattr", "lock", "prepared", "intent", "state")
+
+
+def ino_key(ino: int) -> bytes:
+    return U64.pack(ino)
+
+
+def dentry_key(parent: int, name: bytes) -> bytes:
+    return U64.pack(parent) + name
+
+
+def dentry_prefix(parent: int) -> bytes:
+    return U64.pack(parent)
+
+
+def split_dentry_key(key: bytes) -> tuple[int, bytes]:
+    return U64.unpack_from(key)[0], bytes(key[8:])
+
+
+def dentry_value(ino: int, kind: int) -> bytes:
+    return DENTRY_VALUE.pack(ino, kind)
+
+
+def split_dentry_value(value: bytes) -> tuple[int, int]:
+    return DENTRY_VALUE.unpack(value)
+
+
+def chunk_key(ino: int, index: int) -> bytes:
+    return U64.pack(ino) + U64.pack(index)
+
+
+def split_chunk_key(key: bytes) -> tuple[int, int]:
+    return U64.unpack_from(key)[0], U64.unpack_from(key, 8)[0]
+
+
+def xattr_key(ino: int, name: bytes) -> bytes:
+    return U64.pack(ino) + name
+
+
+# Lock keys name what a prepared transaction holds: a directory entry or a whole inode.
+def lock_dentry(parent: int, name: bytes) -> bytes:
+    return b"d" + U64.pack(parent) + name
+
+
+def lock_dir(parent: int) -> bytes:
+    """Prefix of every dentry lock in ``parent`` (readdir waits for them)."""
+    return b"d" + U64.pack(parent)
+
+
+def lock_inode(ino: int) -> bytes:
+    return b"i" + U64.pack(ino)
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data) -> object:
+    return msgpack.unpackb(data, raw=False, use_list=True)
+
+
+@dataclass(slots=True)
+class Inode:
+    """A shard's inode record. ``parent`` is maintained for directories (``..``, loop checks);
+    for files it is the directory the file was created in (storage placement only)."""
+
+    ino: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    rdev: int = 0
+    version: int = 0
+    parent: int = 0
+    target: bytes | None = None
+
+    def encode(self) -> bytes:
+        return pack([self.mode, self.nlink, self.uid, self.gid, self.size, self.atime_ns,
+                     self.mtime_ns, self.ctime_ns, self.rdev, self.version, self.parent,
+                     self.target])
+
+    @classmethod
+    def decode(cls, ino: int, data) -> Inode:
+        return cls(ino, *unpack(data))
+
+    def attr(self) -> Attr:
+        return Attr(self.ino, self.mode, self.nlink, self.uid, self.gid, self.size,
+                    self.atime_ns, self.mtime_ns, self.ctime_ns, self.rdev, self.version)
+
+
+def encode_chunk(c: Chunk) -> bytes:
+    return pack([c.blob, list(c.nodes), c.length, c.blob_len, c.xxh])
+
+
+def decode_chunk(ino_index: tuple[int, int], data) -> Chunk:
+    blob, nodes, length, blob_len, xxh = unpack(data)
+    return Chunk(ino_index[1], blob, tuple(nodes), length, blob_len, xxh)

@@ -1,0 +1,137 @@
+"""Where a file's bytes are: its chunk records, read in batches and replaced in one transaction.
+
+The write path stores data first (on the storage nodes) and only then calls ``write_chunks`` or
+``bulk_create``, so a crash in between leaves unreferenced blobs for gc, never a file pointing at
+missing bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+
+from jpfs.errors import error
+from jpfs.proto.meta import check_name
+from jpfs.types import Chunk
+
+from . import keys as K
+from .keys import Inode
+from .namespace import _touch
+from .store import Txn
+
+MAX_BULK = 10_000
+
+
+def chunks_of(t: Txn, ino: int) -> list[Chunk]:
+    prefix = K.ino_key(ino)
+    out = []
+    with t.t.cursor(db=t.db["chunk"]) as cur:
+        ok = cur.set_range(prefix)
+        while ok:
+            key = cur.key()
+            if bytes(key[:8]) != prefix:
+                break
+            out.append(K.decode_chunk(K.split_chunk_key(key), cur.value()))
+            ok = cur.next()
+    return out
+
+
+def get_layout(t: Txn, ino: int, chunk_size: int) -> list:
+    node = t.need_inode(ino)
+    if stat.S_ISDIR(node.mode):
+        raise error(errno.EISDIR, "is a directory")
+    return [node.attr().to_wire(), chunk_size, [c.to_wire() for c in chunks_of(t, ino)]]
+
+
+def batch_layout(t: Txn, inos: list, chunk_size: int) -> list:
+    """Layouts of many files in one read (None where an inode does not exist or is a dir)."""
+    out = []
+    for ino in inos:
+        node = t.inode(ino)
+        if node is None or stat.S_ISDIR(node.mode):
+            out.append(None)
+        else:
+            out.append([node.attr().to_wire(), chunk_size,
+                        [c.to_wire() for c in chunks_of(t, ino)]])
+    return out
+
+
+def _check_chunks(raw: list, chunk_size: int) -> list[Chunk]:
+    chunks = []
+    for w in raw:
+        c = Chunk.from_wire(w)
+        if (not isinstance(c.blob, bytes) or len(c.blob) != 16 or not c.nodes
+                or not 0 <= c.length <= c.blob_len <= chunk_size or c.index < 0):
+            raise error(errno.EINVAL, f"invalid chunk record {w!r:.80}")
+        chunks.append(c)
+    return chunks
+
+
+def write_chunks(t: Txn, ino: int, raw_chunks: list, size: int, expect_version: int | None,
+                 chunk_size: int) -> list:
+    """Point chunks of ``ino`` at new blobs and set its size; returns the new attributes.
+
+    ``expect_version`` guards a read-modify-write: if the file changed since the writer read it,
+    ESTALE tells the writer to reread and retry.
+    """
+    node = t.need_inode(ino)
+    if not stat.S_ISREG(node.mode):
+        raise error(errno.EISDIR if stat.S_ISDIR(node.mode) else errno.EINVAL,
+                    "not a regular file")
+    if expect_version is not None and node.version != expect_version:
+        raise error(errno.ESTALE, "the file changed while being written")
+    if size < 0:
+        raise error(errno.EINVAL, "negative size")
+    chunks = _check_chunks(raw_chunks, chunk_size)
+    if size < node.size:
+        from .namespace import truncate_chunks
+        truncate_chunks(t, ino, size, chunk_size)
+    for c in chunks:
+        t.t.put(K.chunk_key(ino, c.index), K.encode_chunk(c), db=t.db["chunk"])
+    node.size = size
+    node.version += 1
+    node.mtime_ns = node.ctime_ns = t.now
+    t.put_inode(node)
+    return node.attr().to_wire()
+
+
+def bulk_create(t: Txn, parent: int, entries: list, replace: bool, chunk_size: int) -> list:
+    """Create many files with their content in one transaction (imports).
+
+    Each entry is ``[name, mode, uid, gid, size, mtime_ns, chunks]``. Returns per entry the new
+    attributes or an errno name. With ``replace``, an existing regular file takes the new content.
+    """
+    if len(entries) > MAX_BULK:
+        raise error(errno.E2BIG, f"at most {MAX_BULK} entries per bulk_create")
+    pdir = t.need_dir(parent)
+    out: list = []
+    for e in entries:
+        try:
+            name, mode, uid, gid, size, mtime_ns, raw = e
+            check_name(name)
+            chunks = _check_chunks(raw, chunk_size)
+            d = t.dentry(parent, name)
+            if d is not None:
+                if not replace:
+                    raise error(errno.EEXIST, "exists")
+                node = t.inode(d[0]) if d[1] == stat.S_IFREG else None
+                if node is None:
+                    raise error(errno.EEXIST, "exists and is not a local regular file")
+                t.delete_inode(node.ino)  # drop old chunks and xattrs; keep the inode id
+                node.mode, node.uid, node.gid = stat.S_IFREG | (mode & 0o7777), uid, gid
+                node.version += 1
+            else:
+                node = Inode(t.alloc_ino(), stat.S_IFREG | (mode & 0o7777), 1, uid, gid, 0,
+                             t.now, t.now, t.now, parent=parent)
+                t.put_dentry(parent, name, node.ino, stat.S_IFREG)
+            node.size, node.mtime_ns, node.ctime_ns = size, mtime_ns, t.now
+            t.put_inode(node)
+            for c in chunks:
+                t.t.put(K.chunk_key(node.ino, c.index), K.encode_chunk(c), db=t.db["chunk"])
+            out.append(node.attr().to_wire())
+        except OSError as err:
+            out.append(errno.errorcode.get(err.errno, "EIO"))
+        except (TypeError, ValueError):
+            out.append("EINVAL")
+    _touch(t, pdir)
+    return out

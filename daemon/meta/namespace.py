@@ -1,0 +1,278 @@
+"""Single-shard namespace operations: ``fn(txn, ...)`` functions run by the Store.
+
+Reads run in a read view, writes in a group commit; either may raise ``Locked`` (wait and rerun)
+or a JPFSError carrying the POSIX errno. Changes that may involve other shards (mkdir elsewhere,
+link, unlink, rmdir, rename) are planned by ``planner`` and applied through ``ops``.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+
+from jpfs.errors import error
+from jpfs.placement import shard_of
+from jpfs.proto.meta import XATTR_CREATE, XATTR_REPLACE, check_name
+
+from . import keys as K
+from .keys import Inode
+from .store import Txn
+
+MAX_READDIR = 10_000
+MAX_SYMLINK = 4096
+MAX_XATTR_NAME = 255
+MAX_XATTR_VALUE = 64 << 10
+FILE_TYPES = (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK)
+
+
+def _local_attr(t: Txn, ino: int) -> list | None:
+    if shard_of(ino) != t.store.shard:
+        return None
+    node = t.inode(ino)
+    return node.attr().to_wire() if node else None
+
+
+# ---- reads -------------------------------------------------------------------------------------
+
+def lookup(t: Txn, parent: int, name: bytes) -> list:
+    """[ino, kind, attr or None]; attr is None when the inode lives on another shard."""
+    check_name(name)
+    t.need_dir(parent)
+    d = t.dentry(parent, name)
+    if d is None:
+        raise error(errno.ENOENT, f"no entry {name.decode(errors='replace')!r}")
+    return [d[0], d[1], _local_attr(t, d[0])]
+
+
+def lookup_absent(t: Txn, parent: int, name: bytes) -> None:
+    """Check that ``name`` can be created in ``parent`` (EEXIST, ENOTDIR, ENOENT otherwise)."""
+    _new_entry_checks(t, parent, name)
+
+
+def batch_lookup(t: Txn, parent: int, names: list) -> list:
+    """One answer per name: [ino, kind, attr or None], or an errno name."""
+    t.need_dir(parent)
+    out: list = []
+    for name in names:
+        try:
+            check_name(name)
+            d = t.dentry(parent, name)
+            out.append([d[0], d[1], _local_attr(t, d[0])] if d else "ENOENT")
+        except OSError as e:
+            out.append(errno.errorcode.get(e.errno, "EIO"))
+    return out
+
+
+def getattr_(t: Txn, ino: int) -> list:
+    return t.need_inode(ino).attr().to_wire()
+
+
+def batch_getattr(t: Txn, inos: list) -> list:
+    """Attributes for each inode of this shard, or None where it does not exist."""
+    out = []
+    for ino in inos:
+        node = t.inode(ino)
+        out.append(node.attr().to_wire() if node else None)
+    return out
+
+
+def readdir(t: Txn, parent: int, after: bytes, limit: int, plus: bool) -> list:
+    """[entries, more]: entries after name ``after`` in name order, with attrs when ``plus``
+    (for inodes of this shard; the client fetches the rest in one batch per shard)."""
+    t.need_dir(parent)
+    t.check_dir_lock(parent)
+    limit = max(1, min(limit, MAX_READDIR))
+    prefix = K.dentry_prefix(parent)
+    entries: list = []
+    more = False
+    with t.t.cursor(db=t.db["dentry"]) as cur:
+        ok = cur.set_range(K.dentry_key(parent, after))
+        while ok:
+            key = cur.key()
+            if not bytes(key[:8]) == prefix:
+                break
+            name = bytes(key[8:])
+            if name == after:
+                ok = cur.next()
+                continue
+            if len(entries) >= limit:
+                more = True
+                break
+            ino, kind = K.split_dentry_value(cur.value())
+            entries.append([name, ino, kind, _local_attr(t, ino) if plus else None])
+            ok = cur.next()
+    return [entries, more]
+
+
+def readlink(t: Txn, ino: int) -> bytes:
+    node = t.need_inode(ino)
+    if not stat.S_ISLNK(node.mode):
+        raise error(errno.EINVAL, "not a symbolic link")
+    return node.target or b""
+
+
+def getxattr(t: Txn, ino: int, name: bytes) -> bytes:
+    t.need_inode(ino)
+    v = t.t.get(K.xattr_key(ino, name), db=t.db["xattr"])
+    if v is None:
+        raise error(errno.ENODATA, "no such attribute")
+    return bytes(v)
+
+
+def listxattr(t: Txn, ino: int) -> list:
+    t.need_inode(ino)
+    prefix = K.ino_key(ino)
+    names = []
+    with t.t.cursor(db=t.db["xattr"]) as cur:
+        ok = cur.set_range(prefix)
+        while ok and bytes(cur.key()).startswith(prefix):
+            names.append(bytes(cur.key()[8:]))
+            ok = cur.next()
+    return names
+
+
+def statfs(t: Txn) -> dict:
+    return {"inodes": t.t.stat(t.db["inode"])["entries"],
+            "dentries": t.t.stat(t.db["dentry"])["entries"],
+            "chunks": t.t.stat(t.db["chunk"])["entries"]}
+
+
+# ---- writes that never leave this shard ---------------------------------------------------------
+
+def _new_entry_checks(t: Txn, parent: int, name: bytes) -> Inode:
+    check_name(name)
+    pdir = t.need_dir(parent)
+    if t.dentry(parent, name) is not None:
+        raise error(errno.EEXIST, f"{name.decode(errors='replace')!r} exists")
+    return pdir
+
+
+def _touch(t: Txn, node: Inode) -> None:
+    node.mtime_ns = node.ctime_ns = t.now
+    t.put_inode(node)
+
+
+def create(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int,
+           exclusive: bool) -> list:
+    """[ino, kind, attr or None, created]: a new file, or the existing one unless exclusive."""
+    check_name(name)
+    if stat.S_IFMT(mode) == 0:
+        mode |= stat.S_IFREG
+    if stat.S_IFMT(mode) not in FILE_TYPES:
+        raise error(errno.EINVAL, "create makes regular files, fifos and sockets only")
+    pdir = t.need_dir(parent)
+    d = t.dentry(parent, name)
+    if d is not None:
+        if exclusive:
+            raise error(errno.EEXIST, f"{name.decode(errors='replace')!r} exists")
+        if d[1] == stat.S_IFDIR:
+            raise error(errno.EISDIR, f"{name.decode(errors='replace')!r} is a directory")
+        return [d[0], d[1], _local_attr(t, d[0]), False]
+    ino = t.alloc_ino()
+    node = Inode(ino, mode, 1, uid, gid, 0, t.now, t.now, t.now, parent=parent)
+    t.put_inode(node)
+    t.put_dentry(parent, name, ino, stat.S_IFMT(mode))
+    _touch(t, pdir)
+    return [ino, stat.S_IFMT(mode), node.attr().to_wire(), True]
+
+
+def mkdir_local(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int) -> list:
+    pdir = _new_entry_checks(t, parent, name)
+    ino = t.alloc_ino()
+    node = Inode(ino, stat.S_IFDIR | (mode & 0o7777), 2, uid, gid, 0, t.now, t.now, t.now,
+                 parent=parent)
+    t.put_inode(node)
+    t.put_dentry(parent, name, ino, stat.S_IFDIR)
+    pdir.nlink += 1
+    _touch(t, pdir)
+    return node.attr().to_wire()
+
+
+def symlink(t: Txn, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> list:
+    if not target or len(target) > MAX_SYMLINK or b"\0" in target:
+        raise error(errno.ENAMETOOLONG if len(target) > MAX_SYMLINK else errno.EINVAL,
+                    "invalid symlink target")
+    pdir = _new_entry_checks(t, parent, name)
+    ino = t.alloc_ino()
+    node = Inode(ino, stat.S_IFLNK | 0o777, 1, uid, gid, len(target), t.now, t.now, t.now,
+                 parent=parent, target=target)
+    t.put_inode(node)
+    t.put_dentry(parent, name, ino, stat.S_IFLNK)
+    _touch(t, pdir)
+    return node.attr().to_wire()
+
+
+def setattr_(t: Txn, ino: int, fields: dict, chunk_size: int) -> list:
+    """Change mode/uid/gid/size/times; a size change truncates or extends the file."""
+    node = t.need_inode(ino)
+    changed = False
+    for key, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise error(errno.EINVAL, f"setattr: bad value for {key}")
+        if key == "mode":
+            node.mode = stat.S_IFMT(node.mode) | (value & 0o7777)
+        elif key in ("uid", "gid", "atime_ns", "mtime_ns", "ctime_ns"):
+            setattr(node, key, value)
+        elif key == "size":
+            if stat.S_ISDIR(node.mode):
+                raise error(errno.EISDIR, "cannot truncate a directory")
+            if not stat.S_ISREG(node.mode):
+                raise error(errno.EINVAL, "can only truncate regular files")
+            if value != node.size:
+                truncate_chunks(t, ino, value, chunk_size)
+                node.size = value
+                node.version += 1
+                if "mtime_ns" not in fields:
+                    node.mtime_ns = t.now
+        else:
+            raise error(errno.EINVAL, f"setattr: unknown field {key!r}")
+        changed = True
+    if changed and "ctime_ns" not in fields:
+        node.ctime_ns = t.now
+    t.put_inode(node)
+    return node.attr().to_wire()
+
+
+def truncate_chunks(t: Txn, ino: int, size: int, chunk_size: int) -> None:
+    """Drop chunks past ``size`` and shorten the one it ends in (bytes past the end read as 0)."""
+    keep = (size + chunk_size - 1) // chunk_size
+    with t.t.cursor(db=t.db["chunk"]) as cur:
+        ok = cur.set_range(K.chunk_key(ino, keep))
+        while ok and bytes(cur.key()[:8]) == K.ino_key(ino):
+            ok = cur.delete()
+    if size % chunk_size:
+        last = keep - 1
+        raw = t.t.get(K.chunk_key(ino, last), db=t.db["chunk"])
+        if raw is not None:
+            c = K.decode_chunk((ino, last), raw)
+            want = size - last * chunk_size
+            if c.length > want:
+                t.t.put(K.chunk_key(ino, last),
+                        K.encode_chunk(type(c)(c.index, c.blob, c.nodes, want, c.blob_len, c.xxh)),
+                        db=t.db["chunk"])
+
+
+def setxattr(t: Txn, ino: int, name: bytes, value: bytes, flags: int) -> None:
+    node = t.need_inode(ino)
+    if not name or len(name) > MAX_XATTR_NAME or b"\0" in name:
+        raise error(errno.ERANGE if len(name) > MAX_XATTR_NAME else errno.EINVAL,
+                    "invalid attribute name")
+    if len(value) > MAX_XATTR_VALUE:
+        raise error(errno.E2BIG, f"attribute values are limited to {MAX_XATTR_VALUE} bytes")
+    key = K.xattr_key(ino, name)
+    exists = t.t.get(key, db=t.db["xattr"]) is not None
+    if flags & XATTR_CREATE and exists:
+        raise error(errno.EEXIST, "attribute exists")
+    if flags & XATTR_REPLACE and not exists:
+        raise error(errno.ENODATA, "no such attribute")
+    t.t.put(key, value, db=t.db["xattr"])
+    node.ctime_ns = t.now
+    t.put_inode(node)
+
+
+def removexattr(t: Txn, ino: int, name: bytes) -> None:
+    node = t.need_inode(ino)
+    if not t.t.delete(K.xattr_key(ino, name), db=t.db["xattr"]):
+        raise error(errno.ENODATA, "no such attribute")
+    node.ctime_ns = t.now
+    t.put_inode(node)

@@ -1,0 +1,415 @@
+"""``jpfs-meta``: one metadata shard, an LMDB environment served over TCP.
+
+The methods of ``jpfs.proto.meta``. Reads and single-shard changes run straight on the store;
+changes that may span shards (mkdir placed elsewhere, link, unlink, rmdir, rename) are *planned*
+here as ops (reads of the current state, possibly on other shards) and run by the Coordinator,
+which applies them in one local transaction or by two-phase commit. A plan whose expectations
+went stale by the time it runs is planned again.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import sys
+
+import trio
+
+from jpfs import config
+from jpfs.errors import JPFSError, error
+from jpfs.placement import new_dir_shard, shard_of
+from jpfs.proto.meta import METHODS, RENAME_EXCHANGE, RENAME_NOREPLACE, check_name
+from jpfs.rpc import Pool, Service, serve
+from jpfs.types import ROOT_INO, Attr
+
+from . import layout as L
+from . import maintenance as M
+from . import namespace as ns
+from .coordinator import Coordinator
+from .keys import Inode
+from .ops import NEW
+from .store import Store, Txn
+
+log = logging.getLogger(__name__)
+
+REPLAN_ATTEMPTS = 50
+
+
+def _init_shard(t: Txn, chunk_size: int) -> int:
+    """First start: record the chunk size; shard 0 makes the root directory. Returns the
+    chunk size this shard's files were written with."""
+    stored = t.t.get(b"chunk_size", db=t.db["state"])
+    if stored is None:
+        t.t.put(b"chunk_size", str(chunk_size).encode(), db=t.db["state"])
+        stored = str(chunk_size).encode()
+    if t.store.shard == 0 and t.inode(ROOT_INO, lock=False) is None:
+        ino = t.alloc_ino()
+        assert ino == ROOT_INO
+        t.put_inode(Inode(ino, stat.S_IFDIR | 0o755, 2, 0, 0, 0, t.now, t.now, t.now,
+                          parent=ROOT_INO))
+    return int(stored)
+
+
+def _getparent(t: Txn, ino: int) -> int:
+    return t.need_inode(ino).parent
+
+
+class MetaShard:
+    """The implementation behind the meta Service of one shard."""
+
+    def __init__(self, store: Store, peers: Pool | None, chunk_size: int):
+        self.store = store
+        self.shard = store.shard
+        self.n_shards = store.n_shards
+        self.peers = peers
+        self.coord = Coordinator(store, peers)
+        self.chunk_size = chunk_size
+
+    def _mine(self, ino: int) -> int:
+        if shard_of(ino) != self.shard:
+            raise error(errno.EXDEV, f"inode {ino:#x} belongs to shard {shard_of(ino)}, "
+                                     f"not {self.shard} (misrouted request)")
+        return ino
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    async def lookup(self, parent: int, name: bytes) -> list:
+        return await self.store.view(ns.lookup, self._mine(parent), name)
+
+    async def batch_lookup(self, parent: int, names: list) -> list:
+        return await self.store.view(ns.batch_lookup, self._mine(parent), names)
+
+    async def getattr(self, ino: int) -> list:
+        return await self.store.view(ns.getattr_, self._mine(ino))
+
+    async def batch_getattr(self, inos: list) -> list:
+        for ino in inos:
+            if not isinstance(ino, int):
+                raise error(errno.EINVAL, "inode ids are integers")
+            self._mine(ino)
+        return await self.store.view(ns.batch_getattr, inos)
+
+    async def readdir(self, parent: int, after: bytes, limit: int, plus: bool) -> list:
+        return await self.store.view(ns.readdir, self._mine(parent), after, limit, plus)
+
+    async def readlink(self, ino: int) -> bytes:
+        return await self.store.view(ns.readlink, self._mine(ino))
+
+    async def getparent(self, ino: int) -> int:
+        return await self.store.view(_getparent, self._mine(ino))
+
+    async def statfs(self) -> dict:
+        return await self.store.view(ns.statfs)
+
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        return await self.store.view(ns.getxattr, self._mine(ino), name)
+
+    async def listxattr(self, ino: int) -> list:
+        return await self.store.view(ns.listxattr, self._mine(ino))
+
+    async def get_layout(self, ino: int) -> list:
+        return await self.store.view(L.get_layout, self._mine(ino), self.chunk_size)
+
+    async def batch_layout(self, inos: list) -> list:
+        for ino in inos:
+            if not isinstance(ino, int):
+                raise error(errno.EINVAL, "inode ids are integers")
+            self._mine(ino)
+        return await self.store.view(L.batch_layout, inos, self.chunk_size)
+
+    # ---- single-shard changes -------------------------------------------------------------------
+
+    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                     exclusive: bool) -> list:
+        return await self.store.write(ns.create, self._mine(parent), name, mode, uid, gid,
+                                      exclusive)
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> list:
+        return await self.store.write(ns.symlink, self._mine(parent), name, target, uid, gid)
+
+    async def setattr(self, ino: int, fields: dict) -> list:
+        return await self.store.write(ns.setattr_, self._mine(ino), fields, self.chunk_size)
+
+    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int) -> None:
+        return await self.store.write(ns.setxattr, self._mine(ino), name, value, flags)
+
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        return await self.store.write(ns.removexattr, self._mine(ino), name)
+
+    async def write_chunks(self, ino: int, chunks: list, size: int,
+                           expect_version: int | None) -> list:
+        return await self.store.write(L.write_chunks, self._mine(ino), chunks, size,
+                                      expect_version, self.chunk_size)
+
+    async def bulk_create(self, parent: int, entries: list, replace: bool) -> list:
+        return await self.store.write(L.bulk_create, self._mine(parent), entries, replace,
+                                      self.chunk_size)
+
+    # ---- changes that may span shards -----------------------------------------------------------
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> list:
+        self._mine(parent)
+        check_name(name)
+        if new_dir_shard(parent, name, self.n_shards) == self.shard:
+            return await self.store.write(ns.mkdir_local, parent, name, mode, uid, gid)
+
+        async def plan():
+            await self.store.view(ns.lookup_absent, parent, name)
+            target = new_dir_shard(parent, name, self.n_shards)
+            return {
+                target: [["mkinode", stat.S_IFDIR | (mode & 0o7777), uid, gid, parent, None]],
+                self.shard: [["mkdent", parent, name, NEW, stat.S_IFDIR, None],
+                             ["subdirs", parent, 1]],
+            }
+
+        created = await self._run(plan)
+        return await self._getattr(created[0])
+
+    async def link(self, ino: int, parent: int, name: bytes) -> list:
+        self._mine(parent)
+        check_name(name)
+
+        async def plan():
+            attr = Attr.from_wire(await self._getattr(ino))
+            if attr.is_dir:
+                raise error(errno.EPERM, "cannot hard-link a directory")
+            await self.store.view(ns.lookup_absent, parent, name)
+            return _merge(
+                (self.shard, ["mkdent", parent, name, ino, stat.S_IFMT(attr.mode), None]),
+                (shard_of(ino), ["nlink", ino, 1]),
+            )
+
+        await self._run(plan)
+        return await self._getattr(ino)
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        self._mine(parent)
+
+        async def plan():
+            ino, kind, _ = await self.store.view(ns.lookup, parent, name)
+            if kind == stat.S_IFDIR:
+                raise error(errno.EISDIR, f"{name.decode(errors='replace')!r} is a directory")
+            return _merge((self.shard, ["rmdent", parent, name, ino]),
+                          (shard_of(ino), ["nlink", ino, -1]))
+
+        await self._run(plan)
+
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        self._mine(parent)
+
+        async def plan():
+            ino, kind, _ = await self.store.view(ns.lookup, parent, name)
+            if kind != stat.S_IFDIR:
+                raise error(errno.ENOTDIR, f"{name.decode(errors='replace')!r} is not a directory")
+            return _merge((self.shard, ["rmdent", parent, name, ino]),
+                          (self.shard, ["subdirs", parent, -1]),
+                          (shard_of(ino), ["rmdir", ino]))
+
+        await self._run(plan)
+
+    async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
+                     flags: int) -> None:
+        self._mine(src_parent)
+        check_name(src_name)
+        check_name(dst_name)
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (
+                RENAME_NOREPLACE | RENAME_EXCHANGE):
+            raise error(errno.EINVAL, "invalid rename flags")
+        owner = None
+        try:
+            src_ino, src_kind, _ = await self.store.view(ns.lookup, src_parent, src_name)
+            moves_dir = src_kind == stat.S_IFDIR or bool(flags & RENAME_EXCHANGE)
+            if moves_dir and src_parent != dst_parent:
+                owner = os.urandom(16)
+                await self._rename_lock(owner)
+            await self._run(lambda: self._plan_rename(src_parent, src_name, dst_parent, dst_name,
+                                                      flags))
+        finally:
+            if owner is not None:
+                with trio.CancelScope(shield=True):
+                    await self._call(0, "rename_unlock", [owner])
+
+    async def _plan_rename(self, sp: int, sn: bytes, dp: int, dn: bytes, flags: int):
+        src_ino, src_kind, _ = await self.store.view(ns.lookup, sp, sn)
+        try:
+            dst_ino, dst_kind, _ = await self._call(shard_of(dp), "lookup", [dp, dn])
+        except JPFSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            dst_ino = dst_kind = None
+            await self._call(shard_of(dp), "getattr", [dp])  # the target directory must exist
+        if (sp, sn) == (dp, dn) or dst_ino == src_ino:
+            return {}  # POSIX: renaming a file onto itself (or a link to it) does nothing
+        exchange = bool(flags & RENAME_EXCHANGE)
+        if flags & RENAME_NOREPLACE and dst_ino is not None:
+            raise error(errno.EEXIST, f"{dn.decode(errors='replace')!r} exists")
+        if exchange and dst_ino is None:
+            raise error(errno.ENOENT, f"{dn.decode(errors='replace')!r} does not exist")
+        src_dir, dst_dir = src_kind == stat.S_IFDIR, dst_kind == stat.S_IFDIR
+        if dst_ino is not None and not exchange:
+            if src_dir and not dst_dir:
+                raise error(errno.ENOTDIR, "cannot replace a non-directory with a directory")
+            if dst_dir and not src_dir:
+                raise error(errno.EISDIR, "cannot replace a directory with a non-directory")
+        if sp != dp:
+            if src_dir:
+                await self._check_not_within(dp, src_ino)
+            if exchange and dst_dir:
+                await self._check_not_within(sp, dst_ino)
+        sh_sp, sh_dp = shard_of(sp), shard_of(dp)
+        parts: list[tuple[int, list]] = []
+        if exchange:
+            parts.append((sh_sp, ["mkdent", sp, sn, dst_ino, dst_kind, src_ino]))
+        else:
+            parts.append((sh_sp, ["rmdent", sp, sn, src_ino]))
+        parts.append((sh_dp, ["mkdent", dp, dn, src_ino, src_kind, dst_ino]))
+        if sp != dp:
+            if src_dir:
+                parts += [(sh_sp, ["subdirs", sp, -1]), (sh_dp, ["subdirs", dp, 1]),
+                          (shard_of(src_ino), ["setparent", src_ino, dp])]
+            if exchange and dst_dir:
+                parts += [(sh_dp, ["subdirs", dp, -1]), (sh_sp, ["subdirs", sp, 1]),
+                          (shard_of(dst_ino), ["setparent", dst_ino, sp])]
+        if dst_ino is not None and not exchange:
+            if dst_dir:
+                parts += [(shard_of(dst_ino), ["rmdir", dst_ino]), (sh_dp, ["subdirs", dp, -1])]
+            else:
+                parts.append((shard_of(dst_ino), ["nlink", dst_ino, -1]))
+        return _merge(*parts)
+
+    async def _check_not_within(self, target_parent: int, moved_dir: int) -> None:
+        """EINVAL if ``target_parent`` is ``moved_dir`` or below it (a loop)."""
+        cur, seen = target_parent, 0
+        while True:
+            if cur == moved_dir:
+                raise error(errno.EINVAL, "cannot move a directory into itself")
+            if cur == ROOT_INO:
+                return
+            cur = await self._call(shard_of(cur), "getparent", [cur])
+            seen += 1
+            if seen > 10_000:
+                raise error(errno.ELOOP, "directory ancestry too deep (corrupt parent links?)")
+
+    async def _rename_lock(self, owner: bytes) -> None:
+        await self._call(0, "rename_lock", [owner, 30.0])
+
+    async def _run(self, planner) -> list[int]:
+        """Plan and run; plan again when the namespace changed under the plan."""
+        for attempt in range(REPLAN_ATTEMPTS):
+            plan = await planner()
+            if not plan:
+                return []
+            try:
+                return await self.coord.run(plan)
+            except JPFSError as e:
+                if e.errno != errno.ESTALE:
+                    raise
+                log.debug("plan went stale (%s); planning again", e.strerror)
+                await trio.sleep(0.001 * attempt)
+        raise error(errno.EAGAIN, "the namespace kept changing under this operation; try again")
+
+    async def _getattr(self, ino: int) -> list:
+        return await self._call(shard_of(ino), "getattr", [ino])
+
+    async def _call(self, shard: int, method: str, args: list):
+        """Call a method on ``shard``: directly when it is this one."""
+        if shard == self.shard:
+            return await getattr(self, method)(*args)
+        return await self.peers.call(shard, METHODS[method], args)
+
+    # ---- cross-shard transactions ---------------------------------------------------------------
+
+    async def tx_prepare(self, txid: bytes, coordinator: int, plan_ops: list) -> list:
+        return await self.coord.tx_prepare(txid, coordinator, plan_ops)
+
+    async def tx_commit(self, txid: bytes) -> bool:
+        return await self.coord.tx_commit(txid)
+
+    async def tx_abort(self, txid: bytes) -> bool:
+        return await self.coord.tx_abort(txid)
+
+    async def tx_status(self, txid: bytes) -> str:
+        return await self.coord.tx_status(txid)
+
+    async def rename_lock(self, owner: bytes, ttl: float) -> bool:
+        if self.shard != 0:
+            raise error(errno.EXDEV, "the rename lock lives on shard 0")
+        return await self.coord.rename_lock(owner, ttl)
+
+    async def rename_unlock(self, owner: bytes) -> bool:
+        if self.shard != 0:
+            raise error(errno.EXDEV, "the rename lock lives on shard 0")
+        return await self.coord.rename_unlock(owner)
+
+    # ---- maintenance ----------------------------------------------------------------------------
+
+    async def scan(self, kind: str, after: bytes, limit: int) -> list:
+        return self.store.read(M.scan, kind, after, limit)
+
+    async def pending(self) -> dict:
+        return self.store.read(M.pending)
+
+    async def repair(self, kind: str, args: list) -> object:
+        result = await self.store.write(M.repair, kind, args)
+        if kind == "abort_tx" and result:
+            self.store.tx_resolved(args[0])
+        return result
+
+    async def shard_info(self) -> dict:
+        counts = self.store.read(ns.statfs)
+        return {"shard": self.shard, "shards": self.n_shards, "chunk_size": self.chunk_size,
+                "commits": self.store.commits, "ops": self.store.ops,
+                "transactions_committed": self.coord.committed,
+                "transactions_aborted": self.coord.aborted, **counts,
+                "db_bytes": os.path.getsize(self.store.path / "data.mdb"), "pid": os.getpid()}
+
+
+def _merge(*parts: tuple[int, list]) -> dict[int, list[list]]:
+    plan: dict[int, list[list]] = {}
+    for shard, op in parts:
+        plan.setdefault(shard, []).append(op)
+    return plan
+
+
+async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: int, *,
+                    sync: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Open shard ``index`` and serve it until cancelled; ``task_status.started(port)``."""
+    store = Store(data, index, cluster.n_shards, sync=sync)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.committer)
+            chunk_size = await store.write(_init_shard, cluster.chunk_size)
+            peers = Pool(nursery, [s.address for s in cluster.meta], cluster.secret, role="meta",
+                         retry_for=5.0)
+            shard = MetaShard(store, peers, chunk_size)
+            await nursery.start(shard.coord.resolver)
+            nursery.start_soon(shard.coord.orphan_checker)
+            bound = await nursery.start(serve, Service("meta", METHODS, shard), host, port,
+                                        cluster.secret)
+            log.info("meta shard %d of %d serving %s on port %d", index, cluster.n_shards, data,
+                     bound)
+            task_status.started(bound)
+    finally:
+        store.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from jpfs_daemon import common
+
+    p = common.parser("meta", "Serve one metadata shard of a JPFS cluster (LMDB over TCP).")
+    p.add_argument("--no-sync", action="store_true",
+                   help="do not fsync commits (faster; loses recent changes on power failure)")
+    args = p.parse_args(argv)
+    common.setup_logging(args.log_level, args.log_file)
+    cluster, data, host, port = common.resolve(args, "meta")
+
+    async def serve_shard() -> None:
+        await run_shard(cluster, args.index, data, host, port, sync=not args.no_sync)
+
+    common.run(args, serve_shard)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,261 @@
+"""One shard's LMDB environment: read views, group-committed writes, and transaction locks.
+
+Writes are functions ``fn(txn, *args)`` queued to a single committer task. The committer takes
+everything queued, runs it in a worker thread inside *one* LMDB write transaction (each operation
+in its own nested transaction, so one failing operation rolls back alone) and commits with one
+fsync: durable metadata writes are fsync-bound, and sharing the fsync is the 10x lever (PERF.md).
+Nothing awaits while a transaction is open.
+
+Keys held by a prepared cross-shard transaction are recorded in the ``lock`` database. An
+operation that touches one raises ``Locked``; the caller waits for that transaction to resolve and
+runs again, so readers never see half of a cross-shard change.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lmdb
+import trio
+
+from jpfs.errors import JPFSError, error
+from jpfs.placement import COUNTER_MASK, make_ino
+
+from . import keys as K
+from .keys import Inode
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 512
+LOCK_WAIT = 30.0
+
+
+class Locked(Exception):
+    """Raised inside an operation that touched a key held by transaction ``txid``."""
+
+    def __init__(self, txid: bytes):
+        super().__init__(txid.hex())
+        self.txid = txid
+
+
+class Txn:
+    """An LMDB transaction with the shard's record helpers. Operations take one of these."""
+
+    __slots__ = ("t", "store", "now", "db")
+
+    def __init__(self, t: lmdb.Transaction, store: Store, now: int):
+        self.t = t
+        self.store = store
+        self.now = now
+        self.db = store.dbs
+
+    # ---- locks
+    def check_lock(self, key: bytes) -> None:
+        txid = self.t.get(key, db=self.db["lock"])
+        if txid is not None:
+            raise Locked(bytes(txid))
+
+    def check_dir_lock(self, parent: int) -> None:
+        """Wait-worthy if any entry of ``parent`` is held (readdir)."""
+        prefix = K.lock_dir(parent)
+        with self.t.cursor(db=self.db["lock"]) as cur:
+            if cur.set_range(prefix) and bytes(cur.key()).startswith(prefix):
+                raise Locked(bytes(cur.value()))
+
+    # ---- inodes
+    def inode(self, ino: int, *, lock: bool = True) -> Inode | None:
+        if lock:
+            self.check_lock(K.lock_inode(ino))
+        data = self.t.get(K.ino_key(ino), db=self.db["inode"])
+        return Inode.decode(ino, data) if data is not None else None
+
+    def need_inode(self, ino: int, what: str = "inode") -> Inode:
+        node = self.inode(ino)
+        if node is None:
+            raise error(errno.ENOENT, f"no such {what} {ino:#x}")
+        return node
+
+    def need_dir(self, ino: int) -> Inode:
+        node = self.need_inode(ino, "directory")
+        if not node.mode & 0o170000 == 0o040000:
+            raise error(errno.ENOTDIR, f"inode {ino:#x} is not a directory")
+        return node
+
+    def put_inode(self, node: Inode) -> None:
+        self.t.put(K.ino_key(node.ino), node.encode(), db=self.db["inode"])
+
+    def delete_inode(self, ino: int) -> None:
+        """Remove an inode with its chunks and xattrs (the blobs are reclaimed by gc)."""
+        self.t.delete(K.ino_key(ino), db=self.db["inode"])
+        prefix = K.ino_key(ino)
+        for dbname in ("chunk", "xattr"):
+            with self.t.cursor(db=self.db[dbname]) as cur:
+                if cur.set_range(prefix):
+                    while bytes(cur.key()).startswith(prefix):
+                        if not cur.delete():
+                            break
+
+    def alloc_ino(self) -> int:
+        counter = int.from_bytes(self.t.get(b"next", b"\0" * 8, db=self.db["state"]), "big")
+        if counter >= COUNTER_MASK:
+            raise error(errno.ENOSPC, "this shard has used all its inode numbers")
+        self.t.put(b"next", (counter + 1).to_bytes(8, "big"), db=self.db["state"])
+        return make_ino(self.store.shard, counter)
+
+    # ---- directory entries
+    def dentry(self, parent: int, name: bytes, *, lock: bool = True) -> tuple[int, int] | None:
+        if lock:
+            self.check_lock(K.lock_dentry(parent, name))
+        v = self.t.get(K.dentry_key(parent, name), db=self.db["dentry"])
+        return K.split_dentry_value(v) if v is not None else None
+
+    def put_dentry(self, parent: int, name: bytes, ino: int, kind: int) -> None:
+        self.t.put(K.dentry_key(parent, name), K.dentry_value(ino, kind), db=self.db["dentry"])
+
+    def delete_dentry(self, parent: int, name: bytes) -> None:
+        self.t.delete(K.dentry_key(parent, name), db=self.db["dentry"])
+
+    def dir_is_empty(self, ino: int) -> bool:
+        prefix = K.dentry_prefix(ino)
+        with self.t.cursor(db=self.db["dentry"]) as cur:
+            return not (cur.set_range(prefix) and bytes(cur.key()).startswith(prefix))
+
+
+@dataclass
+class _Slot:
+    fn: Callable
+    args: tuple
+    done: trio.Event = field(default_factory=trio.Event)
+    result: object = None
+    exc: BaseException | None = None
+
+
+class Store:
+    """The LMDB environment of shard ``shard`` of ``n_shards``."""
+
+    def __init__(self, path: str | os.PathLike, shard: int, n_shards: int, *,
+                 sync: bool = True, map_size: int = 1 << 40):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.path = Path(path)
+        self.shard = shard
+        self.n_shards = n_shards
+        self.env = lmdb.open(str(path), max_dbs=len(K.DBS) + 2, map_size=map_size, sync=sync,
+                             metasync=sync, max_readers=1024, readahead=False)
+        self.dbs = {name: self.env.open_db(name.encode()) for name in K.DBS}
+        self._check_identity()
+        self._send, self._recv = trio.open_memory_channel(math.inf)
+        self._tx_done: dict[bytes, trio.Event] = {}
+        self.commits = 0
+        self.ops = 0
+
+    def _check_identity(self) -> None:
+        """Refuse to serve another shard's data (a wrong --index would corrupt placement)."""
+        with self.env.begin(write=True) as t:
+            stored = t.get(b"shard", db=self.dbs["state"])
+            if stored is None:
+                t.put(b"shard", str(self.shard).encode(), db=self.dbs["state"])
+                t.put(b"next", (1).to_bytes(8, "big"), db=self.dbs["state"])
+            elif int(stored) != self.shard:
+                raise SystemExit(f"{self.path} holds shard {int(stored)}, not shard {self.shard}")
+
+    def close(self) -> None:
+        self.env.close()
+
+    # ---- reads (in the trio thread: LMDB reads take microseconds, a thread hop costs more)
+    def read(self, fn: Callable, *args):
+        with self.env.begin() as t:
+            return fn(Txn(t, self, time.time_ns()), *args)
+
+    async def view(self, fn: Callable, *args):
+        """Run a read function, waiting out cross-shard transactions holding what it reads."""
+        while True:
+            try:
+                return self.read(fn, *args)
+            except Locked as held:
+                await self.wait_resolved(held.txid)
+
+    # ---- writes
+    async def write(self, fn: Callable, *args):
+        """Run ``fn(txn, *args)`` in the next group commit; returns its result once durable."""
+        while True:
+            slot = _Slot(fn, args)
+            self._send.send_nowait(slot)
+            await slot.done.wait()
+            if isinstance(slot.exc, Locked):
+                await self.wait_resolved(slot.exc.txid)
+                continue
+            if slot.exc is not None:
+                raise slot.exc
+            return slot.result
+
+    async def committer(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The single writer: drains the queue into group commits until cancelled."""
+        task_status.started()
+        while True:
+            batch = [await self._recv.receive()]
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(self._recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            await trio.to_thread.run_sync(self._commit, batch)
+            for slot in batch:
+                slot.done.set()
+
+    def _commit(self, batch: list[_Slot]) -> None:
+        now = time.time_ns()
+        try:
+            with self.env.begin(write=True) as parent:
+                for slot in batch:
+                    child = self.env.begin(write=True, parent=parent)
+                    try:
+                        slot.result = slot.fn(Txn(child, self, now), *slot.args)
+                    except BaseException as e:  # noqa: BLE001 - every failure goes to its caller
+                        child.abort()
+                        slot.exc = e
+                        if not isinstance(e, (JPFSError, Locked)):
+                            log.exception("metadata operation %s failed", slot.fn.__name__)
+                    else:
+                        child.commit()
+            self.commits += 1
+            self.ops += len(batch)
+        except lmdb.MapFullError:
+            self._fail_all(batch, error(errno.ENOSPC, "metadata shard is full (LMDB map size)"))
+        except lmdb.Error as e:
+            log.exception("metadata commit failed")
+            self._fail_all(batch, error(errno.EIO, f"metadata commit failed: {e}"))
+
+    @staticmethod
+    def _fail_all(batch: list[_Slot], exc: JPFSError) -> None:
+        for slot in batch:
+            if slot.exc is None:
+                slot.exc = exc
+
+    # ---- cross-shard transaction resolution
+    def tx_begun(self, txid: bytes) -> None:
+        self._tx_done.setdefault(txid, trio.Event())
+
+    def tx_resolved(self, txid: bytes) -> None:
+        ev = self._tx_done.pop(txid, None)
+        if ev is not None:
+            ev.set()
+
+    async def wait_resolved(self, txid: bytes) -> None:
+        ev = self._tx_done.get(txid)
+        if ev is None:
+            # Resolved between the read and now, or held since before a restart.
+            if self.read(lambda t: t.t.get(txid, db=t.db["prepared"])) is None:
+                return
+            ev = self._tx_done.setdefault(txid, trio.Event())
+        with trio.move_on_after(LOCK_WAIT):
+            await ev.wait()
+            return
+        raise error(errno.EAGAIN, "held by a cross-shard operation that has not resolved yet "
+                                  f"(transaction {txid.hex()})")

@@ -1,0 +1,389 @@
+"""The path-level async client: what ``jpfs.aconnect()`` yields.
+
+Paths are POSIX paths inside JPFS (``/a/b``; ``jpfs:/a/b`` and ``jpfs://a/b`` are accepted too).
+Resolution walks from the root one ``lookup`` per component, following symlinks as the kernel does
+(40 at most, then ELOOP). Directories resolved recently are remembered for ``dir_cache_ttl``
+seconds, so a loop over files of one directory costs one call per file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat as _stat
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+
+from .. import config, uri
+from ..errors import JPFSError, error
+from ..types import ROOT_INO, Attr
+from .meta import MetaClient
+
+MAX_SYMLINKS = 40
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A directory entry from ``scandir``: name, full path and attributes."""
+
+    name: str
+    path: str
+    attr: Attr
+
+    def is_dir(self) -> bool:
+        return self.attr.is_dir
+
+    def is_file(self) -> bool:
+        return self.attr.is_reg
+
+    def is_symlink(self) -> bool:
+        return self.attr.is_link
+
+
+def _path(p: str | os.PathLike) -> str:
+    p = os.fspath(p)
+    return uri.to_path(p) if uri.is_jpfs(p) else uri.normalize(p)
+
+
+def _parts(p: str) -> list[bytes]:
+    return [os.fsencode(c) for c in uri.split(p)]
+
+
+class AsyncClient:
+    """Namespace operations by path, over a MetaClient (and, for file bytes, a StorageClient)."""
+
+    def __init__(self, nursery: trio.Nursery, cluster: config.Cluster, *,
+                 dir_cache_ttl: float = 1.0):
+        self.cluster = cluster
+        self.nursery = nursery
+        self.meta = MetaClient(nursery, cluster)
+        self.dir_cache_ttl = dir_cache_ttl
+        self._dirs: dict[str, tuple[int, float]] = {}
+        self.umask = _umask()
+
+    def close(self) -> None:
+        self.meta.close()
+
+    # ---- resolution ---------------------------------------------------------------------------
+
+    def _forget(self, path: str) -> None:
+        """Drop cached directories at or below ``path`` (after it moved or went away)."""
+        if self._dirs:
+            prefix = path.rstrip("/") + "/"
+            for k in [k for k in self._dirs if k == path or k.startswith(prefix)]:
+                del self._dirs[k]
+
+    async def _walk(self, path: str, follow: bool) -> tuple[Attr, str]:
+        """Resolve ``path``; returns its attributes and its symlink-free form."""
+        links = 0
+        comps = uri.split(path)
+        i, cur_path = 0, "/"
+        cur = None  # Attr of cur_path, fetched lazily
+        ino = ROOT_INO
+        while i < len(comps):
+            # longest cached directory prefix first: skips most lookups in a hot directory
+            if i == 0 and self._dirs:
+                for j in range(len(comps) - 1, 0, -1):
+                    prefix = "/" + "/".join(comps[:j])
+                    hit = self._dirs.get(prefix)
+                    if hit and hit[1] > time.monotonic():
+                        ino, cur_path, i, cur = hit[0], prefix, j, None
+                        break
+            name = comps[i]
+            try:
+                attr = await self.meta.lookup(ino, os.fsencode(name))
+            except JPFSError as e:
+                raise error(e.errno, e.strerror, path) from None
+            last = i == len(comps) - 1
+            if attr.is_link and (follow or not last):
+                links += 1
+                if links > MAX_SYMLINKS:
+                    raise error(errno.ELOOP, "too many levels of symbolic links", path)
+                target = os.fsdecode(await self.meta.readlink(attr.ino))
+                base = "/" if target.startswith("/") else cur_path
+                comps = uri.split(base + "/" + target) + comps[i + 1:]
+                i, cur_path, ino, cur = 0, "/", ROOT_INO, None
+                continue
+            if not last and not attr.is_dir:
+                raise error(errno.ENOTDIR, "not a directory", path)
+            cur_path = cur_path.rstrip("/") + "/" + name
+            if attr.is_dir and self.dir_cache_ttl > 0:
+                self._dirs[cur_path] = (attr.ino, time.monotonic() + self.dir_cache_ttl)
+            ino, cur = attr.ino, attr
+            i += 1
+        if cur is None:
+            cur = await self.meta.getattr(ino)
+        return cur, cur_path
+
+    async def _parent(self, path: str) -> tuple[int, bytes, str]:
+        """(parent directory inode, last name, normalised path) for creating or removing."""
+        p = _path(path)
+        if p == "/":
+            raise error(errno.EBUSY, "the root cannot be changed this way", p)
+        head, name = p.rsplit("/", 1)
+        parent, _ = await self._walk(head or "/", follow=True)
+        if not parent.is_dir:
+            raise error(errno.ENOTDIR, "not a directory", head)
+        return parent.ino, os.fsencode(name), p
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    async def stat(self, path: str, *, follow_symlinks: bool = True) -> Attr:
+        attr, _ = await self._walk(_path(path), follow_symlinks)
+        return attr
+
+    async def lstat(self, path: str) -> Attr:
+        return await self.stat(path, follow_symlinks=False)
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+            return True
+        except FileNotFoundError:
+            return False
+        except JPFSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                return False
+            raise
+
+    async def isdir(self, path: str) -> bool:
+        try:
+            return (await self.stat(path)).is_dir
+        except JPFSError:
+            return False
+
+    async def isfile(self, path: str) -> bool:
+        try:
+            return (await self.stat(path)).is_reg
+        except JPFSError:
+            return False
+
+    async def stat_many(self, paths: list[str]) -> list[Attr | OSError]:
+        """Attributes of many paths, one batched lookup per directory (final symlinks are not
+        followed)."""
+        groups: dict[str, list[tuple[int, bytes]]] = {}
+        for i, p in enumerate(paths):
+            head, _, name = _path(p).rpartition("/")
+            groups.setdefault(head or "/", []).append((i, os.fsencode(name)))
+        out: list = [None] * len(paths)
+
+        async def one(head: str, items: list[tuple[int, bytes]]) -> None:
+            try:
+                parent, _ = await self._walk(head, True)
+                got = await self.meta.batch_lookup(parent.ino, [n for _, n in items])
+            except JPFSError as e:
+                got = [e] * len(items)
+            for (i, _), a in zip(items, got, strict=True):
+                out[i] = a
+
+        async with trio.open_nursery() as nursery:
+            for head, items in groups.items():
+                nursery.start_soon(one, head, items)
+        return out
+
+    async def scandir(self, path: str = "/") -> list[Entry]:
+        """Entries of a directory with their attributes (readdirplus), in name order."""
+        attr, real = await self._walk(_path(path), True)
+        if not attr.is_dir:
+            raise error(errno.ENOTDIR, "not a directory", path)
+        base = real.rstrip("/")
+        return [Entry(os.fsdecode(e.name), f"{base}/{os.fsdecode(e.name)}", e.attr)
+                async for e in self.meta.readdir(attr.ino, plus=True) if e.attr is not None]
+
+    async def iterdir(self, path: str = "/", page: int = 1000) -> AsyncIterator[Entry]:
+        """Like scandir, a page at a time: a million entries never sit in memory together."""
+        attr, real = await self._walk(_path(path), True)
+        if not attr.is_dir:
+            raise error(errno.ENOTDIR, "not a directory", path)
+        base = real.rstrip("/")
+        async for e in self.meta.readdir(attr.ino, plus=True, page=page):
+            if e.attr is not None:
+                yield Entry(os.fsdecode(e.name), f"{base}/{os.fsdecode(e.name)}", e.attr)
+
+    async def listdir(self, path: str = "/") -> list[str]:
+        attr, _ = await self._walk(_path(path), True)
+        if not attr.is_dir:
+            raise error(errno.ENOTDIR, "not a directory", path)
+        return [os.fsdecode(e.name) async for e in self.meta.readdir(attr.ino, plus=False)]
+
+    async def walk(self, top: str = "/") -> AsyncIterator[tuple[str, list[str], list[str]]]:
+        """Like ``os.walk`` (top-down, symlinks to directories not followed)."""
+        stack = [_path(top)]
+        while stack:
+            d = stack.pop()
+            try:
+                entries = await self.scandir(d)
+            except FileNotFoundError:
+                continue
+            dirs = [e.name for e in entries if e.is_dir()]
+            files = [e.name for e in entries if not e.is_dir()]
+            yield d, dirs, files
+            stack.extend(reversed([f"{d.rstrip('/')}/{n}" for n in dirs]))
+
+    async def readlink(self, path: str) -> str:
+        attr = await self.lstat(path)
+        if not attr.is_link:
+            raise error(errno.EINVAL, "not a symbolic link", path)
+        return os.fsdecode(await self.meta.readlink(attr.ino))
+
+    async def statfs(self) -> dict:
+        return await self.meta.statfs()
+
+    async def getxattr(self, path: str, name: str) -> bytes:
+        return await self.meta.getxattr((await self.stat(path)).ino, os.fsencode(name))
+
+    async def listxattr(self, path: str) -> list[str]:
+        return [os.fsdecode(n) for n in await self.meta.listxattr((await self.stat(path)).ino)]
+
+    # ---- changes --------------------------------------------------------------------------------
+
+    async def mkdir(self, path: str, mode: int = 0o777) -> Attr:
+        parent, name, p = await self._parent(path)
+        try:
+            return await self.meta.mkdir(parent, name, mode & ~self.umask)
+        except JPFSError as e:
+            raise error(e.errno, e.strerror, p) from None
+
+    async def makedirs(self, path: str, mode: int = 0o777, exist_ok: bool = True) -> None:
+        p = _path(path)
+        try:
+            attr = await self.stat(p)
+        except JPFSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+        else:
+            if not attr.is_dir:
+                raise error(errno.EEXIST, "exists and is not a directory", p)
+            if not exist_ok:
+                raise error(errno.EEXIST, "exists", p)
+            return
+        head = p.rsplit("/", 1)[0] or "/"
+        if head != "/":
+            await self.makedirs(head, mode, exist_ok=True)
+        try:
+            await self.mkdir(p, mode)
+        except FileExistsError:
+            if not exist_ok or not await self.isdir(p):
+                raise
+
+    async def remove(self, path: str) -> None:
+        parent, name, p = await self._parent(path)
+        try:
+            await self.meta.unlink(parent, name)
+        except JPFSError as e:
+            raise error(e.errno, e.strerror, p) from None
+
+    unlink = remove
+
+    async def rmdir(self, path: str) -> None:
+        parent, name, p = await self._parent(path)
+        try:
+            await self.meta.rmdir(parent, name)
+        except JPFSError as e:
+            raise error(e.errno, e.strerror, p) from None
+        self._forget(p)
+
+    async def rmtree(self, path: str) -> int:
+        """Remove a tree; returns the number of entries removed."""
+        p = _path(path)
+        attr = await self.lstat(p)
+        if not attr.is_dir:
+            await self.remove(p)
+            return 1
+        n = 0
+        while True:
+            entries = [e async for e in self.iterdir(p, page=1000)]
+            if not entries:
+                break
+            for e in entries:
+                n += await self.rmtree(e.path) if e.is_dir() else (await self.remove(e.path), 1)[1]
+        await self.rmdir(p)
+        return n + 1
+
+    async def rename(self, src: str, dst: str, *, flags: int = 0) -> None:
+        """Move ``src`` to ``dst``, replacing it as POSIX rename(2) does."""
+        sp, sn, s = await self._parent(src)
+        dp, dn, d = await self._parent(dst)
+        try:
+            await self.meta.rename(sp, sn, dp, dn, flags)
+        except JPFSError as e:
+            raise error(e.errno, e.strerror, s) from None
+        self._forget(s)
+        self._forget(d)
+
+    replace = rename
+
+    async def symlink(self, target: str, path: str) -> Attr:
+        parent, name, p = await self._parent(path)
+        try:
+            return await self.meta.symlink(parent, name, os.fsencode(target))
+        except JPFSError as e:
+            raise error(e.errno, e.strerror, p) from None
+
+    async def link(self, src: str, dst: str) -> Attr:
+        attr = await self.lstat(src)
+        parent, name, p = await self._parent(dst)
+        try:
+            return await self.meta.link(attr.ino, parent, name)
+        except JPFSError as e:
+            raise error(e.errno, e.strerror, p) from None
+
+    async def chmod(self, path: str, mode: int) -> Attr:
+        return await self.meta.setattr((await self.stat(path)).ino, mode=mode & 0o7777)
+
+    async def chown(self, path: str, uid: int, gid: int) -> Attr:
+        fields = {k: v for k, v in (("uid", uid), ("gid", gid)) if v is not None and v >= 0}
+        return await self.meta.setattr((await self.stat(path)).ino, **fields)
+
+    async def utime(self, path: str, ns: tuple[int, int] | None = None) -> Attr:
+        now = time.time_ns()
+        atime, mtime = ns if ns is not None else (now, now)
+        return await self.meta.setattr((await self.stat(path)).ino, atime_ns=atime,
+                                       mtime_ns=mtime)
+
+    async def truncate(self, path: str, size: int) -> Attr:
+        return await self.meta.setattr((await self.stat(path)).ino, size=size)
+
+    async def setxattr(self, path: str, name: str, value: bytes, flags: int = 0) -> None:
+        await self.meta.setxattr((await self.stat(path)).ino, os.fsencode(name), value, flags)
+
+    async def removexattr(self, path: str, name: str) -> None:
+        await self.meta.removexattr((await self.stat(path)).ino, os.fsencode(name))
+
+    async def create(self, path: str, mode: int = 0o666, *, exclusive: bool = True) -> Attr:
+        """Create an empty regular file (EEXIST if it exists and ``exclusive``)."""
+        parent, name, p = await self._parent(path)
+        try:
+            attr, _ = await self.meta.create(parent, name, _stat.S_IFREG | (mode & ~self.umask),
+                                             exclusive=exclusive)
+        except JPFSError as e:
+            raise error(e.errno, e.strerror, p) from None
+        return attr
+
+
+@asynccontextmanager
+async def aconnect(cluster: str | os.PathLike | config.Cluster | None = None, **options):
+    """``async with jpfs.aconnect() as client:`` — an AsyncClient for the duration."""
+    c = cluster if isinstance(cluster, config.Cluster) else config.load(cluster)
+    async with trio.open_nursery() as nursery:
+        client = AsyncClient(nursery, c, **options)
+        try:
+            yield client
+        finally:
+            client.close()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,395 @@
+"""The storage client: put, get and delete blobs on the storage nodes, with replicas.
+
+Every call is batched per node (one request carries many blobs, bounded in bytes) and all nodes
+are asked in parallel. Reads verify every blob's xxh3-64 end to end and fail over to another
+replica on a dead node, a missing blob or a checksum mismatch; only when no replica has good bytes
+does a read fail, with an error naming the blob. Nodes that just failed are remembered for a few
+seconds, so reads go straight to a replica instead of waiting on a dead node each time.
+
+Writes store each blob on R live nodes: the preferred nodes given by the caller
+(``placement.chunk_nodes``), and where one of them is down, the next nodes round the ring. The
+nodes actually used are returned: the caller records them, and they are the truth.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Sequence
+
+import trio
+import xxhash
+
+from ..config import Cluster
+from ..errors import ChecksumError, DeadlineError, JPFSError, Unavailable, error
+from ..proto import storage as P
+from ..rpc import Pool
+from ..types import Chunk
+
+log = logging.getLogger(__name__)
+
+_HASH_INLINE = 1 << 20
+"""Batches smaller than this are hashed on the trio thread; larger ones in a worker thread."""
+
+_TRANSIENT = frozenset({errno.EHOSTUNREACH, errno.ETIMEDOUT, errno.ENOSPC, errno.EIO,
+                        errno.EROFS, errno.EDQUOT, errno.EAGAIN})
+"""Put errors after which another node may do better (the rest are the caller's mistakes)."""
+
+
+class StorageClient:
+    """Blob operations over all storage nodes of ``cluster``.
+
+    Args:
+        nursery: runs the connections' reader tasks; the client lives as long as it.
+        cluster: the storage node addresses and the cluster secret.
+        connections_per_node: TCP connections per node (each multiplexes many calls).
+        batch_bytes: the most blob bytes one request carries.
+        batch_blobs: the most blobs one request carries.
+        down_for: how long (seconds) a node that failed is tried last.
+        read_retry_for: how long a read waits for an unreachable node when another replica
+            could serve it instead.
+        retry_for: how long a call waits for an unreachable node when nothing else can serve it.
+        timeout: the deadline of one call, retries included.
+    """
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        cluster: Cluster,
+        *,
+        connections_per_node: int = 2,
+        batch_bytes: int = 32 << 20,
+        batch_blobs: int = 4096,
+        down_for: float = 3.0,
+        read_retry_for: float = 0.2,
+        write_retry_for: float = 1.0,
+        retry_for: float = 10.0,
+        timeout: float = 60.0,
+    ):
+        self.cluster = cluster
+        self.n_nodes = cluster.n_nodes
+        self.pool = Pool(
+            nursery, [s.address for s in cluster.storage], cluster.secret, role="storage",
+            connections_per_server=connections_per_node, retry_for=retry_for, timeout=timeout,
+        )
+        self.batch_bytes = max(1, batch_bytes)
+        self.batch_blobs = max(1, min(batch_blobs, P.MAX_BATCH_BLOBS))
+        self.down_for = down_for
+        self.read_retry_for = read_retry_for
+        self.write_retry_for = write_retry_for
+        self.retry_for = retry_for
+        self._down_until: dict[int, float] = {}
+
+    def close(self) -> None:
+        self.pool.close()
+
+    # ------------------------------------------------------------------ node health
+
+    def is_down(self, node: int) -> bool:
+        until = self._down_until.get(node)
+        if until is None:
+            return False
+        if trio.current_time() >= until:
+            del self._down_until[node]
+            return False
+        return True
+
+    def _mark_down(self, node: int, why: JPFSError) -> None:
+        if not self.is_down(node):
+            log.warning("storage node %d (%s) is down: %s", node, self.pool.addresses[node],
+                        why.strerror)
+        self._down_until[node] = trio.current_time() + self.down_for
+
+    def _order(self, nodes: Sequence[int]) -> list[int]:
+        """Replicas to try, in recorded order, with nodes known to be down last."""
+        seen = list(dict.fromkeys(nodes))
+        return [n for n in seen if not self.is_down(n)] + [n for n in seen if self.is_down(n)]
+
+    def _batches(self, items: list[int], sizes: Sequence[int]) -> list[list[int]]:
+        out: list[list[int]] = []
+        cur: list[int] = []
+        size = 0
+        for i in items:
+            if cur and (size + sizes[i] > self.batch_bytes or len(cur) >= self.batch_blobs):
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += sizes[i]
+        if cur:
+            out.append(cur)
+        return out
+
+    # ------------------------------------------------------------------ get
+
+    async def get(
+        self, chunks: Sequence[Chunk], into: Sequence[memoryview] | None = None
+    ) -> list[memoryview]:
+        """Read whole blobs, verified; one view of ``blob_len`` bytes per chunk, in order.
+
+        ``into`` (one writable buffer per chunk, at least ``blob_len`` bytes) receives the blobs
+        straight from the socket; otherwise each node's batch lands in one fresh buffer and the
+        views are slices of it.
+        """
+        n = len(chunks)
+        dest: list[memoryview] | None = None
+        if into is not None:
+            if len(into) != n:
+                raise error(errno.EINVAL, f"get: {n} chunks but {len(into)} buffers")
+            dest = []
+            for c, buf in zip(chunks, into, strict=True):
+                view = memoryview(buf).cast("B")
+                if len(view) < c.blob_len:
+                    raise error(errno.EINVAL, f"get: buffer of {len(view)} bytes for blob "
+                                              f"{P.blob_name(c.blob)} of {c.blob_len}")
+                dest.append(view[:c.blob_len])
+        out: list[memoryview | None] = [None] * n
+        orders = [self._order(c.nodes) for c in chunks]
+        tried = [0] * n
+        failures: list[list[str]] = [[] for _ in range(n)]
+        corrupt = [False] * n
+        unreachable = [0] * n
+        sizes = [c.blob_len for c in chunks]
+        pending = list(range(n))
+        while pending:
+            groups: dict[int, list[int]] = {}
+            for i in pending:
+                if tried[i] >= len(orders[i]):
+                    raise _read_error(chunks[i], failures[i], corrupt[i],
+                                      unreachable[i] == len(orders[i]))
+                groups.setdefault(orders[i][tried[i]], []).append(i)
+            async with trio.open_nursery() as nursery:
+                for node, items in groups.items():
+                    for batch in self._batches(items, sizes):
+                        last = any(tried[i] + 1 >= len(orders[i]) for i in batch)
+                        nursery.start_soon(self._get_batch, node, batch, chunks, dest, out,
+                                           failures, corrupt, unreachable, last)
+            pending = [i for i in pending if out[i] is None]
+            for i in pending:
+                tried[i] += 1
+        return out  # type: ignore[return-value]
+
+    async def _get_batch(self, node, batch, chunks, dest, out, failures, corrupt, unreachable,
+                         last) -> None:
+        ids = [chunks[i].blob for i in batch]
+        expected = sum(chunks[i].blob_len for i in batch)
+        if dest is not None:
+            into: memoryview | list[memoryview] = [dest[i] for i in batch]
+        else:
+            into = memoryview(bytearray(expected))
+        try:
+            statuses, payload = await self.pool.call_payload(
+                node, P.GET_BLOBS, [ids], into=into,
+                retry_for=self.retry_for if last else self.read_retry_for)
+        except (Unavailable, DeadlineError) as e:
+            self._mark_down(node, e)
+            for i in batch:
+                failures[i].append(f"node {node}: {e.strerror}")
+                unreachable[i] += 1
+            return
+        except JPFSError as e:
+            for i in batch:
+                failures[i].append(f"node {node}: {e.strerror}")
+            return
+        if not isinstance(statuses, list) or len(statuses) != len(batch):
+            for i in batch:
+                failures[i].append(f"node {node}: malformed answer")
+            return
+        if isinstance(payload, list):
+            # Scattered into the caller's buffers: valid only if every blob came as expected.
+            if all(isinstance(s, list) and len(s) == 2 and s[0] == chunks[i].blob_len
+                   for s, i in zip(statuses, batch, strict=True)):
+                views = payload
+            else:
+                payload = memoryview(b"".join(payload))
+                views = None
+        else:
+            views = None
+        if views is None:
+            views = []
+            pos = 0
+            if payload is None:
+                payload = memoryview(b"")
+            size = len(payload)
+            for s in statuses:
+                if isinstance(s, list) and len(s) == 2 and isinstance(s[0], int) and \
+                        0 <= s[0] <= size - pos:
+                    views.append(payload[pos:pos + s[0]])
+                    pos += s[0]
+                else:
+                    views.append(None)
+        got = [v for v in views if v is not None]
+        if sum(map(len, got)) >= _HASH_INLINE:
+            sums = await trio.to_thread.run_sync(_hash_all, got)
+        else:
+            sums = _hash_all(got)
+        k = 0
+        for s, i, view in zip(statuses, batch, views, strict=True):
+            c = chunks[i]
+            if view is None:
+                failures[i].append(f"node {node}: {s if isinstance(s, str) else 'bad status'}")
+                continue
+            xxh = sums[k]
+            k += 1
+            if len(view) != c.blob_len or xxh != c.xxh:
+                corrupt[i] = True
+                failures[i].append(f"node {node}: checksum mismatch ({len(view)} bytes, "
+                                   f"xxh {xxh:016x}, expected {c.blob_len} bytes, "
+                                   f"xxh {c.xxh:016x})")
+                log.error("blob %s on storage node %d fails its checksum; trying another "
+                          "replica", P.blob_name(c.blob), node)
+                continue
+            if dest is not None and view is not dest[i]:
+                dest[i][:] = view
+                view = dest[i]
+            out[i] = view
+
+    # ------------------------------------------------------------------ put
+
+    async def put(
+        self, blobs: Sequence[tuple[bytes, tuple[int, ...], bytes | memoryview]]
+    ) -> list[tuple[tuple[int, ...], int]]:
+        """Store each (blob id, preferred nodes, data) durably on as many live nodes.
+
+        Returns (nodes used, xxh3-64) per blob. A preferred node that is down is replaced by the
+        next node round the ring. Raises Unavailable (or the nodes' error) when a blob cannot get
+        that many copies.
+        """
+        n = len(blobs)
+        if not n:
+            return []
+        views = [memoryview(data).cast("B") for _, _, data in blobs]
+        sizes = [len(v) for v in views]
+        for bid, nodes, _ in blobs:
+            P.check_id(bid)
+            if not nodes or any(not 0 <= x < self.n_nodes for x in nodes):
+                raise error(errno.EINVAL, f"put: bad nodes {nodes!r} for blob {P.blob_name(bid)}")
+        if sum(sizes) >= _HASH_INLINE:
+            xxhs = await trio.to_thread.run_sync(_hash_all, views)
+        else:
+            xxhs = _hash_all(views)
+        want = [len(set(nodes)) for _, nodes, _ in blobs]
+        cands = [self._ring(nodes) for _, nodes, _ in blobs]
+        stored: list[list[int]] = [[] for _ in range(n)]
+        tried: list[set[int]] = [set() for _ in range(n)]
+        failures: list[list[str]] = [[] for _ in range(n)]
+        fatal: list[JPFSError] = []
+        while True:
+            groups: dict[int, list[int]] = {}
+            for i in range(n):
+                need = want[i] - len(stored[i])
+                if need <= 0:
+                    continue
+                fresh = [x for x in cands[i] if x not in tried[i]]
+                if not fresh:
+                    raise Unavailable(
+                        f"cannot store {want[i]} copies of blob {P.blob_name(blobs[i][0])}: "
+                        f"stored on {stored[i] or 'no node'}; " + "; ".join(failures[i]))
+                picks = [x for x in fresh if not self.is_down(x)][:need]
+                if len(picks) < need:
+                    picks += [x for x in fresh if x not in picks][:need - len(picks)]
+                for x in picks:
+                    tried[i].add(x)
+                    groups.setdefault(x, []).append(i)
+            if not groups:
+                break
+            async with trio.open_nursery() as nursery:
+                for node, items in groups.items():
+                    for batch in self._batches(items, sizes):
+                        nursery.start_soon(self._put_batch, node, batch, blobs, views, xxhs,
+                                           stored, failures, fatal)
+            if fatal:
+                raise fatal[0]
+        result = []
+        for i in range(n):
+            rank = {x: k for k, x in enumerate(cands[i])}
+            result.append((tuple(sorted(stored[i], key=rank.__getitem__)), xxhs[i]))
+        return result
+
+    def _ring(self, nodes: Sequence[int]) -> list[int]:
+        """The preferred nodes, then the rest of the ring after the last of them."""
+        pref = list(dict.fromkeys(nodes))
+        start = pref[-1] + 1
+        rest = [(start + k) % self.n_nodes for k in range(self.n_nodes)]
+        return pref + [x for x in rest if x not in pref]
+
+    async def _put_batch(self, node, batch, blobs, views, xxhs, stored, failures, fatal) -> None:
+        entries = [[blobs[i][0], len(views[i]), xxhs[i]] for i in batch]
+        try:
+            await self.pool.call(node, P.PUT_BLOBS, [entries], [views[i] for i in batch],
+                                 retry_for=self.write_retry_for)
+        except (Unavailable, DeadlineError) as e:
+            self._mark_down(node, e)
+            for i in batch:
+                failures[i].append(f"node {node}: {e.strerror}")
+            return
+        except JPFSError as e:
+            if e.errno not in _TRANSIENT:
+                fatal.append(e)
+                return
+            log.warning("storage node %d refused a put: %s", node, e.strerror)
+            for i in batch:
+                failures[i].append(f"node {node}: {e.strerror}")
+            return
+        for i in batch:
+            stored[i].append(node)
+
+    # ------------------------------------------------------------------ delete, maintenance
+
+    async def delete(self, blobs: Sequence[tuple[bytes, tuple[int, ...]]]) -> None:
+        """Delete blobs from every node that holds them (unknown blobs are ignored).
+
+        Every reachable node is done; if some could not be reached, Unavailable names them
+        afterwards (their copies stay until garbage collection finds them).
+        """
+        by_node: dict[int, list[bytes]] = {}
+        for bid, nodes in blobs:
+            P.check_id(bid)
+            for x in dict.fromkeys(nodes):
+                by_node.setdefault(x, []).append(bid)
+        failed: dict[int, str] = {}
+
+        async def one(node: int, ids: list[bytes]) -> None:
+            try:
+                await self.pool.call(node, P.DELETE_BLOBS, [ids], retry_for=self.write_retry_for)
+            except (Unavailable, DeadlineError) as e:
+                self._mark_down(node, e)
+                failed[node] = e.strerror
+
+        async with trio.open_nursery() as nursery:
+            for node, ids in by_node.items():
+                for k in range(0, len(ids), P.MAX_BATCH_BLOBS):
+                    nursery.start_soon(one, node, ids[k:k + P.MAX_BATCH_BLOBS])
+        if failed:
+            raise Unavailable("delete: storage nodes unreachable: " + "; ".join(
+                f"node {x}: {why}" for x, why in sorted(failed.items())))
+
+    async def list_blobs(
+        self, node: int, after: bytes = b"", limit: int = 10000
+    ) -> list[tuple[bytes, float]]:
+        """One page of the blob ids stored on ``node`` (greater than ``after``), with their
+        creation times; an empty page at the end."""
+        page = await self.pool.call(node, P.LIST_BLOBS, [after, limit])
+        return [(bid, created) for bid, created in page]
+
+    async def compact(self, node: int, min_dead_ratio: float = 0.3,
+                      timeout: float = 3600.0) -> dict:
+        """Rewrite ``node``'s volumes whose dead share is at least ``min_dead_ratio``."""
+        return await self.pool.call(node, P.COMPACT, [float(min_dead_ratio)], timeout=timeout)
+
+    async def stats(self, node: int) -> dict:
+        """``node``'s counters and space (see ``jpfs.proto.storage.STATS_KEYS``)."""
+        return await self.pool.call(node, P.STATS, [])
+
+
+def _hash_all(views: Sequence[memoryview]) -> list[int]:
+    h = xxhash.xxh3_64_intdigest
+    return [h(v) for v in views]
+
+
+def _read_error(chunk: Chunk, failures: list[str], corrupt: bool, all_down: bool) -> JPFSError:
+    what = f"blob {P.blob_name(chunk.blob)} (chunk {chunk.index}): " + "; ".join(failures)
+    if corrupt:
+        return ChecksumError(f"no replica has good bytes of {what}")
+    if all_down:
+        return Unavailable(f"no replica reachable for {what}")
+    return error(errno.EIO, f"no replica could serve {what}")

@@ -1,0 +1,267 @@
+"""A whole JPFS cluster of real daemon processes on loopback, in one directory.
+
+``up(DIR)`` writes ``DIR/cluster.toml`` and a secret on first use, then starts every daemon that is
+not running (``python -m jpfs_daemon.meta.server ...``): data in ``DIR/meta-<i>`` and
+``DIR/storage-<i>``, logs in ``DIR/logs``, pid files ``DIR/<role>-<i>.pid``. A later ``up`` on the
+same directory restarts stopped daemons on their data (on their old ports when those are free).
+This is what ``jpfs cluster up``, the tests and the benchmarks use.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import config
+
+MODULES = {"meta": "jpfs_daemon.meta.server", "storage": "jpfs_daemon.storage.server"}
+DEFAULT_META_SHARDS = 2
+DEFAULT_STORAGE_NODES = 2
+START_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class Daemon:
+    role: str
+    index: int
+    address: str
+    pid: int | None
+    alive: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_free(address: str) -> bool:
+    host, port = config.parse_address(address)
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        pid = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    # a zombie child of ours still "exists": treat as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return None
+    except OSError:
+        pass
+    return pid
+
+
+def cluster_file(directory: str | os.PathLike) -> Path:
+    return Path(directory) / "cluster.toml"
+
+
+def up(
+    directory: str | os.PathLike,
+    *,
+    meta_shards: int | None = None,
+    storage_nodes: int | None = None,
+    replicas: int | None = None,
+    chunk_size: int | None = None,
+    sync: bool = True,
+    extra_args: dict[str, list[str]] | None = None,
+) -> config.Cluster:
+    """Create (first time) and start the cluster in ``directory``; returns its config."""
+    d = Path(directory).resolve()
+    (d / "logs").mkdir(parents=True, exist_ok=True)
+    path = cluster_file(d)
+    if path.exists():
+        cluster = config.load(path)
+        for what, asked, have in (("meta shards", meta_shards, cluster.n_shards),
+                                  ("storage nodes", storage_nodes, cluster.n_nodes),
+                                  ("replicas", replicas, cluster.replicas),
+                                  ("chunk size", chunk_size, cluster.chunk_size)):
+            if asked is not None and asked != have:
+                raise ValueError(f"{path} already has {have} {what}; cannot change it to {asked} "
+                                 "(start a new cluster in another directory)")
+        cluster = _reassign_busy_ports(d, cluster)
+    else:
+        n_meta = DEFAULT_META_SHARDS if meta_shards is None else meta_shards
+        n_storage = DEFAULT_STORAGE_NODES if storage_nodes is None else storage_nodes
+        if n_meta < 1:
+            raise ValueError("a cluster needs at least one metadata shard")
+        config.new_secret(d / "secret")
+        cluster = config.Cluster(
+            meta=tuple(config.Server(f"127.0.0.1:{_free_port()}", f"meta-{i}")
+                       for i in range(n_meta)),
+            storage=tuple(config.Server(f"127.0.0.1:{_free_port()}", f"storage-{i}")
+                          for i in range(n_storage)),
+            replicas=replicas or 1,
+            chunk_size=chunk_size or config.DEFAULT_CHUNK_SIZE,
+            path=path,
+        )
+        if cluster.storage and cluster.replicas > cluster.n_nodes:
+            raise ValueError(f"replicas = {cluster.replicas} needs at least that many storage "
+                             "nodes")
+        config.write(cluster, path)
+        cluster = config.load(path)
+    started = []
+    for role, servers in (("meta", cluster.meta), ("storage", cluster.storage)):
+        for i in range(len(servers)):
+            if _read_pid(d / f"{role}-{i}.pid") is None:
+                started.append(_spawn(d, role, i, sync, (extra_args or {}).get(role, [])))
+    for role, i, proc in started:
+        _wait_listening(d, role, i, proc, (cluster.meta if role == "meta" else cluster.storage)[i])
+    return cluster
+
+
+def _reassign_busy_ports(d: Path, cluster: config.Cluster) -> config.Cluster:
+    """Keep old addresses where free (or still ours); move stopped daemons off taken ports."""
+    changed = False
+
+    def fix(role: str, servers) -> tuple:
+        nonlocal changed
+        out = []
+        for i, s in enumerate(servers):
+            if _read_pid(d / f"{role}-{i}.pid") is None and not _port_free(s.address):
+                host, _ = config.parse_address(s.address)
+                s = config.Server(f"{host}:{_free_port(host)}", s.data)
+                changed = True
+            out.append(s)
+        return tuple(out)
+
+    updated = config.Cluster(meta=fix("meta", cluster.meta), storage=fix("storage",
+                             cluster.storage), secret=cluster.secret, replicas=cluster.replicas,
+                             chunk_size=cluster.chunk_size, name=cluster.name, path=cluster.path,
+                             secret_file=cluster.secret_file)
+    if changed:
+        config.write(updated, cluster_file(d))
+    return updated
+
+
+def _spawn(d: Path, role: str, index: int, sync: bool, extra: list[str]):
+    log = d / "logs" / f"{role}-{index}.log"
+    cmd = [sys.executable, "-m", MODULES[role], "--cluster", str(cluster_file(d)),
+           "--index", str(index), "--pid-file", str(d / f"{role}-{index}.pid"),
+           "--log-file", str(log), *extra]
+    if not sync:
+        cmd.append("--no-sync")
+    with open(d / "logs" / f"{role}-{index}.out", "ab") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                start_new_session=True, cwd=d)
+    return role, index, proc
+
+
+def _wait_listening(d: Path, role: str, index: int, proc: subprocess.Popen,
+                    server: config.Server) -> None:
+    host, port = server.host_port
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{role}-{index} exited with status {proc.returncode}:\n"
+                               + _tail(d, role, index))
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{role}-{index} did not start listening on {server.address} within "
+                       f"{START_TIMEOUT:.0f}s:\n" + _tail(d, role, index))
+
+
+def _tail(d: Path, role: str, index: int, lines: int = 20) -> str:
+    text = ""
+    for suffix in (".log", ".out"):
+        try:
+            text += (d / "logs" / f"{role}-{index}{suffix}").read_text(errors="replace")
+        except OSError:
+            pass
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def status(directory: str | os.PathLike) -> list[Daemon]:
+    d = Path(directory).resolve()
+    cluster = config.load(cluster_file(d))
+    out = []
+    for role, servers in (("meta", cluster.meta), ("storage", cluster.storage)):
+        for i, s in enumerate(servers):
+            pid = _read_pid(d / f"{role}-{i}.pid")
+            out.append(Daemon(role, i, s.address, pid, pid is not None))
+    return out
+
+
+def stop(directory: str | os.PathLike, role: str, index: int, *, sig: int = signal.SIGTERM,
+         timeout: float = 15.0) -> bool:
+    """Stop one daemon (SIGKILL after ``timeout``); False if it was not running."""
+    d = Path(directory).resolve()
+    pid_file = d / f"{role}-{index}.pid"
+    pid = _read_pid(pid_file)
+    if pid is None:
+        pid_file.unlink(missing_ok=True)
+        return False
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+        time.sleep(0.02)
+    pid_file.unlink(missing_ok=True)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # reap it if it is our child
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill(directory: str | os.PathLike, role: str, index: int) -> bool:
+    """``kill -9`` one daemon (crash tests)."""
+    return stop(directory, role, index, sig=signal.SIGKILL)
+
+
+def down(directory: str | os.PathLike, timeout: float = 15.0) -> list[str]:
+    """Stop every daemon of the cluster; returns the names of those that were running."""
+    stopped = []
+    for dmn in status(directory):
+        if stop(directory, dmn.role, dmn.index, timeout=timeout):
+            stopped.append(dmn.name)
+    return stopped
+
+
+__all__ = ["Daemon", "cluster_file", "down", "kill", "status", "stop", "up"]

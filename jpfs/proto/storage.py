@@ -1,0 +1,102 @@
+"""The storage service's methods, and the wire shapes of their arguments and answers.
+
+A storage node keeps immutable *blobs*, each named by a random 128-bit id chosen by the writer.
+It knows nothing of files: the metadata service records which blobs (and which nodes) make up a
+file. Every method is safe to repeat: re-putting a blob id with the same bytes is a no-op, so a
+client may retry any call after a lost connection.
+
+Wire shapes (msgpack; ids are 16-byte ``bytes``):
+
+``put_blobs([[id, length, xxh], ...])`` + payload (the blobs back to back, in list order)
+    -> ``[stored, already_present]``. The whole batch is stored durably (data fsynced, then one
+    index transaction) or not at all. ``xxh`` is the xxh3-64 of each blob; a mismatch fails the
+    batch with EIO (corrupted in transit); an id already stored with other bytes fails it with
+    EEXIST.
+``get_blobs([id, ...])`` -> ``[status, ...]`` + payload: the found blobs back to back in request
+    order. ``status`` is ``[length, xxh]`` for a found blob and an errno name (``"ENOENT"``,
+    ``"EIO"``) for one that is not served.
+``delete_blobs([id, ...])`` -> number of blobs removed (unknown ids are ignored).
+``list_blobs(after, limit)`` -> ``[[id, created], ...]``: ids greater than ``after`` in byte
+    order, with their creation time (seconds since the epoch); an empty list at the end.
+``compact(min_dead_ratio)`` -> a summary map (volumes rewritten, bytes reclaimed, ...).
+``stats()`` -> a map of counters (see ``STATS_KEYS``).
+"""
+
+from __future__ import annotations
+
+import errno
+
+from ..errors import error
+from ..rpc import Method, method_table
+
+BLOB_ID_BYTES = 16
+
+MAX_BATCH_BLOBS = 65536
+"""Most blob ids (or put entries) one request may name."""
+
+MAX_PUT_BYTES = 256 << 20
+"""Largest put payload a server accepts (a frame over this is refused before it is read)."""
+
+MAX_GET_BYTES = 1 << 30
+"""Largest get answer a server sends (the client's default frame limit)."""
+
+MAX_LIST = 100_000
+"""Most ids one ``list_blobs`` answer carries."""
+
+METHODS = method_table(
+    Method("put_blobs", (list,), idempotent=True, payload=True),
+    Method("get_blobs", (list,), idempotent=True),
+    Method("delete_blobs", (list,), idempotent=True),
+    Method("list_blobs", (bytes, int), idempotent=True),
+    Method("compact", ((int, float),), idempotent=True),
+    Method("stats", (), idempotent=True),
+)
+
+PUT_BLOBS = METHODS["put_blobs"]
+GET_BLOBS = METHODS["get_blobs"]
+DELETE_BLOBS = METHODS["delete_blobs"]
+LIST_BLOBS = METHODS["list_blobs"]
+COMPACT = METHODS["compact"]
+STATS = METHODS["stats"]
+
+STATS_KEYS = (
+    "node",             # this server's index in the cluster file
+    "volumes",          # volume files
+    "blobs",            # live blobs
+    "bytes_used",       # bytes in volume files (live + dead)
+    "live_bytes",       # bytes of live blobs
+    "dead_bytes",       # bytes of deleted (or superseded) blobs not yet compacted away
+    "disk_free",        # free bytes on the data directory's filesystem (for statfs)
+    "disk_total",       # size of that filesystem
+    "puts",             # put_blobs requests stored
+    "blobs_put",        # blobs newly stored
+    "commits",          # group commits (each one fsync of data + one index transaction)
+    "gets",             # get_blobs requests answered
+    "blobs_sent",       # blobs sent by get_blobs
+    "segments_sent",    # sendfile segments those were sent as (coalescing: fewer than blobs)
+    "bytes_sent",       # payload bytes sent by get_blobs
+    "cold_warmups",     # get_blobs answers whose pages were read in a worker thread first
+    "compactions",      # volumes rewritten by compact
+)
+
+
+def check_id(value: object) -> bytes:
+    """Raise EINVAL unless ``value`` is a 16-byte blob id."""
+    if not isinstance(value, bytes) or len(value) != BLOB_ID_BYTES:
+        raise error(errno.EINVAL, f"a blob id must be {BLOB_ID_BYTES} bytes")
+    return value
+
+
+def check_ids(values: list, what: str) -> list[bytes]:
+    """Raise EINVAL/E2BIG unless ``values`` is a list of at most MAX_BATCH_BLOBS blob ids."""
+    if len(values) > MAX_BATCH_BLOBS:
+        raise error(errno.E2BIG, f"{what}: {len(values)} ids in one request "
+                                 f"(at most {MAX_BATCH_BLOBS})")
+    for v in values:
+        check_id(v)
+    return values
+
+
+def blob_name(blob: bytes) -> str:
+    """A blob id as people and logs see it."""
+    return blob.hex() if isinstance(blob, bytes) else repr(blob)
