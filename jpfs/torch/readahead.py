@@ -1,0 +1,178 @@
+"""Background read-ahead of the shards a worker will need next, bounded in bytes.
+
+The partition functions tell a worker its whole future, so the shards it needs are known in
+first-use order. A thread fetches them in batches (``fs.cat(list_of_paths)``: on ``jpfs://`` that
+is the client's batched multi-file read; on a local or mounted path, plain reads that also warm
+the mount's cache and feed its prefetcher) and decodes them with pyarrow, which releases the GIL.
+Bytes held (fetched or decoded, not yet released by the consumer) stay under ``budget``; a shard
+the consumer is blocked on is always fetched, so one shard larger than the budget cannot stall.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .shards import Shard, ShardTable
+
+log = logging.getLogger(__name__)
+
+HINT_FILE = ".jpfs-prefetch"
+
+
+class ReadAhead:
+    """Fetch and decode ``schedule`` (shard indices in first-use order) ahead of the consumer."""
+
+    def __init__(self, fs: Any, shards: Sequence[Shard], schedule: Sequence[int],
+                 decode: Callable[[bytes], ShardTable], *, budget: int = 256 << 20,
+                 batch_files: int = 32, hint: Callable[[list[str]], None] | None = None):
+        self.fs = fs
+        self.shards = shards
+        self.schedule = list(schedule)
+        self.decode = decode
+        self.budget = max(int(budget), 1)
+        self.batch_files = max(int(batch_files), 1)
+        self.hint = hint
+        self._cond = threading.Condition()
+        self._ready: dict[int, ShardTable] = {}
+        self._held: dict[int, int] = {}  # shard -> bytes counted against the budget
+        self._wanted: int | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self.fetched_files = 0
+        self.fetched_bytes = 0
+        self.fetch_calls = 0
+        self._thread = threading.Thread(target=self._run, name="jpfs-readahead", daemon=True)
+        self._thread.start()
+
+    # consumer side -------------------------------------------------------------------------
+
+    def get(self, shard: int) -> ShardTable:
+        """The decoded shard, waiting for the background thread if it is not there yet."""
+        with self._cond:
+            while shard not in self._ready:
+                if self._error is not None:
+                    raise self._error
+                if self._closed:
+                    raise RuntimeError("read-ahead closed")
+                self._wanted = shard
+                self._cond.notify_all()
+                self._cond.wait(0.5)
+            self._wanted = None
+            return self._ready[shard]
+
+    def release(self, shard: int) -> None:
+        """The consumer is done with ``shard``: its bytes leave the budget."""
+        with self._cond:
+            self._ready.pop(shard, None)
+            self._held.pop(shard, None)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._ready.clear()
+            self._held.clear()
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    # background side -----------------------------------------------------------------------
+
+    def _cost(self, shard: int) -> int:
+        return max(self.shards[shard].nbytes, 1)
+
+    def _next_batch(self, pos: int) -> list[int]:
+        """Shards starting at ``pos`` that fit the budget now (at least one if it is wanted)."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    return []
+                used = sum(self._held.values())
+                batch: list[int] = []
+                total = 0
+                for s in self.schedule[pos:pos + self.batch_files]:
+                    cost = self._cost(s)
+                    if used + total + cost > self.budget and (batch or self._held):
+                        if not (not batch and self._wanted == s):
+                            break
+                    batch.append(s)
+                    total += cost
+                if batch:
+                    for s in batch:
+                        self._held[s] = self._cost(s)
+                    return batch
+                self._cond.wait(0.5)
+
+    def _run(self) -> None:
+        pos = 0
+        try:
+            while pos < len(self.schedule):
+                batch = self._next_batch(pos)
+                if not batch:
+                    return
+                pos += len(batch)
+                if self.hint is not None:
+                    self.hint([self.shards[s].path for s in self.schedule[pos:pos + 64]])
+                paths = [self.shards[s].path for s in batch]
+                # TODO(client): call Client.read_many(paths) directly once jpfs.client exists;
+                # until then fsspec's cat() is the batch read (the JPFS fsspec class maps it).
+                blobs = self.fs.cat(paths) if len(paths) > 1 else {paths[0]:
+                                                                   self.fs.cat_file(paths[0])}
+                self.fetch_calls += 1
+                for s, p in zip(batch, paths, strict=True):
+                    data = blobs.get(p)
+                    if data is None:
+                        data = blobs[self.fs._strip_protocol(p)]
+                    if isinstance(data, BaseException):
+                        raise data
+                    table = self.decode(data)
+                    self.fetched_files += 1
+                    self.fetched_bytes += len(data)
+                    with self._cond:
+                        if self._closed:
+                            return
+                        self._ready[s] = table
+                        self._held[s] = max(self._held.get(s, 0), table.nbytes)
+                        self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer by get()
+            log.debug("read-ahead failed: %r", e)
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+
+def mount_hint(root: str) -> Callable[[list[str]], None] | None:
+    """A hint function for a path inside a JPFS mount that offers a prefetch control file.
+
+    Looks for ``.jpfs-prefetch`` at the mount root (walking up from ``root``); writing paths to it,
+    one per line, asks the mount to fetch them ahead. None when there is no such file.
+    """
+    if "://" in root:
+        return None
+    d = os.path.abspath(root)
+    while True:
+        candidate = os.path.join(d, HINT_FILE)
+        if os.path.exists(candidate):
+            break
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+    sent: set[str] = set()
+
+    def hint(paths: list[str]) -> None:
+        new = [p for p in paths if p not in sent]
+        if not new:
+            return
+        sent.update(new)
+        try:
+            with open(candidate, "a") as f:
+                f.write("".join(p + "\n" for p in new))
+        except OSError as e:
+            log.debug("prefetch hint to %s failed: %s", candidate, e)
+
+    return hint
