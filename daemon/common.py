@@ -22,10 +22,31 @@ from jpfs import config
 log = logging.getLogger(__name__)
 
 
+_FAULTS: dict[str, int] | None = None
+
+
+def fault_point(name: str) -> None:
+    """Crash-test hook: ``JPFS_FAULTS="name[:n],..."`` makes this process die like ``kill -9``
+    the n-th time (default first) it passes point ``name``. Costs one dict lookup otherwise."""
+    global _FAULTS
+    if _FAULTS is None:
+        _FAULTS = {}
+        for item in filter(None, os.environ.get("JPFS_FAULTS", "").split(",")):
+            point, _, count = item.partition(":")
+            _FAULTS[point.strip()] = int(count or 1)
+    if name in _FAULTS:
+        _FAULTS[name] -= 1
+        if _FAULTS[name] <= 0:
+            log.warning("fault point %s reached: exiting abruptly", name)
+            logging.shutdown()
+            os._exit(137)
+
+
 def parser(role: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"jpfs-{role}", description=description)
     p.add_argument("--cluster", help="cluster file (default: $JPFS_CLUSTER)")
-    p.add_argument("--index", type=int, required=True, help=f"which {role} server this is (0-based)")
+    p.add_argument("--index", type=int, required=True,
+                   help=f"which {role} server this is (0-based)")
     p.add_argument("--data", help="data directory (default: from the cluster file)")
     p.add_argument("--listen", help="host:port to bind (default: this server's cluster address)")
     p.add_argument("--pid-file", help="write the process id here while running")
@@ -38,7 +59,8 @@ def setup_logging(level: str, log_file: str | None) -> None:
     handler: logging.Handler = (
         logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
     )
-    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=getattr(logging, level), handlers=[handler], force=True)
 
 

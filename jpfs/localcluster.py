@@ -89,6 +89,7 @@ def up(
     chunk_size: int | None = None,
     sync: bool = True,
     extra_args: dict[str, list[str]] | None = None,
+    env: dict[str, str] | None = None,
 ) -> config.Cluster:
     """Create (first time) and start the cluster in ``directory``; returns its config."""
     d = Path(directory).resolve()
@@ -128,10 +129,21 @@ def up(
     for role, servers in (("meta", cluster.meta), ("storage", cluster.storage)):
         for i in range(len(servers)):
             if _read_pid(d / f"{role}-{i}.pid") is None:
-                started.append(_spawn(d, role, i, sync, (extra_args or {}).get(role, [])))
+                started.append(_spawn(d, role, i, sync, (extra_args or {}).get(role, []), env))
     for role, i, proc in started:
         _wait_listening(d, role, i, proc, (cluster.meta if role == "meta" else cluster.storage)[i])
     return cluster
+
+
+def start(directory: str | os.PathLike, role: str, index: int, *, sync: bool = True,
+          env: dict[str, str] | None = None, extra_args: list[str] | None = None) -> int:
+    """Start one stopped daemon (tests use ``env`` for fault points); returns its pid."""
+    d = Path(directory).resolve()
+    cluster = _reassign_busy_ports(d, config.load(cluster_file(d)))
+    _, _, proc = _spawn(d, role, index, sync, extra_args or [], env)
+    _wait_listening(d, role, index, proc,
+                    (cluster.meta if role == "meta" else cluster.storage)[index])
+    return proc.pid
 
 
 def _reassign_busy_ports(d: Path, cluster: config.Cluster) -> config.Cluster:
@@ -158,7 +170,8 @@ def _reassign_busy_ports(d: Path, cluster: config.Cluster) -> config.Cluster:
     return updated
 
 
-def _spawn(d: Path, role: str, index: int, sync: bool, extra: list[str]):
+def _spawn(d: Path, role: str, index: int, sync: bool, extra: list[str],
+           env: dict[str, str] | None = None):
     log = d / "logs" / f"{role}-{index}.log"
     cmd = [sys.executable, "-m", MODULES[role], "--cluster", str(cluster_file(d)),
            "--index", str(index), "--pid-file", str(d / f"{role}-{index}.pid"),
@@ -167,7 +180,8 @@ def _spawn(d: Path, role: str, index: int, sync: bool, extra: list[str]):
         cmd.append("--no-sync")
     with open(d / "logs" / f"{role}-{index}.out", "ab") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True, cwd=d)
+                                start_new_session=True, cwd=d,
+                                env={**os.environ, **env} if env else None)
     return role, index, proc
 
 
@@ -264,4 +278,4 @@ def down(directory: str | os.PathLike, timeout: float = 15.0) -> list[str]:
     return stopped
 
 
-__all__ = ["Daemon", "cluster_file", "down", "kill", "status", "stop", "up"]
+__all__ = ["Daemon", "cluster_file", "down", "kill", "start", "status", "stop", "up"]

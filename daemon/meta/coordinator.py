@@ -26,6 +26,7 @@ from jpfs.errors import JPFSError, Unavailable, error
 from jpfs.proto.meta import METHODS
 from jpfs.rpc import Pool
 
+from ..common import fault_point
 from . import keys as K
 from . import ops
 from .store import Store, Txn
@@ -99,20 +100,24 @@ class Coordinator:
         # A decided transaction must be finished even if our caller goes away.
         with trio.CancelScope(shield=True):
             await self.store.write(_put_intent, txid, "preparing", shards)
+            fault_point("coordinator.intent")
             created: list[int] = []
             try:
                 for s in shards:
                     new = created[0] if created else None
                     created.extend(await self._participant(s, "prepare", txid,
                                                            ops.substitute(plan[s], new)))
+                    fault_point("coordinator.prepared_one")
             except JPFSError:
                 # Abort everywhere: a prepare whose answer was lost may still have happened.
                 self.aborted += 1
                 await self._finish(txid, shards, commit=False)
                 raise
             await self.store.write(_put_intent, txid, "committing", shards)
+            fault_point("coordinator.decided")
             self.committed += 1
             await self._finish(txid, shards, commit=True)
+            fault_point("coordinator.finished")
         return created
 
     async def _participant(self, shard: int, step: str, txid: bytes, plan_ops=None):
@@ -201,11 +206,14 @@ class Coordinator:
         ops.check_shapes(plan_ops)
         created = await self.store.write(ops.prepare, txid, coordinator, plan_ops)
         self.store.tx_begun(txid)
+        if coordinator != self.shard:
+            fault_point("participant.prepared")
         return created
 
     async def tx_commit(self, txid: bytes) -> bool:
         applied = await self.store.write(ops.commit, txid)
         self.store.tx_resolved(txid)
+        fault_point("participant.committed")
         return applied
 
     async def tx_abort(self, txid: bytes) -> bool:

@@ -1,0 +1,191 @@
+"""``jpfs fsck``: check the namespace across all shards, and repair it.
+
+It first lets in-flight cross-shard transactions finish (and aborts prepared records whose
+coordinator has forgotten them), then reads every inode, entry and chunk record and checks:
+
+- every entry's directory exists and is a directory, and its inode exists with the entry's type;
+- every file's link count equals the entries naming it; every directory has exactly one entry
+  (the root none), a parent pointer to that entry's directory, and 2 + subdirectories links;
+- no inode is unreachable (orphans are moved to ``/lost+found``, never deleted);
+- no chunk record belongs to a missing inode.
+
+Run it on a quiet cluster: a change made during the scan can look like a problem. Each repair
+states what it expects to find, so a repair computed from a stale scan changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+from collections import Counter
+from dataclasses import dataclass, field
+
+import trio
+
+from ..errors import JPFSError
+from ..placement import shard_of
+from ..types import ROOT_INO
+from .meta import MetaClient
+
+log = logging.getLogger(__name__)
+
+LOST_FOUND = b"lost+found"
+SETTLE_TIME = 15.0
+
+
+@dataclass
+class Report:
+    inodes: int = 0
+    entries: int = 0
+    chunks: int = 0
+    problems: list[str] = field(default_factory=list)
+    repaired: int = 0
+    counts: Counter = field(default_factory=Counter)
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems
+
+    def add(self, kind: str, text: str) -> None:
+        self.counts[kind] += 1
+        self.problems.append(text)
+
+    def as_dict(self) -> dict:
+        return {"clean": self.clean, "inodes": self.inodes, "entries": self.entries,
+                "chunks": self.chunks, "problems": dict(self.counts),
+                "details": self.problems[:200], "repaired": self.repaired}
+
+
+async def _scan(meta: MetaClient, shard: int, kind: str) -> list:
+    out, after = [], b""
+    while True:
+        items, nxt = await meta.call(shard, "scan", kind, after, 5000)
+        out.extend(items)
+        if nxt is None:
+            return out
+        after = nxt
+
+
+async def settle(meta: MetaClient, report: Report, repair: bool) -> None:
+    """Wait for cross-shard transactions to finish; abort orphaned prepared records."""
+    deadline = trio.current_time() + SETTLE_TIME
+    while True:
+        pend = [await meta.call(s, "pending") for s in range(meta.n_shards)]
+        if not any(p["intents"] or p["prepared"] for p in pend):
+            return
+        if trio.current_time() > deadline:
+            break
+        await trio.sleep(0.2)
+    for shard, p in enumerate(pend):
+        for txid, state in p["intents"]:
+            report.add("unfinished_transaction",
+                       f"shard {shard}: transaction {txid.hex()} still {state}")
+        for txid, coordinator in p["prepared"]:
+            state = await meta.call(coordinator, "tx_status", txid)
+            if state == "unknown":
+                report.add("orphan_prepared", f"shard {shard}: prepared transaction "
+                           f"{txid.hex()} has no coordinator record")
+                if repair and await meta.call(shard, "repair", "abort_tx", [txid]):
+                    report.repaired += 1
+
+
+async def fsck(meta: MetaClient, *, repair: bool = False) -> Report:
+    report = Report()
+    await settle(meta, report, repair)
+    inodes: dict[int, list] = {}
+    dentries: list[list] = []
+    chunk_inos: set[int] = set()
+    for shard in range(meta.n_shards):
+        for ino, mode, nlink, parent, size in await _scan(meta, shard, "inode"):
+            inodes[ino] = [mode, nlink, parent]
+        dentries.extend(await _scan(meta, shard, "dentry"))
+        for ino, *_ in await _scan(meta, shard, "chunk"):
+            report.chunks += 1
+            chunk_inos.add(ino)
+    report.inodes, report.entries = len(inodes), len(dentries)
+
+    async def fix(shard: int, kind: str, args: list) -> object:
+        if not repair:
+            return None
+        try:
+            done = await meta.call(shard, "repair", kind, args)
+        except JPFSError as e:
+            log.warning("repair %s %r failed: %s", kind, args, e.strerror)
+            return None
+        if done:
+            report.repaired += 1
+        return done
+
+    refs: dict[int, list[tuple[int, bytes]]] = {}
+    subdirs: Counter = Counter()
+    for parent, name, ino, kind in dentries:
+        where = f"entry {name!r} in directory {parent:#x}"
+        pnode = inodes.get(parent)
+        if pnode is None or not stat.S_ISDIR(pnode[0]):
+            report.add("entry_in_missing_directory", f"{where}: directory missing")
+            await fix(shard_of(parent), "drop_dentry", [parent, name, ino])
+            continue
+        node = inodes.get(ino)
+        if node is None:
+            report.add("dangling_entry", f"{where}: inode {ino:#x} missing")
+            await fix(shard_of(parent), "drop_dentry", [parent, name, ino])
+            continue
+        if stat.S_IFMT(node[0]) != kind:
+            report.add("entry_type", f"{where}: type {kind:o} but inode is {node[0]:o}")
+            await fix(shard_of(parent), "set_dentry_kind", [parent, name, ino,
+                                                             stat.S_IFMT(node[0])])
+        refs.setdefault(ino, []).append((parent, name))
+        if stat.S_ISDIR(node[0]):
+            subdirs[parent] += 1
+
+    lost_found: int | None = None
+
+    async def lost_and_found() -> int | None:
+        nonlocal lost_found
+        if lost_found is None and repair:
+            # make_dir counts the new directory in the root's link count itself
+            lost_found = await meta.call(shard_of(ROOT_INO), "repair", "make_dir",
+                                         [ROOT_INO, LOST_FOUND])
+        return lost_found
+
+    for ino, (mode, nlink, parent) in sorted(inodes.items()):
+        names = refs.get(ino, [])
+        if ino == ROOT_INO:
+            continue
+        if not names:
+            report.add("orphan", f"inode {ino:#x} is not reachable from any directory")
+            lf = await lost_and_found()
+            if lf is not None and await fix(shard_of(lf), "add_dentry",
+                                            [lf, f"#{ino:x}".encode(), ino, stat.S_IFMT(mode)]):
+                names = [(lf, f"#{ino:x}".encode())]
+                if stat.S_ISDIR(mode):
+                    subdirs[lf] += 1
+                    await fix(shard_of(ino), "set_parent", [ino, lf])
+                    parent = lf
+        if stat.S_ISDIR(mode):
+            if len(names) > 1:
+                report.add("directory_links", f"directory {ino:#x} has {len(names)} entries")
+                for p, n in names:
+                    if p != parent:
+                        await fix(shard_of(p), "drop_dentry", [p, n, ino])
+                        subdirs[p] -= 1
+            elif names and names[0][0] != parent:
+                report.add("parent_pointer", f"directory {ino:#x} points to parent {parent:#x} "
+                           f"but is listed in {names[0][0]:#x}")
+                await fix(shard_of(ino), "set_parent", [ino, names[0][0]])
+        elif names and nlink != len(names):
+            report.add("link_count", f"inode {ino:#x} has nlink {nlink} but {len(names)} entries")
+            await fix(shard_of(ino), "set_nlink", [ino, len(names)])
+    for ino, (mode, nlink, _) in inodes.items():
+        if stat.S_ISDIR(mode):
+            want = 2 + subdirs[ino]
+            if nlink != want:
+                report.add("dir_link_count", f"directory {ino:#x} has nlink {nlink}, "
+                           f"expected {want}")
+                await fix(shard_of(ino), "set_nlink", [ino, want])
+    if lost_found is not None and subdirs[lost_found]:
+        await fix(shard_of(lost_found), "set_nlink", [lost_found, 2 + subdirs[lost_found]])
+    for ino in chunk_inos - inodes.keys():
+        report.add("orphan_chunks", f"chunk records of missing inode {ino:#x}")
+        await fix(shard_of(ino), "drop_chunks", [ino])
+    return report
