@@ -168,6 +168,8 @@ def generate(
         from .convert import convert
 
         tmp_parent = posixpath.dirname(base) if is_local(fs) else None
+        if tmp_parent:
+            fs.makedirs(tmp_parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".jpfs-gen-v21-", dir=tmp_parent)
         try:
             figures = generate(tmp, episodes, cameras, frames_per_episode, fps, video,

@@ -1,0 +1,183 @@
+"""``jpfs lerobot``: convert LeRobot datasets from v2.1 to v3.0, verify, and describe them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CONVERT_DESCRIPTION = """\
+Convert a LeRobot v2.1 dataset (a parquet and an mp4 per camera per episode) into the v3.0
+layout (many episodes per file), as LeRobot's official converter does: episode parquets are
+concatenated in episode order into data files of up to --data-file-mb, each camera's episode
+mp4s are joined by stream copy (no re-encode) into video files of up to --video-file-mb, and
+meta/ is rewritten (info.json, tasks.parquet, episodes/, stats.json). SRC is never modified.
+
+Output files are written in parallel (--workers) under temporary names and renamed when
+complete; a progress journal in DST/.jpfs-convert lets a rerun with the same arguments finish
+an interrupted conversion. meta/info.json is written last, so an unfinished DST never looks like
+a valid dataset.
+
+SRC and DST are local paths or JPFS paths (jpfs:/datasets/aloha).
+
+examples:
+  jpfs lerobot convert /data/aloha-v21 /data/aloha-v30
+  jpfs lerobot convert jpfs:/lerobot/pusht jpfs:/lerobot/pusht-v30 --workers 4 --verify
+"""
+
+VERIFY_DESCRIPTION = """\
+Check that DST (v3.0) is a faithful conversion of SRC (v2.1): every frame's data row is equal,
+every episode's video holds SRC's compressed frames byte for byte, at continuous timestamps
+inside its recorded from/to range, and episodes, tasks and index ranges match. Exits 1 and lists
+the problems when anything differs.
+"""
+
+INFO_DESCRIPTION = """\
+Print a dataset's summary: LeRobot version, episodes, frames, fps, cameras and codecs, tasks,
+and file counts and sizes of data/, videos/ and meta/. Works on v2.1 and v3.0 datasets, local or
+in JPFS (jpfs:/path).
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lerobot", help="LeRobot datasets: convert v2.1 -> v3.0, verify, info",
+                       description="LeRobot datasets (v2.1 and v3.0) on local disks and in JPFS.")
+    lsub = p.add_subparsers(dest="lerobot", metavar="COMMAND")
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    raw = argparse.RawDescriptionHelpFormatter
+
+    c = lsub.add_parser("convert", help="convert a v2.1 dataset to v3.0 (parallel, resumable)",
+                        description=CONVERT_DESCRIPTION, formatter_class=raw)
+    c.add_argument("src", metavar="SRC", help="the v2.1 dataset (read only)")
+    c.add_argument("dst", metavar="DST",
+                   help="where the v3.0 dataset goes: new, empty, or an unfinished conversion")
+    c.add_argument("--data-file-mb", type=float, default=100, metavar="MB",
+                   help="data file size limit, uncompressed parquet MB (default 100)")
+    c.add_argument("--video-file-mb", type=float, default=200, metavar="MB",
+                   help="video file size limit in MB (default 200)")
+    c.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="output files written in parallel (default: one per core, at most 8)")
+    c.add_argument("--executor", choices=("process", "thread"), default="process",
+                   help="worker processes (default) or threads")
+    c.add_argument("--files-per-chunk", type=int, default=1000, metavar="N",
+                   help="files per chunk-NNN folder (LeRobot: 1000)")
+    c.add_argument("--verify", action="store_true",
+                   help="run `jpfs lerobot verify SRC DST` after converting")
+    _common(c)
+    c.set_defaults(func=_convert)
+
+    v = lsub.add_parser("verify", help="check a conversion frame by frame",
+                        description=VERIFY_DESCRIPTION, formatter_class=raw)
+    v.add_argument("src", metavar="SRC", help="the v2.1 dataset")
+    v.add_argument("dst", metavar="DST", help="its v3.0 conversion")
+    v.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="files checked in parallel (default: one per core, at most 8)")
+    _common(v)
+    v.set_defaults(func=_verify)
+
+    i = lsub.add_parser("info", help="summarize a dataset (v2.1 or v3.0)",
+                        description=INFO_DESCRIPTION, formatter_class=raw)
+    i.add_argument("path", metavar="PATH", help="dataset root, local or jpfs:/path")
+    i.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    i.set_defaults(func=_info)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true",
+                   help="print the figures as one JSON object on the last line")
+
+
+def _root(path: str) -> str:
+    """A command-line path as lerobot functions take it: jpfs:/a/b becomes jpfs://a/b."""
+    from jpfs.uri import is_jpfs, to_path, to_url
+
+    return to_url(to_path(path)) if is_jpfs(path) else path
+
+
+def _emit(args: argparse.Namespace, figures: dict[str, Any]) -> None:
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps(figures, sort_keys=True, default=str))
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from jpfs.config import format_size
+    from jpfs.lerobot.convert import convert
+
+    figures = convert(_root(args.src), _root(args.dst), data_file_mb=args.data_file_mb,
+                      video_file_mb=args.video_file_mb, workers=args.workers,
+                      chunks_size=args.files_per_chunk, executor=args.executor,
+                      progress=not args.no_progress)
+    if figures.get("already_done"):
+        print(f"{args.dst} already holds the finished v3.0 dataset; nothing to do")
+    else:
+        secs = max(figures["seconds"], 1e-9)
+        print(f"converted {figures['episodes']} episodes ({figures['frames']} frames, "
+              f"{figures['cameras']} cameras) in {secs:.2f} s")
+        print(f"  files  {figures['source_files']} -> {figures['data_files']} data + "
+              f"{figures['video_files']} video")
+        print(f"  bytes  {format_size(figures['source_bytes'])} -> "
+              f"{format_size(figures['output_bytes'])}")
+        print(f"  rate   {figures['episodes'] / secs:.1f} episodes/s, "
+              f"{figures['source_bytes'] / secs / 1e6:.1f} MB/s")
+        if figures["tasks_resumed"]:
+            print(f"  resumed: {figures['tasks_resumed']} files were already done")
+    rc = 0
+    if args.verify:
+        report = _run_verify(args)
+        figures["verify"] = report
+        rc = 0 if report["ok"] else 1
+    _emit(args, figures)
+    return rc
+
+
+def _run_verify(args: argparse.Namespace) -> dict[str, Any]:
+    from jpfs.lerobot.verify import verify
+
+    report = verify(_root(args.src), _root(args.dst), workers=args.workers,
+                    progress=not args.no_progress)
+    if report["ok"]:
+        print(f"verified {report['episodes']} episodes: {report['frames_checked']} frames and "
+              f"{report['episode_videos_checked']} episode videos match")
+    else:
+        print(f"verify FAILED: {report['problem_count']} problems", file=sys.stderr)
+        for p in report["problems"]:
+            print(f"  {p}", file=sys.stderr)
+    return report
+
+
+def _verify(args: argparse.Namespace) -> int:
+    report = _run_verify(args)
+    _emit(args, report)
+    return 0 if report["ok"] else 1
+
+
+def _info(args: argparse.Namespace) -> int:
+    from jpfs.config import format_size
+    from jpfs.lerobot.summary import describe
+
+    d = describe(_root(args.path))
+    lengths = d["episode_length"]
+    print(f"{args.path}: LeRobot {d['version']} ({d['robot_type']})")
+    print(f"  episodes   {d['episodes']}  (length {lengths['min']}-{lengths['max']}, "
+          f"mean {lengths['mean']:.0f})")
+    print(f"  frames     {d['frames']} at {d['fps']} fps")
+    print(f"  tasks      {d['tasks']}")
+    print(f"  features   {', '.join(d['features'])}")
+    for key, cam in d["cameras"].items():
+        shape = "x".join(str(s) for s in cam["shape"] or [])
+        print(f"  camera     {key}: {shape} {cam['codec']}, {cam['files']} files")
+    for part, v in d["parts"].items():
+        if v["files"]:
+            print(f"  {part + '/':<10} {v['files']} files, {format_size(v['bytes'])}")
+    print(f"  total      {d['files']} files, {format_size(d['bytes'])}")
+    if d["version"] == "v3.0":
+        print(f"  limits     data {d['data_files_size_in_mb']} MB, "
+              f"video {d['video_files_size_in_mb']} MB")
+    _emit(args, d)
+    return 0
