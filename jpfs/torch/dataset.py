@@ -133,20 +133,22 @@ class ShardDataset(IterableDataset):
         self._pending: dict | None = None
         self._progress: dict[str, int] | None = None
         self.stats: dict[str, int] = {}
+        # Resolve now: DataLoader workers are new processes where torch.distributed is not set up.
+        _ = self.rank, self.world_size
 
     # place in the world --------------------------------------------------------------------
 
     @property
     def rank(self) -> int:
-        if self._rank is not None:
-            return int(self._rank)
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if self._rank is None and _dist_ready():
+            self._rank = dist.get_rank()
+        return 0 if self._rank is None else int(self._rank)
 
     @property
     def world_size(self) -> int:
-        if self._world_size is not None:
-            return int(self._world_size)
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if self._world_size is None and _dist_ready():
+            self._world_size = dist.get_world_size()
+        return 1 if self._world_size is None else int(self._world_size)
 
     def _slot(self) -> partition.Slot:
         info = get_worker_info()
@@ -203,17 +205,23 @@ class ShardDataset(IterableDataset):
                     epoch: int | None = None) -> dict[str, Any]:
         """The state of a plain ``DataLoader`` that has handed out ``batches`` batches.
 
-        Pure arithmetic: torch's DataLoader takes per-worker batches in a fixed cycle, and each
-        worker's sample count is known. ``batch_size`` is the DataLoader's (or this dataset's).
+        ``batches`` counts from the start of the epoch (across earlier resumes). Pure arithmetic:
+        torch's DataLoader takes per-worker batches in a fixed cycle and each worker's sample
+        count is known. A resumed plain DataLoader starts its cycle at worker 0 again, so the state
+        also records whose turn it was and the workers' roles rotate accordingly: the resumed
+        batches are exactly the uninterrupted run's remaining batches, in the same order.
+        ``batch_size`` is the DataLoader's (or this dataset's own).
         """
         bs = self.batch_size or batch_size
         if not bs:
             raise ValueError("batch_size is needed")
         nw = max(num_workers, 1)
         counts = partition.worker_counts(self.source.total, self.rank, self.world_size, nw)
-        done = partition.loader_progress(counts, bs, batches, self.drop_last)
+        done, turn = partition.loader_progress(counts, bs, batches, self.drop_last)
         ep = self.epoch if epoch is None else int(epoch)
-        return self._state(ep, num_workers, {str(w): n for w, n in enumerate(done)})
+        state = self._state(ep, num_workers, {str(w): n for w, n in enumerate(done)})
+        state["turn"] = turn
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: the next iteration skips what ``state`` says was consumed, and nothing else."""
@@ -225,30 +233,34 @@ class ShardDataset(IterableDataset):
             if state[key] != mine:
                 raise ValueError(f"state was saved with {key}={state[key]!r}, dataset has {mine!r}")
         self._pending = {"epoch": int(state["epoch"]), "num_workers": int(state["num_workers"]),
-                         "consumed": {str(k): int(v) for k, v in state["consumed"].items()}}
+                         "consumed": {str(k): int(v) for k, v in state["consumed"].items()},
+                         "turn": int(state.get("turn", 0))}
         if get_worker_info() is None:
             self.set_epoch(int(state["epoch"]))
 
-    def _resume(self, slot: partition.Slot, workers: int) -> tuple[int, int]:
-        """(epoch, samples to skip) for the iteration starting now; consumes a pending state."""
+    def _resume(self, workers: int) -> tuple[partition.Slot, int, int]:
+        """(slot, epoch, samples to skip) for the iteration starting now; consumes a pending
+        state. The slot's worker is the role this process plays (rotated on a plain resume)."""
+        slot = self._slot()
         pending, self._pending = self._pending, None
         epoch = self.epoch
         if pending is None:
-            return epoch, 0
+            return slot, epoch, 0
         if pending["consumed"] and max(pending["num_workers"], 1) != max(workers, 1):
             raise ValueError(f"state was saved with num_workers={pending['num_workers']}, "
                              f"the DataLoader has {workers}")
         if pending["epoch"] != epoch:
             warnings.warn(f"resuming epoch {pending['epoch']} although set_epoch({epoch}) was "
                           "called; the saved epoch wins", stacklevel=3)
-        return pending["epoch"], pending["consumed"].get(str(slot.worker), 0)
+        role = (slot.worker + pending["turn"]) % slot.num_workers
+        slot = partition.Slot(slot.rank, slot.world_size, role, slot.num_workers)
+        return slot, pending["epoch"], pending["consumed"].get(str(role), 0)
 
     # iteration -----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
-        slot = self._slot()
-        epoch, skip = self._resume(slot, info.num_workers if info is not None else 0)
+        slot, epoch, skip = self._resume(info.num_workers if info is not None else 0)
         ids = partition.worker_ids(self.source.sizes, slot, seed=self.seed, epoch=epoch,
                                    shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer)
         progress = {"epoch": epoch, "worker": slot.worker,
@@ -262,8 +274,7 @@ class ShardDataset(IterableDataset):
 
     def produce_batches(self, alloc: Alloc) -> Iterator[dict[str, torch.Tensor]]:
         """Batches of this process's stream written into buffers from ``alloc`` (the ring)."""
-        slot = self._slot()
-        epoch, skip = self._resume(slot, 0)
+        slot, epoch, skip = self._resume(0)
         ids = partition.worker_ids(self.source.sizes, slot, seed=self.seed, epoch=epoch,
                                    shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer)
         progress = {"epoch": epoch, "worker": slot.worker, "num_workers": 0,
@@ -295,6 +306,10 @@ class ShardDataset(IterableDataset):
                 batch = asm.assemble(start, min(start + bs, asm.n), alloc)
                 progress["consumed"] += min(bs, asm.n - start)
                 yield batch
+
+
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _plain_alloc(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],

@@ -138,29 +138,33 @@ def worker_counts(total: int, rank: int, world_size: int, num_workers: int) -> n
 
 
 def loader_progress(counts: Sequence[int], batch_size: int, batches: int,
-                    drop_last: bool = False) -> list[int]:
-    """Samples each worker had produced when a DataLoader handed out ``batches`` batches.
+                    drop_last: bool = False) -> tuple[list[int], int]:
+    """Samples each worker had produced when a DataLoader handed out ``batches`` batches, and
+    the worker whose turn is next.
 
     Models torch's in-order DataLoader over an IterableDataset with per-worker batching: workers
     take turns in a fixed cycle, batch r of every worker that still has one comes before batch
     r + 1 of any, and an exhausted worker drops out of the cycle. ``counts`` are per-worker sample
-    counts (one entry for ``num_workers=0``).
+    counts (one entry for ``num_workers=0``). A fresh DataLoader always starts its cycle at worker
+    0, so a resumed run rotates roles by the returned turn to continue the same interleaving.
     """
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     counts = [int(c) for c in counts]
     nbatches = [c // batch_size if drop_last else -(-c // batch_size) for c in counts]
+    if batches > sum(nbatches):
+        raise ValueError(f"only {sum(nbatches)} batches in the epoch, {batches} asked")
     taken = [0] * len(counts)
     left = int(batches)
+    turn = 0
     rnd = 0
-    while left > 0 and any(rnd < nb for nb in nbatches):
+    while left > 0:
         for w, nb in enumerate(nbatches):
             if left == 0:
                 break
             if rnd < nb:
                 taken[w] += 1
                 left -= 1
+                turn = (w + 1) % len(counts)
         rnd += 1
-    if left > 0:
-        raise ValueError(f"only {sum(nbatches)} batches in the epoch, {batches} asked")
-    return [min(t * batch_size, c) for t, c in zip(taken, counts, strict=True)]
+    return [min(t * batch_size, c) for t, c in zip(taken, counts, strict=True)], turn
