@@ -391,7 +391,8 @@ def test_rank_and_world_size_default_to_torch_distributed(lerobot, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(2, lerobot["v2.1"], port, str(tmp_path)), nprocs=2)
+    mp.start_processes(_rank_main, args=(2, lerobot["v2.1"], port, str(tmp_path)), nprocs=2,
+                       start_method="fork")
     r0 = np.load(tmp_path / "rank0.npy").tolist()
     r1 = np.load(tmp_path / "rank1.npy").tolist()
     assert r0[-2:] == [0, 2] and r1[-2:] == [1, 2]
