@@ -92,8 +92,10 @@ class Connection:
     def _choose_dest(self, kind: int, body: object, length: int) -> memoryview | None:
         if isinstance(body, list) and body:
             call = self._pending.get(body[0])
-            if call is not None and call.into is not None and len(call.into) == length:
-                return call.into
+            into = call.into if call is not None else None
+            if into is not None and (sum(map(len, into)) if isinstance(into, list)
+                                     else len(into)) == length:
+                return into
         return None
 
     def _fail(self, exc: JPFSError) -> None:
@@ -262,7 +264,8 @@ class Pool:
     ) -> tuple[object, memoryview | None]:
         """Call ``method`` on server ``index``; returns (result, reply payload or None).
 
-        ``into`` receives the reply payload when its size matches (no copy); ``timeout`` bounds
+        ``into`` receives the reply payload when its size matches (no copy; a list of buffers
+        is filled in order and returned as the payload); ``timeout`` bounds
         the whole call including retries, ``retry_for`` how long an unreachable server is retried.
         """
         if not 0 <= index < len(self.addresses):

@@ -178,8 +178,20 @@ class FrameSocket:
         await self._read_exact_into(memoryview(big))
         return unpack_body(big)
 
-    async def read_payload(self, length: int, dest: memoryview | None = None) -> memoryview:
-        """Read a payload into ``dest`` (if given and the right size) or a fresh buffer."""
+    async def read_payload(
+        self, length: int, dest: memoryview | list[memoryview] | None = None
+    ) -> memoryview | list[memoryview]:
+        """Read a payload into ``dest`` (if given and the right size) or a fresh buffer.
+
+        ``dest`` may be a list of byte buffers filled one after the other (scatter receive);
+        it is used only if their sizes add up to ``length``, and then returned as it is.
+        """
+        if isinstance(dest, list):
+            if sum(len(d) for d in dest) == length:
+                for d in dest:
+                    await self._read_exact_into(d)
+                return dest
+            dest = None
         if dest is None or len(dest) != length:
             dest = memoryview(bytearray(length))
         if length:
