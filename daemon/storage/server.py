@@ -1,0 +1,437 @@
+"""The storage server: blobs in append-only volumes, served with ``sendfile``.
+
+Writes (fsync policy). ``--fsync always`` (the default): a ``put_blobs`` is answered only after its
+bytes are appended to the active volume, ``fdatasync``-ed, and the index transaction naming them is
+committed (LMDB synced); an acknowledged blob survives a power cut. Concurrent requests share one
+group commit: while one commit is in a worker thread, the next requests queue and then go to disk
+together with one ``fdatasync`` and one transaction, so many writers cost few syncs.
+``--fsync never`` skips both syncs: an acknowledged blob survives the server process dying (the
+page cache keeps it) but not the machine crashing, when the index may even name bytes that never
+reached the disk (readers then see a checksum error and fail over). Use it for scratch clusters
+and benchmarks only.
+
+Reads. ``get_blobs`` looks ids up in one LMDB read transaction on the trio thread (microseconds,
+no await inside), coalesces blobs that are neighbours on disk into one ``FileSegment`` and lets the
+RPC layer ``os.sendfile`` them. Because ``sendfile`` on the trio thread would block the whole
+server on a page that is not cached, each segment is first probed with ``preadv(RWF_NOWAIT)``; if
+any probe misses, a worker thread pulls the segments into the page cache (``sendfile`` to
+/dev/null, no copy to user space) before the answer is sent.
+
+Volumes in use by an answer being sent are pinned: compaction retires them, but the open file
+descriptor is closed (and the unlinked file's space freed) only after the last send. Volume ids are
+never reused, so a stale descriptor can never be mistaken for a new volume.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import trio
+import xxhash
+
+from jpfs import config
+from jpfs.errors import JPFSError, error
+from jpfs.proto import storage as P
+from jpfs.rpc import FileSegment, Limits, Reply, Service, serve
+
+from .. import common
+from .store import (
+    AllocOp,
+    DeleteOp,
+    Entry,
+    Op,
+    PutOp,
+    SealOp,
+    Store,
+    SwitchOp,
+    crash_point,
+)
+
+log = logging.getLogger(__name__)
+
+_HASH_INLINE = 256 << 10
+"""Payloads smaller than this are checksummed on the trio thread (a thread hop costs more)."""
+
+_PROBE_STEP = 2 << 20
+
+
+@dataclass
+class _Queued:
+    op: Op
+    done: trio.Event = field(default_factory=trio.Event)
+    result: object = None
+
+
+class _Writer:
+    """The single owner of index writes: queues ops and commits them in groups."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._queue: list[_Queued] = []
+        self._wake = trio.Event()
+        self.commits = 0
+
+    async def submit(self, op: Op):
+        q = _Queued(op)
+        self._queue.append(q)
+        self._wake.set()
+        await q.done.wait()
+        if isinstance(q.result, BaseException):
+            raise q.result
+        return q.result
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            batch, self._queue = self._queue, []
+            if not batch:
+                continue
+            try:
+                # Not cancellable: a shutdown waits for the transaction in hand to finish.
+                results = await trio.to_thread.run_sync(self.store.commit, [q.op for q in batch])
+                self.commits += 1
+            except Exception as e:
+                log.exception("group commit of %d operations failed", len(batch))
+                err = error(getattr(e, "errno", None) or errno.EIO,
+                            f"storage commit failed: {getattr(e, 'strerror', None) or e}")
+                results = [err] * len(batch)
+            for q, r in zip(batch, results, strict=True):
+                q.result = r
+                q.done.set()
+
+
+class _Files:
+    """Read-only descriptors of volumes, pinned while an answer that uses them is sent."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._fds: dict[int, list] = {}  # vol -> [fd, pins, retired]
+
+    def pin(self, vol: int) -> int:
+        slot = self._fds.get(vol)
+        if slot is None:
+            slot = self._fds[vol] = [os.open(self.store.vol_path(vol), os.O_RDONLY), 0, False]
+        slot[1] += 1
+        return slot[0]
+
+    def unpin(self, vols: Sequence[int]) -> None:
+        for vol in vols:
+            slot = self._fds[vol]
+            slot[1] -= 1
+            if slot[2] and not slot[1]:
+                os.close(slot[0])
+                del self._fds[vol]
+
+    def retire(self, vol: int) -> None:
+        """The volume is leaving: close its descriptor once nothing sends from it."""
+        slot = self._fds.get(vol)
+        if slot is None:
+            return
+        slot[2] = True
+        if not slot[1]:
+            os.close(slot[0])
+            del self._fds[vol]
+
+    def close(self) -> None:
+        for fd, _, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class StorageServer:
+    """The storage service's handlers over one ``Store``. Start ``run`` before serving."""
+
+    def __init__(self, store: Store, node: int = 0):
+        self.store = store
+        self.node = node
+        self.writer = _Writer(store)
+        self.files = _Files(store)
+        self._compact_lock = trio.Lock()
+        self._devnull = os.open(os.devnull, os.O_WRONLY)
+        self.counters = dict.fromkeys(
+            ("puts", "blobs_put", "gets", "blobs_sent", "segments_sent", "bytes_sent",
+             "cold_warmups", "compactions"), 0)
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The group-commit writer; runs until cancelled."""
+        await self.writer.run(task_status=task_status)
+
+    def close(self) -> None:
+        self.files.close()
+        os.close(self._devnull)
+
+    # ------------------------------------------------------------------ put
+
+    async def put_blobs(self, entries: list, payload: memoryview) -> list[int]:
+        checked = _check_put(entries, len(payload))
+        if len(payload) < _HASH_INLINE:
+            _verify(checked, payload)
+        else:
+            await trio.to_thread.run_sync(_verify, checked, payload)
+        result = await self.writer.submit(PutOp(checked, payload))
+        self.counters["puts"] += 1
+        self.counters["blobs_put"] += result[0]
+        return result
+
+    # ------------------------------------------------------------------ get
+
+    async def get_blobs(self, ids: list) -> Reply:
+        P.check_ids(ids, "get_blobs")
+        entries = self.store.lookup(ids)
+        statuses: list = []
+        found: list[Entry] = []
+        total = 0
+        for bid, e in zip(ids, entries, strict=True):
+            if e is None:
+                statuses.append("ENOENT")
+            elif e.vol in self.store.short and e.offset + e.length > self.store.short[e.vol]:
+                log.error("blob %s lies past the end of volume %d", P.blob_name(bid), e.vol)
+                statuses.append("EIO")
+            else:
+                statuses.append([e.length, e.xxh])
+                found.append(e)
+                total += e.length
+        if total > P.MAX_GET_BYTES:
+            raise error(errno.E2BIG, f"get_blobs: {total} bytes asked for in one request "
+                                     f"(at most {P.MAX_GET_BYTES})")
+        # Pin and coalesce in one step (no await between lookup and pin: compaction cannot
+        # retire a volume we are about to read).
+        pinned: list[int] = []
+        segments: list[FileSegment] = []
+        try:
+            seg_vol = -1
+            for e in found:
+                if not e.length:
+                    continue
+                if segments and e.vol == seg_vol and e.offset == segments[-1].offset + \
+                        segments[-1].length:
+                    last = segments[-1]
+                    segments[-1] = FileSegment(last.fd, last.offset, last.length + e.length)
+                    continue
+                fd = self.files.pin(e.vol)
+                pinned.append(e.vol)
+                seg_vol = e.vol
+                segments.append(FileSegment(fd, e.offset, e.length))
+            if segments and not _cached(segments):
+                self.counters["cold_warmups"] += 1
+                await trio.to_thread.run_sync(_warm, self._devnull, segments)
+        except BaseException:
+            self.files.unpin(pinned)
+            raise
+        c = self.counters
+        c["gets"] += 1
+        c["blobs_sent"] += len(found)
+        c["segments_sent"] += len(segments)
+        c["bytes_sent"] += total
+        return Reply(statuses, segments, on_sent=functools.partial(self.files.unpin, pinned))
+
+    # ------------------------------------------------------------------ delete, list
+
+    async def delete_blobs(self, ids: list) -> int:
+        P.check_ids(ids, "delete_blobs")
+        return await self.writer.submit(DeleteOp(list(ids)))
+
+    async def list_blobs(self, after: bytes, limit: int) -> list:
+        if len(after) > P.BLOB_ID_BYTES:
+            raise error(errno.EINVAL, "list_blobs: 'after' must be a blob id or b''")
+        if limit < 0:
+            raise error(errno.EINVAL, "list_blobs: negative limit")
+        return await trio.to_thread.run_sync(self.store.list_blobs, after,
+                                             min(limit, P.MAX_LIST))
+
+    # ------------------------------------------------------------------ stats
+
+    async def stats(self) -> dict:
+        usage = await trio.to_thread.run_sync(self.store.usage)
+        return {"node": self.node, **usage, **self.counters, "commits": self.writer.commits}
+
+    # ------------------------------------------------------------------ compaction
+
+    async def compact(self, min_dead_ratio: float) -> dict:
+        """Rewrite volumes whose dead share is at least ``min_dead_ratio``; return a summary."""
+        if not 0.0 <= min_dead_ratio <= 1.0:
+            raise error(errno.EINVAL, "compact: min_dead_ratio must be between 0 and 1")
+        async with self._compact_lock:
+            return await self._compact(float(min_dead_ratio))
+
+    async def _compact(self, ratio: float) -> dict:
+        store = self.store
+        recs = await trio.to_thread.run_sync(store.volume_records)
+        candidates = sorted(
+            v for v, r in recs.items()
+            if v not in store.short and r.dead_bytes > 0 and r.dead_bytes >= ratio * r.end
+        )
+        summary = {"volumes_compacted": 0, "volumes_written": 0, "blobs_moved": 0,
+                   "bytes_reclaimed": 0, "corrupt_blobs": 0}
+        if not candidates:
+            return summary
+        for v in candidates:  # appends must stop before we take a volume's snapshot
+            await self.writer.submit(SealOp(v))
+        # Pack the survivors of several old volumes into one new volume, up to the volume size.
+        groups: list[list[int]] = []
+        size = 0
+        for v in candidates:
+            live = recs[v].live_bytes
+            if groups and size + live <= store.volume_size:
+                groups[-1].append(v)
+                size += live
+            else:
+                groups.append([v])
+                size = live
+        for group in groups:
+            done = await self._compact_group(group)
+            for k in summary:
+                summary[k] += done.get(k, 0)
+            summary["bytes_reclaimed"] += sum(recs[v].end for v in group) - done["new_end"]
+        log.info("compaction: %s", summary)
+        return summary
+
+    async def _compact_group(self, group: list[int]) -> dict:
+        store = self.store
+        snapshots = [(v, await trio.to_thread.run_sync(store.volume_entries, v)) for v in group]
+        new_vol = None
+        moves: list = []
+        end = bad = 0
+        if any(entries for _, entries in snapshots):
+            new_vol = await self.writer.submit(AllocOp())
+            fd = await trio.to_thread.run_sync(store.create_volume, new_vol)
+            try:
+                for v, entries in snapshots:
+                    m, end, b = await trio.to_thread.run_sync(store.copy_live, v, entries, fd, end)
+                    moves += m
+                    bad += b
+                await trio.to_thread.run_sync(store.sync_volume, fd)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(store.unlink_volume, new_vol)
+                raise
+            finally:
+                os.close(fd)
+            crash_point("compact_copied")
+        try:
+            switched = await self.writer.submit(SwitchOp(group, new_vol, end, moves))
+        except JPFSError:
+            if new_vol is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(store.unlink_volume, new_vol)
+            raise
+        crash_point("compact_switched")
+        for v in group:
+            self.files.retire(v)
+            await trio.to_thread.run_sync(store.unlink_volume, v)
+        self.counters["compactions"] += len(group)
+        return {"volumes_compacted": len(group), "volumes_written": int(new_vol is not None),
+                "blobs_moved": switched["moved"], "corrupt_blobs": bad, "new_end": end}
+
+
+# ---------------------------------------------------------------------- helpers (pure / blocking)
+
+
+def _check_put(entries: list, payload_len: int) -> list[tuple[bytes, int, int]]:
+    if len(entries) > P.MAX_BATCH_BLOBS:
+        raise error(errno.E2BIG, f"put_blobs: {len(entries)} blobs in one request "
+                                 f"(at most {P.MAX_BATCH_BLOBS})")
+    out = []
+    total = 0
+    for item in entries:
+        if not (isinstance(item, list) and len(item) == 3):
+            raise error(errno.EINVAL, "put_blobs: each entry must be [id, length, xxh]")
+        bid, length, xxh = item
+        P.check_id(bid)
+        if type(length) is not int or type(xxh) is not int or length < 0 or \
+                not 0 <= xxh < (1 << 64):
+            raise error(errno.EINVAL, f"put_blobs: bad length or checksum for blob "
+                                      f"{P.blob_name(bid)}")
+        total += length
+        out.append((bid, length, xxh))
+    if total != payload_len:
+        raise error(errno.EINVAL, f"put_blobs: entries add up to {total} bytes but the payload "
+                                  f"has {payload_len}")
+    return out
+
+
+def _verify(entries: list[tuple[bytes, int, int]], payload: memoryview) -> None:
+    pos = 0
+    for bid, length, xxh in entries:
+        if xxhash.xxh3_64_intdigest(payload[pos:pos + length]) != xxh:
+            raise error(errno.EIO, f"put_blobs: blob {P.blob_name(bid)} does not match its "
+                                   f"checksum (corrupted in transit?)")
+        pos += length
+
+
+def _cached(segments: list[FileSegment]) -> bool:
+    """Whether the segments' pages look cached: probe a byte every 2 MiB and the last one."""
+    probe = bytearray(1)
+    for s in segments:
+        end = s.offset + s.length - 1
+        offsets = [*range(s.offset, end, _PROBE_STEP), end]
+        for off in offsets:
+            try:
+                os.preadv(s.fd, [probe], off, os.RWF_NOWAIT)
+            except BlockingIOError:
+                return False
+            except OSError:  # RWF_NOWAIT unsupported here: behave as before (send directly)
+                return True
+    return True
+
+
+def _warm(devnull: int, segments: list[FileSegment]) -> None:
+    """Pull the segments into the page cache without copying them to user space."""
+    for s in segments:
+        os.posix_fadvise(s.fd, s.offset, s.length, os.POSIX_FADV_WILLNEED)
+    for s in segments:
+        off, left = s.offset, s.length
+        while left > 0:
+            n = os.sendfile(devnull, s.fd, off, left)
+            if n <= 0:
+                break
+            off += n
+            left -= n
+
+
+# ---------------------------------------------------------------------- the daemon
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = common.parser("storage", "A JPFS storage server: blobs in append-only volumes.")
+    p.add_argument("--volume-size", default="1GiB",
+                   help="roll over to a new volume file at this size (default 1GiB)")
+    p.add_argument("--fsync", choices=["always", "never"], default="always",
+                   help="always: fsync data and index before answering a put (default); "
+                        "never: survive process crashes only (scratch clusters, benchmarks)")
+    args = p.parse_args(argv)
+    common.setup_logging(args.log_level, args.log_file)
+    cluster, data, host, port = common.resolve(args, "storage")
+    volume_size = config.parse_size(args.volume_size)
+    fsync = args.fsync == "always"
+
+    async def amain() -> None:
+        store = await trio.to_thread.run_sync(
+            functools.partial(Store, data, volume_size=volume_size, fsync=fsync))
+        server = StorageServer(store, node=args.index)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.run)
+                service = Service("storage", P.METHODS, server)
+                await nursery.start(
+                    functools.partial(serve, limits=Limits(max_payload=P.MAX_PUT_BYTES)),
+                    service, host, port, cluster.secret)
+                log.info("storage node %d serving %s on %s:%d (fsync %s, volumes of %s)",
+                         args.index, data, host, port, args.fsync,
+                         config.format_size(volume_size))
+        finally:
+            server.close()
+            store.close()
+
+    common.run(args, amain)
+
+
+if __name__ == "__main__":
+    main()

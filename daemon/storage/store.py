@@ -1,0 +1,589 @@
+"""Volumes and the blob index: the blocking half of a storage node.
+
+Layout of a data directory::
+
+    volumes/v00000001.vol ...   append-only volume files; blobs back to back, in arrival order
+    index.lmdb/                 LMDB: blob id -> where it is; per-volume accounting
+
+LMDB databases:
+
+- ``blobs``:   id (16 bytes) -> ``ENTRY`` (volume, offset, length, xxh3-64, created time)
+- ``byvol``:   volume u32 | offset u64 | id (big-endian, so a cursor walks a volume in disk order)
+               -> (length, xxh); what compaction copies, in order
+- ``volumes``: volume u32 -> ``VOLREC`` (committed end, live bytes, live blobs, flags)
+- ``meta``:    ``next_volume`` (ids are never reused), ``active`` (the volume appends go to)
+
+Crash safety rests on one rule: **bytes are durable before the index names them.** A write appends
+to the active volume past its committed end, fsyncs, and only then commits the index transaction
+that records the blobs and moves the committed end. A crash before the commit leaves tail bytes
+past the committed end: nothing names them, the next append overwrites them and a restart
+truncates them. Volume files that the index does not list (a compaction target that was never
+switched in, an old volume whose switch committed but whose unlink did not happen) are deleted
+on restart. Compaction copies live blobs to a fresh volume, fsyncs it, then switches every moved
+entry and drops the old volume's record in one transaction; only after that is the old file
+unlinked. ``kill -9`` between any two steps therefore never loses a live blob.
+
+Everything here blocks (disk, fsync, LMDB writes) and runs in worker threads; the methods that
+change the index are called from one writer task at a time (see ``server.py``), so the writer
+state below has a single owner. Reads (``lookup``) use their own short read transactions.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import lmdb
+import xxhash
+
+from jpfs.errors import JPFSError, error
+from jpfs.proto.storage import blob_name
+
+log = logging.getLogger(__name__)
+
+ENTRY = struct.Struct("<IQQQd")
+"""blobs value: volume, offset, length, xxh, created (seconds since the epoch)."""
+BYVOL_KEY = struct.Struct(">IQ16s")
+BYVOL_VAL = struct.Struct("<QQ")
+VOL_KEY = struct.Struct(">I")
+VOLREC = struct.Struct("<QQQI")
+"""volumes value: committed end, live bytes, live blobs, flags."""
+U64 = struct.Struct("<Q")
+
+SEALED = 1
+"""Volume flag: no more appends (rolled over, or a compaction target)."""
+
+CRASH_ENV = "JPFS_STORAGE_CRASH_AT"
+"""Test hook: kill -9 this process at the named step (``put_written``, ``compact_copying``,
+``compact_copied``, ``compact_switched``)."""
+
+_COPY_BUFFER = 8 << 20
+
+
+def crash_point(step: str) -> None:
+    """Die like ``kill -9`` at ``step`` when the test hook asks for it."""
+    if os.environ.get(CRASH_ENV) == step:
+        log.warning("test hook %s=%s: killing myself", CRASH_ENV, step)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(slots=True)
+class Entry:
+    vol: int
+    offset: int
+    length: int
+    xxh: int
+    created: float
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Entry:
+        return cls(*ENTRY.unpack(raw))
+
+    def pack(self) -> bytes:
+        return ENTRY.pack(self.vol, self.offset, self.length, self.xxh, self.created)
+
+
+@dataclass(slots=True)
+class VolRec:
+    end: int = 0
+    live_bytes: int = 0
+    live_blobs: int = 0
+    flags: int = 0
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> VolRec:
+        return cls(*VOLREC.unpack(raw))
+
+    def pack(self) -> bytes:
+        return VOLREC.pack(self.end, self.live_bytes, self.live_blobs, self.flags)
+
+    @property
+    def dead_bytes(self) -> int:
+        return self.end - self.live_bytes
+
+
+# ------------------------------------------------------------------------------ write operations
+
+
+@dataclass
+class PutOp:
+    """Store blobs: ``entries`` (id, length, xxh) whose bytes lie back to back in ``data``.
+
+    Checksums are verified before the op is queued; the writer checks ids and appends.
+    """
+
+    entries: list[tuple[bytes, int, int]]
+    data: memoryview
+
+
+@dataclass
+class DeleteOp:
+    ids: list[bytes]
+
+
+@dataclass
+class SealOp:
+    """Stop appending to volume ``vol`` (compaction is about to rewrite it)."""
+
+    vol: int
+
+
+@dataclass
+class AllocOp:
+    """Reserve a fresh volume id (committed, so a crash never lets the name be reused)."""
+
+
+@dataclass
+class SwitchOp:
+    """Compaction's commit: moved blobs now live in ``new_vol``; ``old_vols`` are dropped."""
+
+    old_vols: list[int]
+    new_vol: int | None
+    """None when nothing in ``old_vols`` was live."""
+    new_end: int
+    moves: list[tuple[bytes, int, int, int, int]]
+    """(id, old volume, old offset, new offset, length) for every blob copied."""
+
+
+Op = PutOp | DeleteOp | SealOp | AllocOp | SwitchOp
+
+
+@dataclass
+class _WriterState:
+    """What only the writer touches: the volume appends go to and where they go."""
+
+    active: int | None = None
+    end: int = 0
+    fd: int | None = None
+    next_volume: int = 1
+
+
+@dataclass
+class _Commit:
+    """Tentative changes of one group commit, applied to the writer state only if it commits."""
+
+    state: _WriterState
+    recs: dict[int, VolRec] = field(default_factory=dict)
+    dirty: dict[int, int] = field(default_factory=dict)
+    """volume -> fd to fdatasync before the index commit."""
+    opened: list[tuple[int, int]] = field(default_factory=list)
+    """(volume, fd) created in this commit; closed and unlinked if it aborts."""
+    meta_changed: bool = False
+
+
+class Store:
+    """A storage node's volumes and index. Not thread-safe for writers: one writer at a time."""
+
+    def __init__(
+        self,
+        data: str | os.PathLike,
+        *,
+        volume_size: int = 1 << 30,
+        fsync: bool = True,
+        map_size: int = 64 << 30,
+    ):
+        self.dir = Path(data)
+        self.vol_dir = self.dir / "volumes"
+        self.vol_dir.mkdir(parents=True, exist_ok=True)
+        self.volume_size = volume_size
+        self.fsync = fsync
+        self.env = lmdb.open(
+            str(self.dir / "index.lmdb"), map_size=map_size, max_dbs=4, max_readers=1024,
+            sync=fsync, metasync=fsync,
+        )
+        self.blobs = self.env.open_db(b"blobs")
+        self.byvol = self.env.open_db(b"byvol")
+        self.vols = self.env.open_db(b"volumes")
+        self.meta = self.env.open_db(b"meta")
+        self.short: dict[int, int] = {}
+        """Volumes whose file is shorter than the index says (lost writes): vol -> real size."""
+        self._w = _WriterState()
+        self._recover()
+
+    # ------------------------------------------------------------------ paths and recovery
+
+    def vol_path(self, vol: int) -> Path:
+        return self.vol_dir / f"v{vol:08d}.vol"
+
+    @staticmethod
+    def _vol_of(name: str) -> int | None:
+        if name.startswith("v") and name.endswith(".vol") and name[1:-4].isdigit():
+            return int(name[1:-4])
+        return None
+
+    def _recover(self) -> None:
+        """Make the files agree with the index: drop orphans, truncate unindexed tails."""
+        with self.env.begin() as txn:
+            recs = {VOL_KEY.unpack(k)[0]: VolRec.unpack(v) for k, v in txn.cursor(db=self.vols)}
+            raw_next = txn.get(b"next_volume", db=self.meta)
+            raw_active = txn.get(b"active", db=self.meta)
+        on_disk = {}
+        for name in os.listdir(self.vol_dir):
+            vol = self._vol_of(name)
+            if vol is None:
+                log.warning("ignoring stray file %s in %s", name, self.vol_dir)
+                continue
+            on_disk[vol] = self.vol_dir / name
+        for vol, path in sorted(on_disk.items()):
+            if vol not in recs:
+                log.info("removing orphan volume %s (never committed, or already compacted)",
+                         path.name)
+                path.unlink()
+        for vol, rec in sorted(recs.items()):
+            path = self.vol_path(vol)
+            size = path.stat().st_size if vol in on_disk else -1
+            if size < 0:
+                log.error("volume %s is missing: its %d blobs are lost", path.name, rec.live_blobs)
+                self.short[vol] = 0
+            elif size > rec.end:
+                log.info("truncating %d unindexed tail bytes of %s", size - rec.end, path.name)
+                os.truncate(path, rec.end)
+            elif size < rec.end:
+                log.error("volume %s has %d bytes but the index says %d (lost writes?)",
+                          path.name, size, rec.end)
+                self.short[vol] = size
+        self._fsync_dir()
+        top = max([*recs, *on_disk], default=0)
+        w = self._w
+        w.next_volume = max(U64.unpack(raw_next)[0] if raw_next else 1, top + 1)
+        active = U64.unpack(raw_active)[0] if raw_active else None
+        if active in recs and not recs[active].flags & SEALED and active not in self.short:
+            w.active, w.end = active, recs[active].end
+            w.fd = os.open(self.vol_path(active), os.O_RDWR)
+        log.info("index has %d volumes, %d blobs; appending to %s", len(recs),
+                 sum(r.live_blobs for r in recs.values()),
+                 self.vol_path(w.active).name if w.active else "a new volume")
+
+    def _fsync_dir(self) -> None:
+        if not self.fsync:
+            return
+        fd = os.open(self.vol_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self._w.fd is not None:
+            os.close(self._w.fd)
+            self._w.fd = None
+        self.env.close()
+
+    # ------------------------------------------------------------------ reads
+
+    def lookup(self, ids: Sequence[bytes]) -> list[Entry | None]:
+        """Index entries for ``ids`` (None where unknown): one short read transaction."""
+        with self.env.begin(db=self.blobs) as txn:
+            get = txn.get
+            return [Entry.unpack(raw) if (raw := get(b)) is not None else None for b in ids]
+
+    def list_blobs(self, after: bytes, limit: int) -> list[list]:
+        """Up to ``limit`` [id, created] with id > ``after``, in id order."""
+        out: list[list] = []
+        with self.env.begin(db=self.blobs) as txn:
+            cur = txn.cursor()
+            if not cur.set_range(after):
+                return out
+            for key, raw in cur:
+                if key == after:
+                    continue
+                out.append([key, ENTRY.unpack(raw)[4]])
+                if len(out) >= limit:
+                    break
+        return out
+
+    def volume_records(self) -> dict[int, VolRec]:
+        with self.env.begin(db=self.vols) as txn:
+            return {VOL_KEY.unpack(k)[0]: VolRec.unpack(v) for k, v in txn.cursor()}
+
+    def usage(self) -> dict:
+        recs = self.volume_records()
+        st = os.statvfs(self.dir)
+        return {
+            "volumes": len(recs),
+            "blobs": sum(r.live_blobs for r in recs.values()),
+            "bytes_used": sum(r.end for r in recs.values()),
+            "live_bytes": sum(r.live_bytes for r in recs.values()),
+            "dead_bytes": sum(r.dead_bytes for r in recs.values()),
+            "disk_free": st.f_bavail * st.f_frsize,
+            "disk_total": st.f_blocks * st.f_frsize,
+        }
+
+    # ------------------------------------------------------------------ the group commit
+
+    def commit(self, ops: Sequence[Op]) -> list:
+        """Apply ``ops`` in one durable index transaction; one result (or JPFSError) per op.
+
+        Data appended by put ops is fsynced before the transaction commits. An op that fails its
+        own checks (EEXIST, ENOSPC) fails alone; a failure of the commit itself fails them all.
+        """
+        c = _Commit(replace(self._w))
+        results: list = []
+        try:
+            with self.env.begin(write=True) as txn:
+                for op in ops:
+                    results.append(self._apply_alone(txn, c, op))
+                if c.dirty and self.fsync:
+                    for fd in c.dirty.values():
+                        os.fdatasync(fd)
+                if c.opened:
+                    self._fsync_dir()
+                if c.dirty:
+                    crash_point("put_written")
+                for vol, rec in c.recs.items():
+                    txn.put(VOL_KEY.pack(vol), rec.pack(), db=self.vols)
+                if c.meta_changed:
+                    txn.put(b"next_volume", U64.pack(c.state.next_volume), db=self.meta)
+                    txn.put(b"active", U64.pack(c.state.active or 0), db=self.meta)
+        except BaseException:
+            for vol, fd in c.opened:
+                os.close(fd)
+                _unlink_quietly(self.vol_path(vol))
+            raise
+        old_fd = self._w.fd
+        if old_fd is not None and old_fd != c.state.fd:
+            os.close(old_fd)
+        for _vol, fd in c.opened:
+            if fd != c.state.fd:
+                os.close(fd)
+        self._w = c.state
+        return results
+
+    def _apply_alone(self, txn, c: _Commit, op: Op):
+        """Apply one op in a nested transaction, so an op that fails leaves no trace."""
+        saved = (replace(c.state), {v: replace(r) for v, r in c.recs.items()}, dict(c.dirty),
+                 len(c.opened), c.meta_changed)
+        try:
+            with self.env.begin(write=True, parent=txn) as sub:
+                return self._apply(sub, c, op)
+        except (JPFSError, OSError) as e:
+            c.state, c.recs, c.dirty, n_opened, c.meta_changed = saved
+            for vol, fd in c.opened[n_opened:]:
+                os.close(fd)
+                _unlink_quietly(self.vol_path(vol))
+            del c.opened[n_opened:]
+            if isinstance(e, JPFSError):
+                return e
+            # ENOSPC, EIO from pwrite: this op fails, the others go on
+            return error(e.errno or errno.EIO, f"writing a volume failed: {e.strerror or e}")
+
+    def _rec(self, txn, c: _Commit, vol: int) -> VolRec:
+        rec = c.recs.get(vol)
+        if rec is None:
+            raw = txn.get(VOL_KEY.pack(vol), db=self.vols)
+            rec = c.recs[vol] = VolRec.unpack(raw) if raw else VolRec()
+        return rec
+
+    def _apply(self, txn, c: _Commit, op: Op):
+        if isinstance(op, PutOp):
+            return self._put(txn, c, op)
+        if isinstance(op, DeleteOp):
+            return self._delete(txn, c, op)
+        if isinstance(op, SealOp):
+            if c.state.active == op.vol:
+                self._rec(txn, c, op.vol).flags |= SEALED
+                c.state.active, c.state.end = None, 0
+                c.meta_changed = True
+            return None
+        if isinstance(op, AllocOp):
+            vol = c.state.next_volume
+            c.state.next_volume += 1
+            c.meta_changed = True
+            return vol
+        if isinstance(op, SwitchOp):
+            return self._switch(txn, c, op)
+        raise TypeError(f"unknown op {op!r}")
+
+    def _put(self, txn, c: _Commit, op: PutOp) -> list[int]:
+        new: list[tuple[bytes, int, int, int]] = []  # id, length, xxh, payload offset
+        present = 0
+        batch: set[bytes] = set()
+        pos = 0
+        for bid, length, xxh in op.entries:
+            raw = txn.get(bid, db=self.blobs)
+            if raw is not None or bid in batch:
+                have = Entry.unpack(raw) if raw is not None else None
+                same = (have.length, have.xxh) == (length, xxh) if have else any(
+                    n[0] == bid and (n[1], n[2]) == (length, xxh) for n in new)
+                if not same:
+                    raise error(errno.EEXIST, f"blob {blob_name(bid)} exists with other bytes")
+                present += 1
+            else:
+                batch.add(bid)
+                new.append((bid, length, xxh, pos))
+            pos += length
+        if not new:
+            return [0, present]
+        total = sum(n[1] for n in new)
+        vol, fd, start = self._room(txn, c, total)
+        # Write the new blobs back to back: runs that are contiguous in the payload in one go.
+        off = start
+        i = 0
+        while i < len(new):
+            j, run = i, new[i][1]
+            while j + 1 < len(new) and new[j + 1][3] == new[j][3] + new[j][1]:
+                j += 1
+                run += new[j][1]
+            _pwrite_all(fd, op.data[new[i][3]:new[i][3] + run], off)
+            off += run
+            i = j + 1
+        now = time.time()
+        off = start
+        for bid, length, xxh, _ in new:
+            txn.put(bid, ENTRY.pack(vol, off, length, xxh, now), db=self.blobs)
+            txn.put(BYVOL_KEY.pack(vol, off, bid), BYVOL_VAL.pack(length, xxh), db=self.byvol)
+            off += length
+        rec = self._rec(txn, c, vol)
+        rec.end = c.state.end = start + total
+        rec.live_bytes += total
+        rec.live_blobs += len(new)
+        c.dirty[vol] = fd
+        return [len(new), present]
+
+    def _room(self, txn, c: _Commit, size: int) -> tuple[int, int, int]:
+        """The active volume, fd and append offset for ``size`` more bytes, rolling if full."""
+        s = c.state
+        if s.active is None or (s.end > 0 and s.end + size > self.volume_size):
+            if s.active is not None:
+                self._rec(txn, c, s.active).flags |= SEALED
+            vol = s.next_volume
+            s.next_volume += 1
+            fd = os.open(self.vol_path(vol), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            c.opened.append((vol, fd))
+            s.active, s.end, s.fd = vol, 0, fd
+            c.recs[vol] = VolRec()
+            c.meta_changed = True
+        return s.active, s.fd, s.end
+
+    def _delete(self, txn, c: _Commit, op: DeleteOp) -> int:
+        n = 0
+        for bid in op.ids:
+            raw = txn.pop(bid, db=self.blobs)
+            if raw is None:
+                continue
+            e = Entry.unpack(raw)
+            txn.delete(BYVOL_KEY.pack(e.vol, e.offset, bid), db=self.byvol)
+            rec = self._rec(txn, c, e.vol)
+            rec.live_bytes -= e.length
+            rec.live_blobs -= 1
+            n += 1
+        return n
+
+    def _switch(self, txn, c: _Commit, op: SwitchOp) -> dict:
+        new_rec = VolRec(end=op.new_end, flags=SEALED)
+        if op.new_vol is None and op.moves:
+            raise ValueError("moves without a target volume")
+        moved = 0
+        for bid, old_vol, old_off, new_off, length in op.moves:
+            raw = txn.get(bid, db=self.blobs)
+            if raw is None:
+                continue  # deleted while it was being copied: its copy is dead
+            e = Entry.unpack(raw)
+            if (e.vol, e.offset) != (old_vol, old_off):
+                continue
+            txn.put(bid, ENTRY.pack(op.new_vol, new_off, length, e.xxh, e.created), db=self.blobs)
+            txn.delete(BYVOL_KEY.pack(old_vol, old_off, bid), db=self.byvol)
+            txn.put(BYVOL_KEY.pack(op.new_vol, new_off, bid), BYVOL_VAL.pack(length, e.xxh),
+                    db=self.byvol)
+            new_rec.live_bytes += length
+            new_rec.live_blobs += 1
+            moved += 1
+        cur = txn.cursor(db=self.byvol)
+        for old in op.old_vols:
+            prefix = VOL_KEY.pack(old)
+            if cur.set_range(prefix) and cur.key()[:4] == prefix:
+                # Something still lives there (it was not in the snapshot): keep the volume.
+                raise error(errno.EAGAIN, f"volume {old} gained blobs during compaction")
+        for old in op.old_vols:
+            txn.delete(VOL_KEY.pack(old), db=self.vols)
+            c.recs.pop(old, None)
+        if op.new_vol is not None:
+            c.recs[op.new_vol] = new_rec
+        return {"moved": moved, "live_bytes": new_rec.live_bytes}
+
+    # ------------------------------------------------------------------ compaction (copy side)
+
+    def volume_entries(self, vol: int) -> list[tuple[int, bytes, int, int]]:
+        """(offset, id, length, xxh) of the blobs in ``vol``, in disk order."""
+        out = []
+        prefix = VOL_KEY.pack(vol)
+        with self.env.begin(db=self.byvol) as txn:
+            cur = txn.cursor()
+            if not cur.set_range(prefix):
+                return out
+            for key, val in cur:
+                if key[:4] != prefix:
+                    break
+                _, off, bid = BYVOL_KEY.unpack(key)
+                length, xxh = BYVOL_VAL.unpack(val)
+                out.append((off, bid, length, xxh))
+        return out
+
+    def copy_live(
+        self, old_vol: int, entries: list[tuple[int, bytes, int, int]], dst_fd: int, dst_off: int
+    ) -> tuple[list[tuple[bytes, int, int, int, int]], int, int]:
+        """Copy ``entries`` of ``old_vol`` to ``dst_fd`` from ``dst_off``, checking checksums.
+
+        Returns (moves, new end, blobs whose bytes did not match their checksum). Corrupt blobs
+        are copied as they are: the reader's end-to-end check fails over to another replica.
+        """
+        moves = []
+        bad = 0
+        buf = bytearray(_COPY_BUFFER)
+        src = os.open(self.vol_path(old_vol), os.O_RDONLY)
+        try:
+            half = len(entries) // 2
+            for k, (off, bid, length, xxh) in enumerate(entries):
+                if k == half and k:
+                    crash_point("compact_copying")
+                view = memoryview(buf)[:length] if length <= len(buf) else \
+                    memoryview(bytearray(length))
+                got = os.preadv(src, [view], off) if length else 0
+                if got != length:
+                    log.error("volume %d: blob %s is cut short (%d of %d bytes); copying it "
+                              "as it is", old_vol, blob_name(bid), got, length)
+                    view[got:] = bytes(length - got)
+                    bad += 1
+                elif xxhash.xxh3_64_intdigest(view) != xxh:
+                    log.error("volume %d: blob %s fails its checksum", old_vol, blob_name(bid))
+                    bad += 1
+                _pwrite_all(dst_fd, view, dst_off)
+                moves.append((bid, old_vol, off, dst_off, length))
+                dst_off += length
+        finally:
+            os.close(src)
+        return moves, dst_off, bad
+
+    def create_volume(self, vol: int) -> int:
+        return os.open(self.vol_path(vol), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def sync_volume(self, fd: int) -> None:
+        if self.fsync:
+            os.fdatasync(fd)
+            self._fsync_dir()
+
+    def unlink_volume(self, vol: int) -> None:
+        _unlink_quietly(self.vol_path(vol))
+        self._fsync_dir()
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data = data[n:]
+        offset += n
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
