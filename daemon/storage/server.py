@@ -43,7 +43,6 @@ from .. import common
 from .store import (
     AllocOp,
     DeleteOp,
-    Entry,
     Op,
     PutOp,
     SealOp,
@@ -185,41 +184,48 @@ class StorageServer:
     async def get_blobs(self, ids: list) -> Reply:
         P.check_ids(ids, "get_blobs")
         entries = self.store.lookup(ids)
-        statuses: list = []
-        found: list[Entry] = []
-        total = 0
-        for bid, e in zip(ids, entries, strict=True):
-            if e is None:
-                statuses.append("ENOENT")
-            elif e.vol in self.store.short and e.offset + e.length > self.store.short[e.vol]:
-                log.error("blob %s lies past the end of volume %d", P.blob_name(bid), e.vol)
-                statuses.append("EIO")
-            else:
-                statuses.append([e.length, e.xxh])
-                found.append(e)
-                total += e.length
+        total = sum(e.length for e in entries if e is not None)
         if total > P.MAX_GET_BYTES:
             raise error(errno.E2BIG, f"get_blobs: {total} bytes asked for in one request "
                                      f"(at most {P.MAX_GET_BYTES})")
-        # Pin and coalesce in one step (no await between lookup and pin: compaction cannot
-        # retire a volume we are about to read).
+        # Look up, pin and coalesce with no await in between: compaction cannot retire a volume
+        # between our lookup and our pin.
+        statuses: list = []
         pinned: list[int] = []
         segments: list[FileSegment] = []
+        seg_vol = -1
+        sent = nbytes = 0
+        short = self.store.short
         try:
-            seg_vol = -1
-            for e in found:
-                if not e.length:
+            for bid, e in zip(ids, entries, strict=True):
+                if e is None:
+                    statuses.append("ENOENT")
                     continue
-                if segments and e.vol == seg_vol and e.offset == segments[-1].offset + \
-                        segments[-1].length:
-                    last = segments[-1]
-                    segments[-1] = FileSegment(last.fd, last.offset, last.length + e.length)
+                if e.vol in short and e.offset + e.length > short[e.vol]:
+                    log.error("blob %s lies past the end of volume %d", P.blob_name(bid), e.vol)
+                    statuses.append("EIO")
                     continue
-                fd = self.files.pin(e.vol)
-                pinned.append(e.vol)
-                seg_vol = e.vol
-                segments.append(FileSegment(fd, e.offset, e.length))
+                if e.length:
+                    last = segments[-1] if segments else None
+                    if last and e.vol == seg_vol and e.offset == last.offset + last.length:
+                        segments[-1] = FileSegment(last.fd, last.offset, last.length + e.length)
+                    else:
+                        try:
+                            fd = self.files.pin(e.vol)
+                        except OSError as exc:
+                            log.error("cannot open volume %d for blob %s: %s", e.vol,
+                                      P.blob_name(bid), exc)
+                            statuses.append("EIO")
+                            continue
+                        pinned.append(e.vol)
+                        seg_vol = e.vol
+                        segments.append(FileSegment(fd, e.offset, e.length))
+                statuses.append([e.length, e.xxh])
+                sent += 1
+                nbytes += e.length
             if segments and not _cached(segments):
+                # sendfile on this thread would stall every connection on the disk: read the
+                # pages in with a worker thread first.
                 self.counters["cold_warmups"] += 1
                 await trio.to_thread.run_sync(_warm, self._devnull, segments)
         except BaseException:
@@ -227,9 +233,9 @@ class StorageServer:
             raise
         c = self.counters
         c["gets"] += 1
-        c["blobs_sent"] += len(found)
+        c["blobs_sent"] += sent
         c["segments_sent"] += len(segments)
-        c["bytes_sent"] += total
+        c["bytes_sent"] += nbytes
         return Reply(statuses, segments, on_sent=functools.partial(self.files.unpin, pinned))
 
     # ------------------------------------------------------------------ delete, list
@@ -367,18 +373,22 @@ def _verify(entries: list[tuple[bytes, int, int]], payload: memoryview) -> None:
 
 
 def _cached(segments: list[FileSegment]) -> bool:
-    """Whether the segments' pages look cached: probe a byte every 2 MiB and the last one."""
-    probe = bytearray(1)
+    """Whether the segments' pages look cached: probe the first and last byte of each, and one
+    byte every 2 MiB in between (``preadv`` with RWF_NOWAIT fails rather than wait for disk)."""
+    probe = [bytearray(1)]
+    nowait = os.RWF_NOWAIT
     for s in segments:
         end = s.offset + s.length - 1
-        offsets = [*range(s.offset, end, _PROBE_STEP), end]
-        for off in offsets:
-            try:
-                os.preadv(s.fd, [probe], off, os.RWF_NOWAIT)
-            except BlockingIOError:
-                return False
-            except OSError:  # RWF_NOWAIT unsupported here: behave as before (send directly)
-                return True
+        offsets = range(s.offset, end, _PROBE_STEP) if s.length > _PROBE_STEP else (s.offset,)
+        try:
+            for off in offsets:
+                os.preadv(s.fd, probe, off, nowait)
+            if end >> 12 != s.offset >> 12:
+                os.preadv(s.fd, probe, end, nowait)
+        except BlockingIOError:
+            return False
+        except OSError:  # RWF_NOWAIT unsupported here: send directly, as without the probe
+            return True
     return True
 
 
@@ -406,11 +416,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fsync", choices=["always", "never"], default="always",
                    help="always: fsync data and index before answering a put (default); "
                         "never: survive process crashes only (scratch clusters, benchmarks)")
+    p.add_argument("--no-sync", action="store_true", help="the same as --fsync never")
     args = p.parse_args(argv)
     common.setup_logging(args.log_level, args.log_file)
     cluster, data, host, port = common.resolve(args, "storage")
     volume_size = config.parse_size(args.volume_size)
-    fsync = args.fsync == "always"
+    fsync = args.fsync == "always" and not args.no_sync
 
     async def amain() -> None:
         store = await trio.to_thread.run_sync(
@@ -424,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
                     functools.partial(serve, limits=Limits(max_payload=P.MAX_PUT_BYTES)),
                     service, host, port, cluster.secret)
                 log.info("storage node %d serving %s on %s:%d (fsync %s, volumes of %s)",
-                         args.index, data, host, port, args.fsync,
+                         args.index, data, host, port, "always" if fsync else "never",
                          config.format_size(volume_size))
         finally:
             server.close()

@@ -33,7 +33,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import signal
 import struct
 import time
 from collections.abc import Sequence
@@ -45,6 +44,8 @@ import xxhash
 
 from jpfs.errors import JPFSError, error
 from jpfs.proto.storage import blob_name
+
+from ..common import fault_point
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +61,17 @@ U64 = struct.Struct("<Q")
 SEALED = 1
 """Volume flag: no more appends (rolled over, or a compaction target)."""
 
-CRASH_ENV = "JPFS_STORAGE_CRASH_AT"
-"""Test hook: kill -9 this process at the named step (``put_written``, ``compact_copying``,
-``compact_copied``, ``compact_switched``)."""
-
 _COPY_BUFFER = 8 << 20
 
 
 def crash_point(step: str) -> None:
-    """Die like ``kill -9`` at ``step`` when the test hook asks for it."""
-    if os.environ.get(CRASH_ENV) == step:
-        log.warning("test hook %s=%s: killing myself", CRASH_ENV, step)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Test hook: ``JPFS_FAULTS=storage.<step>`` makes the process die here like ``kill -9``.
+
+    Steps: ``put_written`` (data fsynced, index not committed), ``compact_copying`` (half the
+    live blobs copied), ``compact_copied`` (new volume fsynced, index not switched),
+    ``compact_switched`` (index switched, old volume not unlinked).
+    """
+    fault_point(f"storage.{step}")
 
 
 @dataclass(slots=True)
