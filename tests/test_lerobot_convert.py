@@ -100,6 +100,20 @@ def test_data_rows_equal_and_files_follow_the_size_rule(src: Path, clean: Path, 
         if n + 1 < len(files):
             assert sum(sizes[e] for e in eps) + sizes[by_file[files[n + 1]][0]] >= limit
     _check_chunk_folders(files, limits["chunks_size"])
+    # One parquet row group per episode: a loader reads an episode without its neighbours.
+    for f, eps in by_file.items():
+        md = pq.read_metadata(clean / f)
+        lengths = [new.episode(e).length for e in eps]
+        assert [md.row_group(i).num_rows for i in range(md.num_row_groups)] == lengths
+
+
+def test_row_group_rows_packs_episodes(src: Path, limits: dict, tmp_path: Path):
+    dst = tmp_path / "packed"
+    convert(str(src), str(dst), workers=1, progress=False, row_group_rows=10**6, **limits)
+    meta = load_meta(str(dst))
+    for f in meta.data_files:
+        assert pq.read_metadata(dst / f).num_row_groups == 1
+    assert verify(str(src), str(dst), workers=1, progress=False)["ok"]
 
 
 def _check_chunk_folders(files: list[str], per_chunk: int) -> None:
@@ -201,6 +215,7 @@ def test_kill_during_convert_then_rerun(src: Path, clean: Path, limits: dict, tm
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     finished = len(list(done.iterdir()))
+    print(f"killed after {finished} of {n_tasks} output files")
     assert finished < n_tasks
     # Not a valid dataset, and nothing at a final name is half-written.
     assert not (dst / layout.INFO_PATH).exists()
@@ -281,8 +296,8 @@ def test_truncated_mp4_names_the_file_then_rerun_finishes(src: Path, limits: dic
     good = victim.read_bytes()
     victim.write_bytes(good[: len(good) // 2])
     dst = tmp_path / "dst"
-    proc = _cli("lerobot", "convert", str(bad), str(dst), "--workers", "1", "--no-progress",
-                *_limit_args(limits))
+    proc = _cli("lerobot", "convert", str(bad), str(dst), "--workers", "2", "--executor",
+                "process", "--no-progress", *_limit_args(limits))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert str(victim) in err and "truncated" in err
@@ -348,6 +363,24 @@ def test_cli_info_and_verify(src: Path, clean: Path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "match" in out
+
+
+def test_bench_convert_runs(tmp_path: Path):
+    """`jpfs bench convert` end to end at a tiny size: figures present and consistent."""
+    proc = _cli("bench", "convert", "--episodes", "4", "--frames-per-episode", "5-9",
+                "--workers", "1,2", "--repeat", "1", "--via", "local,memory://bench-test",
+                "--dir", str(tmp_path), "--json")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    d = json.loads(out.strip().splitlines()[-1])
+    runs = d["convert"]["runs"]
+    assert [r["workers"] for r in runs] == [1, 2] and runs[0]["speedup"] == 1.0
+    assert d["convert"]["file_reduction"] > 1
+    for via in ("local", "memory://bench-test"):
+        for pattern in ("scan", "episodes"):
+            res = d["read"][via][pattern]
+            assert res["v2.1"]["frames"] == res["v3.0"]["frames"] == d["frames"]
+            assert res["v2.1"]["ratio"] == 1.0
 
 
 @given(st.lists(st.integers(1, 50), max_size=40), st.integers(1, 120), st.integers(1, 4))

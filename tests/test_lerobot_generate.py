@@ -305,6 +305,24 @@ def test_generate_refuses_non_empty(tmp_path: Path):
     assert (tmp_path / "x").read_text() == "keep me"
 
 
+def test_bench_gen_cli(tmp_path: Path):
+    import subprocess
+    import sys
+
+    root = tmp_path / "cli"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jpfs.cli.main", "bench", "gen", str(root), "--episodes", "3",
+         "--cameras", "1", "--frames-per-episode", "4-6", "--video", "stub", "--video-bytes",
+         "2K", "--no-progress", "--json"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    meta = load_meta(str(root))
+    assert (figures["episodes"], figures["frames"]) == (len(meta.episodes), meta.total_frames)
+    assert figures["files"] == len(_files(root)) and figures["video"].startswith("stub")
+    assert "episodes" in proc.stdout and "bytes" in proc.stdout
+
+
 def test_meta_errors_name_the_file(tmp_path: Path, v21: Path):
     with pytest.raises(DatasetError, match=r"meta/info\.json: missing"):
         detect_version(str(tmp_path))

@@ -17,22 +17,13 @@ SRC is only read.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import multiprocessing
-import os
 import posixpath
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import (
-    Executor,
-    Future,
-    ProcessPoolExecutor,
-    ThreadPoolExecutor,
-    as_completed,
-)
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
@@ -55,15 +46,21 @@ from .fsutil import (
     replace,
     write_json,
 )
+from .workers import default_workers, worker_pool
 
 log = logging.getLogger(__name__)
 
-__all__ = ["convert", "plan_conversion", "ConvertPlan", "Task", "JOURNAL_DIR", "ROW_GROUP_ROWS"]
+__all__ = ["convert", "plan_conversion", "ConvertPlan", "Task", "JOURNAL_DIR"]
 
 JOURNAL_DIR = ".jpfs-convert"
-# Data files are written in row groups of whole episodes, at least this many rows each, so a
-# reader can fetch one episode's rows without reading the whole file.
-ROW_GROUP_ROWS = 16384
+# Data files are written in row groups of whole episodes: by default one episode per row group,
+# so a loader reading episodes in shuffled order fetches only that episode's bytes (with one big
+# row group per file, as pandas writes them, each episode read decodes the whole group: measured
+# 13x slower than v2.1 on 200-row episodes). A positive row_group_rows packs episodes until a
+# group holds at least that many rows (faster full scans, slower single-episode reads).
+DEFAULT_ROW_GROUP_ROWS = 0
+# Below this much source data a process pool costs more to start than it saves.
+INLINE_BELOW_BYTES = 64 * 1024 * 1024
 MB = 1024 * 1024
 
 
@@ -93,10 +90,12 @@ class ConvertPlan:
     tasks: tuple[Task, ...]
     source_files: int
     source_bytes: int
+    row_group_rows: int = DEFAULT_ROW_GROUP_ROWS
 
     def digest(self) -> str:
         """Identity of the plan: a rerun must find the same one to resume."""
         body = json.dumps([self.data_file_mb, self.video_file_mb, self.chunks_size,
+                           self.row_group_rows,
                            [asdict(t) for t in self.tasks]], sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()
 
@@ -147,7 +146,8 @@ def _schema_problem(schema: pa.Schema, want: pa.Schema) -> str | None:
 def plan_conversion(src: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_MB,
                     video_file_mb: float = layout.DEFAULT_VIDEO_FILE_MB,
                     chunks_size: int = layout.CHUNKS_SIZE, meta: DatasetMeta | None = None,
-                    progress: bool = True, threads: int = 4) -> ConvertPlan:
+                    progress: bool = True, threads: int = 4,
+                    row_group_rows: int = DEFAULT_ROW_GROUP_ROWS) -> ConvertPlan:
     """Decide every output file from SRC's sizes; checks each episode parquet's schema.
 
     Raises:
@@ -212,7 +212,7 @@ def plan_conversion(src: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_MB,
                 inputs=tuple(episodes[i].videos[key].path for i in pos), episodes=tuple(pos),
                 lengths=tuple(episodes[i].length for i in pos)))
     return ConvertPlan(src, data_file_mb, video_file_mb, chunks_size, tuple(tasks),
-                       source_files, source_bytes)
+                       source_files, source_bytes, row_group_rows)
 
 
 def _sizes(fs: Any, base: str, rels: list[str]) -> list[int]:
@@ -239,7 +239,8 @@ def _sizes(fs: Any, base: str, rels: list[str]) -> list[int]:
 # Tasks (run in worker processes or threads: module-level, plain arguments)
 
 
-def run_task(src: str, dst: str, task: Task) -> dict[str, Any]:
+def run_task(src: str, dst: str, task: Task,
+             row_group_rows: int = DEFAULT_ROW_GROUP_ROWS) -> dict[str, Any]:
     """Write one output file under a temporary name, then rename it into place."""
     sfs, sbase = get_fs(src)
     dfs, dbase = get_fs(dst)
@@ -250,7 +251,7 @@ def run_task(src: str, dst: str, task: Task) -> dict[str, Any]:
     result: dict[str, Any] = {}
     with local_output(dfs, tmp) as local:
         if task.kind == "data":
-            _concat_parquet(sfs, inputs, list(task.lengths), local)
+            _concat_parquet(sfs, inputs, list(task.lengths), local, row_group_rows)
         else:
             segs = video.concat(sfs, inputs, local, list(task.lengths))
             result["segments"] = [[s.frames, s.duration.numerator, s.duration.denominator,
@@ -262,7 +263,8 @@ def run_task(src: str, dst: str, task: Task) -> dict[str, Any]:
     return result
 
 
-def _concat_parquet(fs: Any, inputs: list[str], lengths: list[int], output: str) -> None:
+def _concat_parquet(fs: Any, inputs: list[str], lengths: list[int], output: str,
+                    row_group_rows: int) -> None:
     writer: pq.ParquetWriter | None = None
     schema: pa.Schema | None = None
     pending: list[pa.Table] = []
@@ -285,7 +287,7 @@ def _concat_parquet(fs: Any, inputs: list[str], lengths: list[int], output: str)
                 raise DatasetError(path, f"has {table.num_rows} rows, the episode has {want}")
             pending.append(table.replace_schema_metadata(schema.metadata))
             rows += table.num_rows
-            if rows >= ROW_GROUP_ROWS:
+            if rows >= row_group_rows:
                 writer.write_table(pa.concat_tables(pending), row_group_size=rows)
                 pending, rows = [], 0
         if pending and writer is not None:
@@ -359,28 +361,10 @@ class Journal:
 # The conversion
 
 
-def default_workers() -> int:
-    """Workers when none are asked for: one per core, at most 8."""
-    return max(1, min(8, os.cpu_count() or 1))
-
-
-@contextlib.contextmanager
-def _pool(workers: int, kind: str) -> Iterator[Executor | None]:
-    if workers <= 1:
-        yield None
-        return
-    if kind == "thread":
-        with ThreadPoolExecutor(workers) as ex:
-            yield ex
-        return
-    ctx = multiprocessing.get_context("spawn")  # never fork a process holding Arrow's threads
-    with ProcessPoolExecutor(workers, mp_context=ctx) as ex:
-        yield ex
-
-
 def convert(src: str, dst: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_MB,
             video_file_mb: float = layout.DEFAULT_VIDEO_FILE_MB, workers: int | None = None,
-            chunks_size: int = layout.CHUNKS_SIZE, executor: str = "process",
+            chunks_size: int = layout.CHUNKS_SIZE, executor: str = "thread",
+            row_group_rows: int = DEFAULT_ROW_GROUP_ROWS,
             progress: bool = True,
             on_task_done: Callable[[Task], None] | None = None) -> dict[str, Any]:
     """Convert the v2.1 dataset at ``src`` into a v3.0 dataset at ``dst``; resumes if unfinished.
@@ -388,16 +372,19 @@ def convert(src: str, dst: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_M
     Args:
         src, dst: local paths or fsspec URLs (``jpfs://...``); ``src`` is never modified.
         data_file_mb, video_file_mb: size limits of the output files (LeRobot: 100 and 200).
-        workers: parallel output files (default: one per core); 1 runs everything inline.
+        workers: parallel output files (default: one per core, at most 8; with processes,
+            inline below 64 MiB of source); 1 runs everything inline.
+        row_group_rows: 0 for one parquet row group per episode (default), else pack whole
+            episodes until a row group holds at least this many rows.
         chunks_size: files per chunk folder (LeRobot: 1000; small values force chunk rollovers).
-        executor: "process" or "thread" workers.
+        executor: "thread" (default, measured faster) or "process" workers.
         on_task_done: called after each output file is journaled (tests, progress hooks).
 
     Returns:
         Figures: episodes, frames, files and bytes in and out, tasks run and resumed, seconds.
     """
     t0 = time.perf_counter()
-    workers = default_workers() if workers is None else max(1, workers)
+    workers = None if workers is None else max(1, workers)
     sfs, sbase = get_fs(src)
     dfs, dbase = get_fs(dst)
     if _same_place(sfs, sbase, dfs, dbase):
@@ -416,7 +403,11 @@ def convert(src: str, dst: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_M
         raise DatasetError(dbase, "is not empty and holds no unfinished conversion; "
                                   "choose an empty or new destination")
     plan = plan_conversion(src, data_file_mb, video_file_mb, chunks_size, meta=meta,
-                           progress=progress, threads=workers)
+                           progress=progress, threads=workers or 4,
+                           row_group_rows=row_group_rows)
+    if workers is None:
+        small = executor == "process" and plan.source_bytes < INLINE_BELOW_BYTES
+        workers = 1 if small else default_workers()
     # Stats are checked before any output exists, so a bad file fails fast.
     ep_stats = _load_episode_stats(sfs, sbase, meta)
     journal.start(plan)
@@ -433,13 +424,15 @@ def convert(src: str, dst: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_M
     bar = tqdm(total=len(plan.tasks), initial=len(results), desc="convert", unit="file",
                disable=not progress)
     try:
-        with _pool(min(workers, max(1, len(todo))), executor) as pool:
+        with worker_pool(min(workers, max(1, len(todo))), executor) as pool:
             if pool is None:
                 for task in todo:
-                    results[task.key] = _finish(journal, task, run_task(src, dst, task),
+                    results[task.key] = _finish(journal, task,
+                                                run_task(src, dst, task, row_group_rows),
                                                 bar, on_task_done)
             else:
-                futures: dict[Future, Task] = {pool.submit(run_task, src, dst, t): t
+                futures: dict[Future, Task] = {pool.submit(run_task, src, dst, t,
+                                                           row_group_rows): t
                                                for t in todo}
                 try:
                     for fut in as_completed(futures):

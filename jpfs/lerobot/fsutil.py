@@ -47,6 +47,10 @@ class DatasetError(ValueError):
     def __init__(self, path: str, message: str):
         super().__init__(f"{path}: {message}")
         self.path = path
+        self.message = message
+
+    def __reduce__(self):  # survives the trip back from a worker process
+        return (type(self), (self.path, self.message))
 
 
 def get_fs(root: str) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from tqdm import tqdm
 from . import layout, stats
 from . import video as vio
 from .fsutil import get_fs, is_local, join, jsonl_bytes, write_bytes, write_json
+from .workers import default_workers, worker_pool
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +149,8 @@ def generate(
             ``data_file_mb``/``video_file_mb`` and ``chunks_size`` files per chunk folder).
         resolution: (width, height) of the cameras; real cameras are 640x480, tests want tiny.
         codec: PyAV encoder or alias (av1, h264, vp9); default AV1 as LeRobot, else H.264.
-        workers: converter workers for v3.0.
+        workers: processes writing episodes, and converter workers for v3.0 (default: inline
+            for small datasets, one per core for large ones).
 
     Returns:
         Figures: root, format, episodes, frames, cameras, video kind, files, bytes, seconds.
@@ -174,7 +177,8 @@ def generate(
         try:
             figures = generate(tmp, episodes, cameras, frames_per_episode, fps, video,
                                video_bytes, layout.V21, seed, state_dim, action_dim, tasks,
-                               rewards, resolution, codec, robot_type, progress=progress)
+                               rewards, resolution, codec, robot_type, workers=workers,
+                               progress=progress)
             convert(tmp, root, data_file_mb, video_file_mb, workers=workers,
                     chunks_size=chunks_size, progress=progress)
         finally:
@@ -185,15 +189,15 @@ def generate(
         video = "encoded" if vio.have_av() else "stub"
     return _generate_v21(fs, base, root, episodes, cameras, frames_per_episode, fps, video,
                          video_bytes, seed, state_dim, action_dim, tasks, rewards, resolution,
-                         codec, robot_type, progress, t0)
+                         codec, robot_type, progress, t0, workers)
 
 
 def _generate_v21(fs: Any, base: str, root: str, episodes: int, cameras: int,
                   frames_per_episode: int | tuple[int, int], fps: int, video_kind: str,
                   video_bytes: int, seed: int, state_dim: int, action_dim: int,
                   tasks: int | Sequence[str], rewards: bool, resolution: tuple[int, int],
-                  codec: str | None, robot_type: str, progress: bool, t0: float
-                  ) -> dict[str, Any]:
+                  codec: str | None, robot_type: str, progress: bool, t0: float,
+                  workers: int | None) -> dict[str, Any]:
     width, height = resolution
     encoder = vio.pick_encoder(codec) if video_kind == "encoded" and cameras else None
     codec_name = vio.ENCODERS[encoder][0] if encoder else layout.STUB_CODEC
@@ -210,32 +214,23 @@ def _generate_v21(fs: Any, base: str, root: str, episodes: int, cameras: int,
     for d in drawn:
         task_index.setdefault(task_list[d], len(task_index))
     info = layout.info_v21(features, fps, episodes, sum(lengths), len(task_index), robot_type)
-    ep_rows = []
-    stat_rows = []
-    start = 0
+    job = _EpisodeJob(root, info, schema, encoder, keys, width, height, fps, video_bytes, seed)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+    args = [(ep, length, int(starts[ep]), task_index[task_list[drawn[ep]]])
+            for ep, length in enumerate(lengths)]
+    if workers is None:  # a pool pays off only once encoding dominates its start-up
+        workers = 1 if sum(lengths) * max(1, cameras) < 40_000 else default_workers()
     bar = tqdm(total=episodes, desc=f"generate {root}", unit="ep", disable=not progress)
-    for ep, length in enumerate(lengths):
-        task = task_list[drawn[ep]]
-        table = episode_table(schema, features, ep, length, start, task_index[task], fps, seed)
-        ep_stats = stats.table_stats(table, list(schema.names))
-        with fs.open(_mk(fs, join(base, layout.v21_data_path(info, ep))), "wb") as f:
-            pq.write_table(table, f)
-        for cam, key in enumerate(keys):
-            frames = vio.synth_frames(length, height, width, seed=hash_seed(seed, ep, cam))
-            step = max(1, length // IMAGE_STAT_SAMPLES)
-            ep_stats[key] = stats.feature_stats(frames[::step], image=True)
-            if encoder:
-                data = vio.encode(frames, fps, encoder)
-            else:
-                data = vio.make_stub(length, fps, width, height, video_bytes,
-                                       seed=hash_seed(seed, ep, cam))
-            write_bytes(fs, join(base, layout.v21_video_path(info, key, ep)), data)
-        ordered = {k: ep_stats[k] for k in features if k in ep_stats}
-        ep_rows.append({"episode_index": ep, "tasks": [task], "length": length})
-        stat_rows.append({"episode_index": ep, "stats": stats.to_json(ordered)})
-        start += length
-        bar.update(1)
+    stat_rows = []
+    with worker_pool(min(workers, episodes), "process") as pool:  # see workers.py: not threads
+        results = (pool.map(job, args, chunksize=max(1, episodes // (8 * workers)))
+                   if pool else map(job, args))
+        for ep, ordered in enumerate(results):
+            stat_rows.append({"episode_index": ep, "stats": ordered})
+            bar.update(1)
     bar.close()
+    ep_rows = [{"episode_index": ep, "tasks": [task_list[drawn[ep]]], "length": length}
+               for ep, length in enumerate(lengths)]
     write_bytes(fs, join(base, layout.V21_TASKS_PATH),
                 jsonl_bytes([{"task_index": i, "task": t} for t, i in task_index.items()]))
     write_bytes(fs, join(base, layout.V21_EPISODES_PATH), jsonl_bytes(ep_rows))
@@ -246,6 +241,44 @@ def _generate_v21(fs: Any, base: str, root: str, episodes: int, cameras: int,
         f"stub ({video_bytes} B stand-ins)")
     figures = {"video": kind, "cameras": cameras}
     return _summary(fs, base, root, layout.V21, figures, t0)
+
+
+@dataclass(frozen=True)
+class _EpisodeJob:
+    """Writes one episode's parquet and videos; returns its stats (picklable for workers)."""
+
+    root: str
+    info: dict
+    schema: pa.Schema
+    encoder: str | None
+    keys: list[str]
+    width: int
+    height: int
+    fps: int
+    video_bytes: int
+    seed: int
+
+    def __call__(self, arg: tuple[int, int, int, int]) -> dict[str, Any]:
+        ep, length, start, task_index = arg
+        fs, base = get_fs(self.root)
+        features = self.info["features"]
+        table = episode_table(self.schema, features, ep, length, start, task_index, self.fps,
+                              self.seed)
+        ep_stats = stats.table_stats(table, list(self.schema.names))
+        with fs.open(_mk(fs, join(base, layout.v21_data_path(self.info, ep))), "wb") as f:
+            pq.write_table(table, f)
+        for cam, key in enumerate(self.keys):
+            frames = vio.synth_frames(length, self.height, self.width,
+                                      seed=hash_seed(self.seed, ep, cam))
+            step = max(1, length // IMAGE_STAT_SAMPLES)
+            ep_stats[key] = stats.feature_stats(frames[::step], image=True)
+            if self.encoder:
+                data = vio.encode(frames, self.fps, self.encoder)
+            else:
+                data = vio.make_stub(length, self.fps, self.width, self.height,
+                                     self.video_bytes, seed=hash_seed(self.seed, ep, cam))
+            write_bytes(fs, join(base, layout.v21_video_path(self.info, key, ep)), data)
+        return stats.to_json({k: ep_stats[k] for k in features if k in ep_stats})
 
 
 def hash_seed(*parts: int) -> int:

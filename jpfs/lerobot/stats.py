@@ -27,14 +27,16 @@ def feature_stats(values: np.ndarray, image: bool = False) -> dict[str, np.ndarr
         image: reduce per channel, to shape [3, 1, 1], after scaling to [0, 1].
     """
     if image:
-        x = values.astype(np.float64) / 255.0
-        axes = (0, 1, 2)
-        chan = lambda a: a.reshape(3, 1, 1)  # noqa: E731
+        px = values.reshape(-1, values.shape[-1])  # (pixels, 3), still uint8: cheap min/max
+
+        def chan(a: np.ndarray) -> np.ndarray:
+            return (np.asarray(a, np.float64) / 255.0).reshape(-1, 1, 1)
+
         return {
-            "min": chan(x.min(axis=axes)),
-            "max": chan(x.max(axis=axes)),
-            "mean": chan(x.mean(axis=axes)),
-            "std": chan(x.std(axis=axes)),
+            "min": chan(px.min(axis=0)),
+            "max": chan(px.max(axis=0)),
+            "mean": chan(px.mean(axis=0, dtype=np.float64)),
+            "std": chan(px.std(axis=0, dtype=np.float64)),
             "count": np.array([len(values)]),
         }
     x = values if values.ndim > 1 else values.reshape(-1, 1)

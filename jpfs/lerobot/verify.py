@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from . import video
-from .convert import _pool, default_workers
 from .dataset import DatasetMeta, EpisodeInfo, load_meta
 from .fsutil import DatasetError, get_fs, join
+from .workers import default_workers, worker_pool
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ TIME_TOLERANCE = 1e-4  # seconds; far below half a frame at any real frame rate
 MAX_PROBLEMS = 100
 
 
-def verify(src: str, dst: str, workers: int | None = None, executor: str = "process",
+def verify(src: str, dst: str, workers: int | None = None, executor: str = "thread",
            progress: bool = True) -> dict[str, Any]:
     """Compare DST (v3.0) with SRC (v2.1); returns figures and a list of problems (empty: ok)."""
     _cached_meta.cache_clear()
@@ -45,7 +45,7 @@ def verify(src: str, dst: str, workers: int | None = None, executor: str = "proc
     frames = videos = 0
     bar = tqdm(total=len(jobs), desc="verify", unit="file", disable=not progress)
     try:
-        with _pool(min(workers, max(1, len(jobs))), executor) as pool:
+        with worker_pool(min(workers, max(1, len(jobs))), executor) as pool:
             if pool is None:
                 results: Iterator[tuple[int, list[str]]] = (
                     _check_file(src, dst, kind, arg) for kind, arg in jobs)

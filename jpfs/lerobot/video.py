@@ -260,22 +260,35 @@ def concat(fs: fsspec.AbstractFileSystem, inputs: list[str], output: str,
                             path, f"cannot be joined by stream copy to {inputs[0]}: codec "
                             f"parameters differ ({key[:3]} vs {ref[:3]})")
                     in_tb = Fraction(s.time_base)
+                    same = in_tb == out_tb  # the usual case: plain integer offsets per packet
+                    scale = in_tb / out_tb
                     step = _frame_ticks(s)
                     first: int | None = None
                     end = 0
                     frames = 0
                     try:
                         for pkt in inp.demux(s):
-                            if pkt.dts is None:
+                            dts = pkt.dts
+                            if dts is None:  # the demuxer's final flush packet
                                 continue
-                            pts = pkt.pts if pkt.pts is not None else pkt.dts
+                            pts = pkt.pts
+                            if pts is None:
+                                pts = dts
                             if first is None:
-                                first = min(pts, pkt.dts)
-                            end = max(end, pts - first + (pkt.duration or step))
-                            pkt.pts = offset + _rescale(pts - first, in_tb, out_tb)
-                            pkt.dts = offset + _rescale(pkt.dts - first, in_tb, out_tb)
-                            pkt.duration = _rescale(pkt.duration or step, in_tb, out_tb)
-                            pkt.time_base = out_tb
+                                first = min(pts, dts)
+                            dur = pkt.duration or step
+                            rel = pts - first
+                            if rel + dur > end:
+                                end = rel + dur
+                            if same:
+                                pkt.pts = offset + rel
+                                pkt.dts = offset + dts - first
+                                pkt.duration = dur
+                            else:
+                                pkt.pts = offset + round(rel * scale)
+                                pkt.dts = offset + round((dts - first) * scale)
+                                pkt.duration = round(dur * scale)
+                                pkt.time_base = out_tb
                             pkt.stream = ostream
                             out.mux(pkt)
                             frames += 1
