@@ -37,6 +37,8 @@ AUTH_OK = 6
 KINDS = frozenset({REQUEST, RESPONSE, ERROR, HELLO, AUTH, AUTH_OK})
 
 _RECV_BUFFER = 256 << 10
+_SCATTER_DIRECT = 64 << 10
+"""Scatter-receive parts at least this big go straight from the socket into their buffer."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,13 @@ class FrameSocket:
         if isinstance(dest, list):
             if sum(len(d) for d in dest) == length:
                 for d in dest:
-                    await self._read_exact_into(d)
+                    n = len(d)
+                    if n < _SCATTER_DIRECT:  # small parts: one recv serves many, then copies
+                        await self._fill(n)
+                        d[:] = self._view[self._start:self._start + n]
+                        self._start += n
+                    else:
+                        await self._read_exact_into(d)
                 return dest
             dest = None
         if dest is None or len(dest) != length:
