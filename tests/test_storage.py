@@ -266,7 +266,6 @@ async def test_missing_blob_is_eio_naming_it(storage_cluster, client_for):  # no
     assert "ENOENT" in str(info.value)
 
 
-@pytest.mark.slow
 async def test_concurrent_processes_lose_and_mix_nothing(storage_cluster,  # noqa: F811
                                                          client_for):
     sc = storage_cluster(n=3, replicas=2)
@@ -275,7 +274,7 @@ async def test_concurrent_processes_lose_and_mix_nothing(storage_cluster,  # noq
 
     def run_workers() -> list:
         procs = [subprocess.Popen([sys.executable, str(script), "worker", str(sc.path), str(s),
-                                   "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                   "300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                  for s in range(workers)]
         out = []
         for p in procs:
@@ -285,7 +284,7 @@ async def test_concurrent_processes_lose_and_mix_nothing(storage_cluster,  # noq
         return out
 
     written = await trio.to_thread.run_sync(run_workers)
-    assert len(written) == workers * 400
+    assert len(written) == workers * 300
     assert len({w[0] for w in written}) == len(written)
     client = client_for(sc)
     chunks = [Chunk(0, bytes.fromhex(h), tuple(n), size, size, xxh) for h, n, size, xxh in written]
@@ -358,6 +357,41 @@ async def test_delete_list_and_compact(storage_cluster, client_for):  # noqa: F8
     more, more_chunks = await _fill(client, 20, seed=1)
     await _check_all(client, [blobs[k] for k in keep] + more,
                      [chunks[k] for k in keep] + more_chunks)
+
+
+async def test_reads_and_writes_during_compaction(storage_cluster, client_for):  # noqa: F811
+    sc = storage_cluster(n=1, replicas=1, args=("--volume-size", "1MiB"))
+    client = client_for(sc)
+    blobs, chunks = await _fill(client, 300)
+    await client.delete([(b, (0,)) for k, (b, _, _) in enumerate(blobs) if k % 2])
+    keep = [k for k in range(len(blobs)) if k % 2 == 0]
+    kept_blobs, kept_chunks = [blobs[k] for k in keep], [chunks[k] for k in keep]
+    done = trio.Event()
+    rounds = 0
+    extra: list = []
+
+    async def read_until_done() -> None:
+        nonlocal rounds
+        while not done.is_set():
+            await _check_all(client, kept_blobs, kept_chunks)
+            rounds += 1
+
+    async def write_until_done() -> None:
+        while not done.is_set():
+            more, more_chunks = await _fill(client, 10, seed=len(extra))
+            extra.append((more, more_chunks))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(read_until_done)
+        n.start_soon(write_until_done)
+        summary = await client.compact(0, 0.3)
+        done.set()
+    assert summary["volumes_compacted"] >= 3 and rounds >= 1
+    await _check_all(client, kept_blobs, kept_chunks)
+    for more, more_chunks in extra:
+        await _check_all(client, more, more_chunks)
+    st = await client.stats(0)
+    assert st["blobs"] == len(keep) + 10 * len(extra)
 
 
 @pytest.mark.parametrize("step", ["compact_copying", "compact_copied", "compact_switched"])

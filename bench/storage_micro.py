@@ -1,0 +1,207 @@
+"""Storage server micro-benchmark: batched blob reads against plain loopback sendfile.
+
+Run by hand (not a test)::
+
+    python -m jpfs_bench.storage_micro [--big 64] [--small 20000] [--rounds 3]
+
+It starts one ``jpfs-storage`` process on loopback (``--fsync never``: only reads are timed), and
+a baseline process that streams a file of the same total size with ``socket.sendfile`` to a
+client doing ``recv_into`` on a 1 MiB buffer. Everything is warm (page cache). Figures are
+medians of ``--rounds`` runs; each workload reports its ratio to the baseline of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+from jpfs import config
+from jpfs.client.storage import StorageClient
+from jpfs.types import Chunk
+
+MiB = 1 << 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError("server did not start")
+
+
+# ---------------------------------------------------------------------- the baseline
+
+_SENDFILE_SERVER = r"""
+import socket, sys
+path, port = sys.argv[1], int(sys.argv[2])
+ls = socket.socket(); ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+ls.bind(("127.0.0.1", port)); ls.listen(8)
+while True:
+    conn, _ = ls.accept()
+    with conn, open(path, "rb") as f:
+        if conn.recv(1):
+            conn.sendfile(f)
+"""
+
+
+def baseline(path: Path, port: int) -> float:
+    """Seconds to receive the whole file over loopback (sendfile -> recv_into 1 MiB)."""
+    size = path.stat().st_size
+    buf = memoryview(bytearray(MiB))
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        t = time.perf_counter()
+        s.sendall(b"g")
+        got = 0
+        while got < size:
+            n = s.recv_into(buf)
+            if not n:
+                raise RuntimeError("baseline stream ended early")
+            got += n
+        return time.perf_counter() - t
+
+
+# ---------------------------------------------------------------------- the storage workloads
+
+
+async def _put_all(client: StorageClient, sizes: list[int], group: int) -> list[Chunk]:
+    chunks: list[Chunk] = []
+    for k in range(0, len(sizes), group):
+        blobs = [(os.urandom(16), (0,), os.urandom(s)) for s in sizes[k:k + group]]
+        res = await client.put(blobs)
+        chunks += [Chunk(len(chunks) + j, b, nodes, len(d), len(d), xxh)
+                   for j, ((b, _, d), (nodes, xxh)) in enumerate(zip(blobs, res, strict=True))]
+    return chunks
+
+
+async def _read_all(client: StorageClient, chunks: list[Chunk], batch: int, tasks: int,
+                    into: list[memoryview] | None) -> float:
+    """Seconds to read every chunk in batches of ``batch`` with ``tasks`` concurrent callers."""
+    batches = [range(k, min(k + batch, len(chunks))) for k in range(0, len(chunks), batch)]
+    it = iter(batches)
+
+    async def worker() -> None:
+        for r in it:
+            part = chunks[r.start:r.stop]
+            await client.get(part, into=into[r.start:r.stop] if into is not None else None)
+
+    t = time.perf_counter()
+    async with trio.open_nursery() as n:
+        for _ in range(tasks):
+            n.start_soon(worker)
+    return time.perf_counter() - t
+
+
+async def run_storage(cluster: config.Cluster, args, base_port: int, base_file: Path) -> dict:
+    rng = random.Random(1)
+    big_sizes = [4 * MiB] * args.big
+    small_sizes = [rng.randint(1 << 10, 64 << 10) for _ in range(args.small)]
+    out: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        out.setdefault(name, []).append(value)
+
+    async with trio.open_nursery() as nursery:
+        client = StorageClient(nursery, cluster)
+        big = await _put_all(client, big_sizes, 8)
+        small = await _put_all(client, small_sizes, 200)
+        big_bytes, small_bytes = sum(big_sizes), sum(small_sizes)
+        big_into = [memoryview(bytearray(s)) for s in big_sizes]
+        small_into = [memoryview(bytearray(s)) for s in small_sizes]
+        await _read_all(client, big, 8, 2, None)  # warm everything up once
+        await _read_all(client, small, 500, 2, None)
+        for _ in range(args.rounds):
+            base_s = await trio.to_thread.run_sync(baseline, base_file, base_port)
+            add("baseline_GBps", base_file.stat().st_size / base_s / 1e9)
+            for name, chunks, nbytes, batch, tasks, into in (
+                ("big_1x1", big, big_bytes, 1, 1, None),
+                ("big_8x2", big, big_bytes, 8, 2, None),
+                ("big_8x2_into", big, big_bytes, 8, 2, big_into),
+                ("big_16x4_into", big, big_bytes, 16, 4, big_into),
+                ("small_500x2", small, small_bytes, 500, 2, None),
+                ("small_500x2_into", small, small_bytes, 500, 2, small_into),
+                ("small_500x4_into", small, small_bytes, 500, 4, small_into),
+                ("small_50x4", small, small_bytes, 50, 4, None),
+            ):
+                s = await _read_all(client, chunks, batch, tasks, into)
+                add(f"{name}_GBps", nbytes / s / 1e9)
+                add(f"{name}_blobs_per_s", len(chunks) / s)
+        stats = await client.stats(0)
+        client.close()
+        nursery.cancel_scope.cancel()
+    res = {k: statistics.median(v) for k, v in out.items()}
+    res["segments_per_blob"] = stats["segments_sent"] / max(1, stats["blobs_sent"])
+    res["cold_warmups"] = stats["cold_warmups"]
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--big", type=int, default=64, help="4 MiB blobs (default 64)")
+    p.add_argument("--small", type=int, default=20000, help="1-64 KiB blobs (default 20000)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dir", help="work directory (default: a temporary one)")
+    args = p.parse_args(argv)
+    work = Path(args.dir or tempfile.mkdtemp(prefix="jpfs-storage-micro-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = config.Cluster(meta=(config.Server(f"127.0.0.1:{_free_port()}"),),
+                         storage=(config.Server(f"127.0.0.1:{_free_port()}", "storage-0"),))
+    config.new_secret(work / "secret")
+    config.write(cfg, work / "cluster.toml")
+    cluster = config.load(work / "cluster.toml")
+    base_file = work / "baseline.bin"
+    with open(base_file, "wb") as f:  # as many bytes as the big workload reads
+        for _ in range(args.big * 4):
+            f.write(os.urandom(MiB))
+    base_file.read_bytes()  # warm
+    base_port = _free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "jpfs_daemon.storage.server", "--cluster",
+                          str(work / "cluster.toml"), "--index", "0", "--fsync", "never",
+                          "--log-file", str(work / "storage-0.log")]),
+        subprocess.Popen([sys.executable, "-c", _SENDFILE_SERVER, str(base_file),
+                          str(base_port)]),
+    ]
+    try:
+        _wait_port(cluster.storage[0].host_port[1], procs[0])
+        _wait_port(base_port, procs[1])
+        res = trio.run(run_storage, cluster, args, base_port, base_file)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait()
+    base = res["baseline_GBps"]
+    print(f"baseline: loopback socket.sendfile -> recv_into 1 MiB: {base:.2f} GB/s")
+    for k, v in sorted(res.items()):
+        if k.endswith("_GBps") and k != "baseline_GBps":
+            name = k[:-5]
+            print(f"{name:>18}: {v:5.2f} GB/s  {v / base:4.2f}x baseline  "
+                  f"{res[name + '_blobs_per_s']:9.0f} blobs/s")
+    print(f"segments per blob sent: {res['segments_per_blob']:.3f}; "
+          f"cold warm-ups: {res['cold_warmups']}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
