@@ -30,6 +30,7 @@ from jpfs.lerobot.convert import JOURNAL_DIR, convert, group_by_size, uncompress
 from jpfs.lerobot.dataset import load_meta
 from jpfs.lerobot.fsutil import DatasetError
 from jpfs.lerobot.generate import generate
+from jpfs.lerobot.summary import describe
 from jpfs.lerobot.verify import verify
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,12 +193,14 @@ def test_verify_passes_and_catches_corruption(src: Path, clean: Path, tmp_path: 
 
 def test_parallel_workers_give_identical_output(src: Path, clean: Path, limits: dict,
                                                 tmp_path: Path):
+    before = _tree(src)
     for executor in ("process", "thread"):
         dst = tmp_path / executor
         figures = convert(str(src), str(dst), workers=2, executor=executor, progress=False,
                           **limits)
         assert figures["workers"] == 2
         assert _tree(dst) == _tree(clean), executor
+    assert _tree(src) == before  # SRC is only read
 
 
 def test_kill_during_convert_then_rerun(src: Path, clean: Path, limits: dict, tmp_path: Path):
@@ -221,6 +224,8 @@ def test_kill_during_convert_then_rerun(src: Path, clean: Path, limits: dict, tm
     assert not (dst / layout.INFO_PATH).exists()
     with pytest.raises(DatasetError, match="info.json"):
         load_meta(str(dst))
+    with pytest.raises(DatasetError, match="unfinished"):
+        describe(str(dst))
     want = _tree(clean)
     for name, data in _tree(dst).items():
         if not name.startswith(JOURNAL_DIR):
@@ -234,25 +239,35 @@ def test_kill_during_convert_then_rerun(src: Path, clean: Path, limits: dict, tm
     assert _tree(dst) == _tree(clean)
 
 
-def test_rerun_with_other_limits_is_refused(src: Path, limits: dict, tmp_path: Path):
+def test_rerun_with_other_limits_keeps_only_valid_files(src: Path, limits: dict,
+                                                        tmp_path: Path):
     dst = tmp_path / "half"
     n = 0
+    keys = _plan_keys(src, limits)
+    n_data = sum(1 for k in keys if k.startswith("data-"))
+    stop_at = n_data + 2  # all data files and two video files finish, then an interrupt
 
-    def stop_after_two(task):
+    def stop(task):
         nonlocal n
         n += 1
-        if n == 2:
+        if n == stop_at:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        convert(str(src), str(dst), workers=1, progress=False, on_task_done=stop_after_two,
-                **limits)
+        convert(str(src), str(dst), workers=1, progress=False, on_task_done=stop, **limits)
+    # Same limits for video, 3x for data: the data files change, the finished video files stay.
     other = dict(limits, data_file_mb=limits["data_file_mb"] * 3)
-    with pytest.raises(DatasetError, match="unfinished conversion"):
-        convert(str(src), str(dst), workers=1, progress=False, **other)
-    figures = convert(str(src), str(dst), workers=1, progress=False, **limits)
+    figures = convert(str(src), str(dst), workers=1, progress=False, **other)
+    fresh = tmp_path / "fresh"
+    convert(str(src), str(fresh), workers=1, progress=False, **other)
+    assert _tree(dst) == _tree(fresh)
     assert figures["tasks_resumed"] == 2
-    assert verify(str(src), str(dst), workers=1, progress=False)["ok"]
+
+
+def _plan_keys(src: Path, limits: dict) -> list[str]:
+    from jpfs.lerobot.convert import plan_conversion
+
+    return [t.key for t in plan_conversion(str(src), progress=False, **limits).tasks]
 
 
 def _copy(src: Path, dst: Path) -> Path:

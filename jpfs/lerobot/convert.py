@@ -6,9 +6,11 @@ to another, and the metadata is rewritten. Here each output file is one independ
 pool of workers. Crash safety:
 
 - the plan (which episodes go into which file) is a pure function of SRC and the limits, and is
-  stored in ``DST/.jpfs-convert/plan.json``; a rerun recomputes it and refuses a different one;
+  stored in ``DST/.jpfs-convert/plan.json``; a rerun recomputes it;
 - every output is written under ``DST/.jpfs-convert/tmp/`` (fsynced), renamed into place when
-  complete, and then recorded by a marker in ``DST/.jpfs-convert/done/``, the progress journal;
+  complete, and then recorded by a marker in ``DST/.jpfs-convert/done/``, the progress journal.
+  A marker names its task's digest (inputs, their sizes, limits), so a rerun redoes exactly the
+  files whose task changed (other limits, a repaired source file) and keeps the rest;
 - ``meta/info.json`` is written last, then the journal is removed: a DST without info.json, or
   with a journal, is an unfinished conversion, which a rerun with the same arguments completes.
 
@@ -77,6 +79,12 @@ class Task:
     inputs: tuple[str, ...]  # relative to SRC
     episodes: tuple[int, ...]
     lengths: tuple[int, ...]
+    input_sizes: tuple[int, ...]  # bytes of each input: a changed source file redoes the task
+    row_group_rows: int = DEFAULT_ROW_GROUP_ROWS
+
+    def digest(self) -> str:
+        """Identity of the task's output: what a done marker must match to be trusted."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -93,10 +101,9 @@ class ConvertPlan:
     row_group_rows: int = DEFAULT_ROW_GROUP_ROWS
 
     def digest(self) -> str:
-        """Identity of the plan: a rerun must find the same one to resume."""
+        """Identity of the whole plan (recorded; a changed plan keeps its still-valid files)."""
         body = json.dumps([self.data_file_mb, self.video_file_mb, self.chunks_size,
-                           self.row_group_rows,
-                           [asdict(t) for t in self.tasks]], sort_keys=True)
+                           self.row_group_rows, [t.digest() for t in self.tasks]])
         return hashlib.sha256(body.encode()).hexdigest()
 
 
@@ -192,14 +199,16 @@ def plan_conversion(src: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_MB,
         if md.num_rows != ep.length:
             raise DatasetError(path, f"has {md.num_rows} rows, episodes.jsonl says {ep.length}")
     sizes = [uncompressed_size(md) for md in footers]
+    file_sizes = _sizes(sfs, sbase, [ep.data_file for ep in episodes])
     tasks: list[Task] = []
     for chunk, file, pos in group_by_size(sizes, int(data_file_mb * MB), chunks_size):
         tasks.append(Task(
             key=f"data-c{chunk:03d}-f{file:03d}", kind="data", video_key=None, chunk=chunk,
             file=file, output=layout.v30_data_path(chunk, file),
             inputs=tuple(episodes[i].data_file for i in pos), episodes=tuple(pos),
-            lengths=tuple(episodes[i].length for i in pos)))
-    source_bytes = sum(sfs.size(join(sbase, ep.data_file)) for ep in episodes)
+            lengths=tuple(episodes[i].length for i in pos),
+            input_sizes=tuple(file_sizes[i] for i in pos), row_group_rows=row_group_rows))
+    source_bytes = sum(file_sizes)
     source_files = len(episodes)
     for key in meta.video_keys:
         vsizes = _sizes(sfs, sbase, [ep.videos[key].path for ep in episodes])
@@ -210,7 +219,8 @@ def plan_conversion(src: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_MB,
                 key=f"video-{key}-c{chunk:03d}-f{file:03d}", kind="video", video_key=key,
                 chunk=chunk, file=file, output=layout.v30_video_path(key, chunk, file),
                 inputs=tuple(episodes[i].videos[key].path for i in pos), episodes=tuple(pos),
-                lengths=tuple(episodes[i].length for i in pos)))
+                lengths=tuple(episodes[i].length for i in pos),
+                input_sizes=tuple(vsizes[i] for i in pos)))
     return ConvertPlan(src, data_file_mb, video_file_mb, chunks_size, tuple(tasks),
                        source_files, source_bytes, row_group_rows)
 
@@ -239,8 +249,7 @@ def _sizes(fs: Any, base: str, rels: list[str]) -> list[int]:
 # Tasks (run in worker processes or threads: module-level, plain arguments)
 
 
-def run_task(src: str, dst: str, task: Task,
-             row_group_rows: int = DEFAULT_ROW_GROUP_ROWS) -> dict[str, Any]:
+def run_task(src: str, dst: str, task: Task) -> dict[str, Any]:
     """Write one output file under a temporary name, then rename it into place."""
     sfs, sbase = get_fs(src)
     dfs, dbase = get_fs(dst)
@@ -251,7 +260,7 @@ def run_task(src: str, dst: str, task: Task,
     result: dict[str, Any] = {}
     with local_output(dfs, tmp) as local:
         if task.kind == "data":
-            _concat_parquet(sfs, inputs, list(task.lengths), local, row_group_rows)
+            _concat_parquet(sfs, inputs, list(task.lengths), local, task.row_group_rows)
         else:
             segs = video.concat(sfs, inputs, local, list(task.lengths))
             result["segments"] = [[s.frames, s.duration.numerator, s.duration.denominator,
@@ -302,7 +311,11 @@ def _concat_parquet(fs: Any, inputs: list[str], lengths: list[int], output: str,
 
 
 class Journal:
-    """``DST/.jpfs-convert``: the plan, one marker per finished output, and temporary files."""
+    """``DST/.jpfs-convert``: the plan, one marker per finished output, and temporary files.
+
+    A marker holds the digest of its task (inputs, their sizes, episodes, limits): it is trusted
+    only while the task is unchanged and its output file still has the recorded size.
+    """
 
     def __init__(self, dst: str):
         self.fs, self.base = get_fs(dst)
@@ -312,18 +325,22 @@ class Journal:
         return self.fs.exists(join(self.dir, "plan.json"))
 
     def start(self, plan: ConvertPlan) -> None:
-        """Record the plan (or check it is the recorded one) and clear leftover temporaries."""
+        """Record the plan, drop outputs an earlier different plan left, clear temporaries."""
         path = join(self.dir, "plan.json")
         digest = plan.digest()
         if self.fs.exists(path):
             try:
-                old = read_json(self.fs, path).get("digest")
+                old = read_json(self.fs, path)
             except DatasetError:
-                old = None
-            if old is not None and old != digest:
-                raise DatasetError(self.base, "holds an unfinished conversion of another source "
-                                   "or with other limits; rerun with the same arguments or "
-                                   "remove it")
+                old = {}
+            if old.get("digest") != digest:
+                log.warning("%s: the unfinished conversion had another plan (source files or "
+                            "limits changed); keeping only the files that are still valid",
+                            self.base)
+                keep = {t.output for t in plan.tasks}
+                for rel in old.get("outputs", []):
+                    if rel not in keep and self.fs.exists(join(self.base, rel)):
+                        self.fs.rm(join(self.base, rel))
         tmp = join(self.dir, "tmp")
         if self.fs.exists(tmp):
             self.fs.rm(tmp, recursive=True)
@@ -333,7 +350,7 @@ class Journal:
                                    "data_file_mb": plan.data_file_mb,
                                    "video_file_mb": plan.video_file_mb,
                                    "chunks_size": plan.chunks_size,
-                                   "tasks": len(plan.tasks)})
+                                   "outputs": [t.output for t in plan.tasks]})
 
     def done(self, task: Task) -> dict[str, Any] | None:
         """The recorded result of a finished task whose output is still there, else None."""
@@ -343,15 +360,15 @@ class Journal:
         except DatasetError:
             return None
         out = join(self.base, task.output)
-        if rec.get("output") != task.output or not self.fs.exists(out):
+        if not isinstance(rec, dict) or rec.get("task") != task.digest():
             return None
-        if self.fs.size(out) != rec["result"]["size"]:
+        if not self.fs.exists(out) or self.fs.size(out) != rec["result"]["size"]:
             return None
         return rec["result"]
 
     def record(self, task: Task, result: dict[str, Any]) -> None:
         write_json(self.fs, join(self.dir, f"done/{task.key}.json"),
-                   {"output": task.output, "result": result}, indent=None)
+                   {"task": task.digest(), "output": task.output, "result": result}, indent=None)
 
     def remove(self) -> None:
         self.fs.rm(self.dir, recursive=True)
@@ -427,12 +444,10 @@ def convert(src: str, dst: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_M
         with worker_pool(min(workers, max(1, len(todo))), executor) as pool:
             if pool is None:
                 for task in todo:
-                    results[task.key] = _finish(journal, task,
-                                                run_task(src, dst, task, row_group_rows),
+                    results[task.key] = _finish(journal, task, run_task(src, dst, task),
                                                 bar, on_task_done)
             else:
-                futures: dict[Future, Task] = {pool.submit(run_task, src, dst, t,
-                                                           row_group_rows): t
+                futures: dict[Future, Task] = {pool.submit(run_task, src, dst, t): t
                                                for t in todo}
                 try:
                     for fut in as_completed(futures):
