@@ -260,52 +260,61 @@ class ShardDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
-        slot, epoch, skip = self._resume(info.num_workers if info is not None else 0)
-        ids = partition.worker_ids(self.source.sizes, slot, seed=self.seed, epoch=epoch,
-                                   shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer)
-        progress = {"epoch": epoch, "worker": slot.worker,
-                    "num_workers": info.num_workers if info is not None else 0,
-                    "consumed": min(skip, len(ids))}
-        self._progress = progress
+        plan = self._plan(info.num_workers if info is not None else 0)
         if self.batch_size:
-            alloc = _shared_alloc if info is not None else _plain_alloc
-            return self._batches(ids, progress, alloc)
-        return self._samples(ids, progress)
+            return self._batches(plan, _shared_alloc if info is not None else _plain_alloc)
+        return self._samples(plan)
 
     def produce_batches(self, alloc: Alloc) -> Iterator[dict[str, torch.Tensor]]:
         """Batches of this process's stream written into buffers from ``alloc`` (the ring)."""
-        slot, epoch, skip = self._resume(0)
-        ids = partition.worker_ids(self.source.sizes, slot, seed=self.seed, epoch=epoch,
-                                   shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer)
-        progress = {"epoch": epoch, "worker": slot.worker, "num_workers": 0,
-                    "consumed": min(skip, len(ids))}
-        self._progress = progress
-        return self._batches(ids, progress, alloc)
+        return self._batches(self._plan(0), alloc)
 
-    def _samples(self, ids: np.ndarray, progress: dict[str, int]) -> Iterator[dict[str, Any]]:
-        with _Assembler(self, ids[progress["consumed"]:]) as asm:
-            for start in range(0, asm.n, _CHUNK):
-                chunk = asm.assemble(start, min(start + _CHUNK, asm.n), _plain_alloc)
+    def _plan(self, workers: int) -> _Plan:
+        slot, epoch, skip = self._resume(workers)
+        ids, bounds = partition.worker_plan(self.source.sizes, slot, seed=self.seed, epoch=epoch,
+                                            shuffle=self.shuffle,
+                                            shuffle_buffer=self.shuffle_buffer)
+        skip = min(skip, len(ids))
+        progress = {"epoch": epoch, "worker": slot.worker, "num_workers": workers,
+                    "consumed": skip}
+        self._progress = progress
+        bounds = np.unique(np.clip(bounds - skip, 0, None))
+        return _Plan(ids[skip:], bounds, progress)
+
+    def _samples(self, plan: _Plan) -> Iterator[dict[str, Any]]:
+        progress = plan.progress
+        with _Assembler(self, plan) as asm:
+            for start, stop in asm.chunks(_CHUNK):
+                chunk = asm.assemble(start, stop, _plain_alloc)
                 keys = list(chunk)
                 tasks = None
                 if self.with_task and "task_index" in chunk:
                     tasks = [self.source.tasks.get(int(t), "") for t in chunk["task_index"]]
-                for i in range(len(chunk[keys[0]]) if keys else 0):
+                for i in range(stop - start):
                     sample = {k: chunk[k][i] for k in keys}
                     if tasks is not None:
                         sample["task"] = tasks[i]
                     progress["consumed"] += 1  # before yield: a state taken now counts it
                     yield sample
 
-    def _batches(self, ids: np.ndarray, progress: dict[str, int],
-                 alloc: Alloc) -> Iterator[dict[str, torch.Tensor]]:
+    def _batches(self, plan: _Plan, alloc: Alloc) -> Iterator[dict[str, torch.Tensor]]:
         bs = int(self.batch_size or 1)
-        with _Assembler(self, ids[progress["consumed"]:]) as asm:
-            stop = asm.n - asm.n % bs if self.drop_last else asm.n
+        n = len(plan.ids)
+        stop = n - n % bs if self.drop_last else n
+        with _Assembler(self, plan) as asm:
             for start in range(0, stop, bs):
-                batch = asm.assemble(start, min(start + bs, asm.n), alloc)
-                progress["consumed"] += min(bs, asm.n - start)
+                batch = asm.assemble(start, min(start + bs, n), alloc)
+                plan.progress["consumed"] += min(bs, n - start)
                 yield batch
+
+
+class _Plan:
+    """A worker's remaining stream: sample ids, shuffle-block boundaries, live progress."""
+
+    def __init__(self, ids: np.ndarray, bounds: np.ndarray, progress: dict[str, int]):
+        self.ids = ids
+        self.bounds = bounds
+        self.progress = progress
 
 
 def _dist_ready() -> bool:
@@ -317,25 +326,55 @@ def _plain_alloc(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     return {k: torch.empty((n, *shape), dtype=dt) for k, (shape, dt) in spec.items()}
 
 
+_ALIGN = 64
+
+
 def _shared_alloc(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                   n: int) -> dict[str, torch.Tensor]:
-    """In a DataLoader worker: buffers already in shared memory, so sending them is free."""
-    return {k: torch.empty((n, *shape), dtype=dt).share_memory_()
-            for k, (shape, dt) in spec.items()}
+    """In a DataLoader worker: one shared-memory block per batch, carved into the tensors.
+
+    Sending the batch to the main process then passes one handle, not a copy (default collate
+    allocates one shared block per key; this is one per batch).
+    """
+    sizes = {}
+    total = 0
+    for k, (shape, dt) in spec.items():
+        nbytes = int(np.prod((n, *shape), dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
+        sizes[k] = (total, nbytes)
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    block = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()
+    out = {}
+    for k, (shape, dt) in spec.items():
+        off, nbytes = sizes[k]
+        out[k] = block[off:off + nbytes].view(dt).view((n, *shape))
+    return out
+
+
+class _Arena:
+    """The rows one shuffle block reads: slices of its shards, extended to whole episodes, laid
+    end to end, so a batch is one gather per column whatever the number of shards."""
+
+    def __init__(self, columns: dict[str, np.ndarray], ep_start: np.ndarray, ep_end: np.ndarray,
+                 episode: np.ndarray | None, rows: np.ndarray):
+        self.columns = columns
+        self.ep_start = ep_start
+        self.ep_end = ep_end
+        self.episode = episode
+        self.rows = rows  # arena row of each position of the block
 
 
 class _Assembler:
-    """Gathers rows of resident shards into output buffers, windows and pad masks included."""
+    """Gathers a worker's stream into output buffers, block by block: windows, pads, frames."""
 
-    def __init__(self, ds: ShardDataset, ids: np.ndarray):
+    def __init__(self, ds: ShardDataset, plan: _Plan):
         src = ds.source
         self.ds = ds
         self.src = src
-        self.ids = ids
-        self.n = len(ids)
+        self.n = len(plan.ids)
+        self.bounds = plan.bounds
         self.offsets = np.concatenate([[0], np.cumsum(src.sizes)]).astype(np.int64)
-        self.shard = np.searchsorted(self.offsets, ids, side="right").astype(np.int64) - 1
-        self.row = ids - self.offsets[self.shard]
+        self.shard = np.searchsorted(self.offsets, plan.ids, side="right").astype(np.int64) - 1
+        self.row = plan.ids - self.offsets[self.shard]
         # First and last use of each shard along the stream: read-ahead order and release points.
         uniq, first = np.unique(self.shard, return_index=True)
         self.schedule = uniq[np.argsort(first, kind="stable")].tolist()
@@ -344,9 +383,10 @@ class _Assembler:
         self.last = last
         self.extra = ("timestamp",) if ds.video else ()
         self.columns = tuple(dict.fromkeys(src.columns))
-        self.tables: dict[int, ShardTable] = {}
         self.readahead: ReadAhead | None = None
         self.frames: Any = None
+        self.arenas: dict[int, _Arena] = {}
+        self.spec: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
 
     def __enter__(self) -> _Assembler:
         src = self.src
@@ -370,19 +410,56 @@ class _Assembler:
             ra.close()
         if self.frames is not None:
             self.frames.close()
-        self.tables.clear()
+        self.arenas.clear()
 
-    def _table(self, s: int) -> ShardTable:
-        t = self.tables.get(s)
-        if t is None:
-            assert self.readahead is not None
-            t = self.tables[s] = self.readahead.get(s)
-        return t
+    def chunks(self, size: int) -> Iterator[tuple[int, int]]:
+        """``[start, stop)`` pieces of the stream of at most ``size``, not crossing blocks."""
+        for b in range(len(self.bounds) - 1):
+            lo, hi = int(self.bounds[b]), int(self.bounds[b + 1])
+            for start in range(lo, hi, size):
+                yield start, min(start + size, hi)
 
-    def _spec(self, t: ShardTable) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def _arena_for(self, b: int) -> _Arena:
+        arena = self.arenas.get(b)
+        if arena is not None:
+            return arena
+        assert self.readahead is not None
+        p, q = int(self.bounds[b]), int(self.bounds[b + 1])
+        shard, row = self.shard[p:q], self.row[p:q]
+        parts = []
+        adjust = {}
+        base = 0
+        for s in dict.fromkeys(shard.tolist()):  # first-use order, as the read-ahead fetches
+            t = self.readahead.get(s)
+            r = row[shard == s]
+            lo, hi = int(t.ep_start[r.min()]), int(t.ep_end[r.max()])
+            parts.append((t, lo, hi, base))
+            adjust[s] = base - lo
+            base += hi - lo
+        one = len(parts) == 1
+
+        def cat(get: Callable[[ShardTable], np.ndarray], shift: bool = False) -> np.ndarray:
+            pieces = [get(t)[lo:hi] + ((b0 - lo) if shift else 0) for t, lo, hi, b0 in parts]
+            return pieces[0] if one else np.concatenate(pieces)
+
+        cols = {c: cat(lambda t, c=c: t.columns[c]) for c in (*self.columns, *self.extra)
+                if c in parts[0][0].columns}
+        episode = (cat(lambda t: t.episode) if parts[0][0].episode is not None else None)
+        lookup = np.zeros(len(self.src.shards), dtype=np.int64)
+        for s, a in adjust.items():
+            lookup[s] = a
+        arena = _Arena(cols, cat(lambda t: t.ep_start, True), cat(lambda t: t.ep_end, True),
+                       episode, row + lookup[shard])
+        self.arenas[b] = arena
+        for s in adjust:  # the arena holds what it needs; shards not used later can go
+            if self.last[s] < q:
+                self.readahead.release(s)
+        return arena
+
+    def _spec(self, arena: _Arena) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         spec: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for c in self.columns:
-            a = t.columns[c]
+            a = arena.columns[c]
             shape = tuple(a.shape[1:])
             if c in self.ds.deltas:
                 spec[c] = ((len(self.ds.deltas[c]), *shape), _torch_dtype(a.dtype))
@@ -391,108 +468,91 @@ class _Assembler:
                 spec[c] = (shape, _torch_dtype(a.dtype))
         return spec
 
+    def _segments(self, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+        """(block, from, to) pieces of positions ``[start, stop)``."""
+        b = int(np.searchsorted(self.bounds, start, side="right")) - 1
+        while start < stop:
+            end = min(stop, int(self.bounds[b + 1]))
+            yield b, start, end
+            start, b = end, b + 1
+
     def assemble(self, start: int, stop: int, alloc: Alloc) -> dict[str, torch.Tensor]:
         """Positions ``[start, stop)`` of the stream as one batch of tensors."""
-        shard = self.shard[start:stop]
-        row = self.row[start:stop]
-        order = dict.fromkeys(shard.tolist())  # first-use order within the batch
-        tables = {s: self._table(s) for s in order}
-        first = tables[next(iter(order))]
-        spec = self._spec(first)
-        video_spec: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        n = stop - start
-        vids: dict[str, np.ndarray] = {}
+        segments = list(self._segments(start, stop))
+        for old in [k for k in self.arenas if k < segments[0][0]]:
+            del self.arenas[old]
+        arena = self._arena_for(segments[0][0])
+        spec = dict(self._spec(arena))
+        vids: list[tuple[int, int, dict[str, np.ndarray]]] = []
         if self.ds.video:
-            vids = self._video(shard, row, tables)
-            for k, v in vids.items():
+            for b, a, z in segments:
+                vids.append((a, z, self._video(b, a, z)))
+            for k, v in vids[0][2].items():
                 shape = (*v.shape[1:-3], v.shape[-1], *v.shape[-3:-1])  # [T,] C, H, W
                 dt = torch.float32 if self.ds.video_dtype == "float32" else torch.uint8
-                video_spec[k] = (shape, dt)
+                spec[k] = (shape, dt)
                 if k in self.ds.deltas:
-                    video_spec[f"{k}_is_pad"] = ((len(self.ds.deltas[k]),), torch.bool)
-        out = alloc({**spec, **video_spec}, n)
+                    spec[f"{k}_is_pad"] = ((len(self.ds.deltas[k]),), torch.bool)
+        out = alloc(spec, stop - start)
         views = {k: v.numpy() for k, v in out.items()}
-        single = len(tables) == 1
-        for s, t in tables.items():
-            sel = slice(None) if single else np.flatnonzero(shard == s)
-            r = row if single else row[sel]
+        for b, a, z in segments:
+            arena = self._arena_for(b)
+            rows = arena.rows[a - self.bounds[b]:z - self.bounds[b]]
+            sl = slice(a - start, z - start)
             for c in self.columns:
-                src = t.columns[c]
+                src = arena.columns[c]
                 if c in self.ds.deltas:
-                    q, pad = _window(r, t, self.ds.deltas[c])
-                    _put(views[c], sel, src, q)
-                    _put_value(views[f"{c}_is_pad"], sel, pad)
+                    q, pad = _window(rows, arena, self.ds.deltas[c])
+                    np.take(src, q, axis=0, out=views[c][sl])
+                    views[f"{c}_is_pad"][sl] = pad
                 else:
-                    _put(views[c], sel, src, r)
-            for k in vids:
+                    np.take(src, rows, axis=0, out=views[c][sl])
+            for k in self.src.video_keys if self.ds.video else ():
                 if k in self.ds.deltas:
-                    _, pad = _window(r, t, self.ds.deltas[k])
-                    _put_value(views[f"{k}_is_pad"], sel, pad)
-        for k, v in vids.items():  # (n, [T,] H, W, 3) uint8 -> (n, [T,] 3, H, W)
-            chw = np.moveaxis(v, -1, -3)
-            if self.ds.video_dtype == "float32":
-                np.multiply(chw, np.float32(1 / 255), out=views[k], casting="unsafe")
-            else:
-                views[k][...] = chw
-        self._release(stop)
+                    views[f"{k}_is_pad"][sl] = _window(rows, arena, self.ds.deltas[k])[1]
+        for a, z, frames in vids:
+            sl = slice(a - start, z - start)
+            for k, v in frames.items():  # (n, [T,] H, W, 3) uint8 -> (n, [T,] 3, H, W)
+                chw = np.moveaxis(v, -1, -3)
+                if self.ds.video_dtype == "float32":
+                    np.multiply(chw, np.float32(1 / 255), out=views[k][sl], casting="unsafe")
+                else:
+                    views[k][sl] = chw
         return out
 
-    def _video(self, shard: np.ndarray, row: np.ndarray,
-               tables: dict[int, ShardTable]) -> dict[str, np.ndarray]:
+    def _video(self, b: int, a: int, z: int) -> dict[str, np.ndarray]:
         """Decoded frames per camera: (n, H, W, 3) or (n, T, H, W, 3) with a delta window."""
-        n = len(row)
+        arena = self._arena_for(b)
+        rows = arena.rows[a - self.bounds[b]:z - self.bounds[b]]
         out: dict[str, np.ndarray] = {}
+        ts_col = arena.columns["timestamp"]
         for key in self.src.video_keys:
             deltas = self.ds.deltas.get(key)
-            width = 1 if deltas is None else len(deltas)
-            paths = np.empty((n, width), dtype=object)
-            times = np.empty((n, width), dtype=np.float64)
-            for s, t in tables.items():
-                sel = np.flatnonzero(shard == s)
-                r = row[sel]
-                q = r[:, None] if deltas is None else _window(r, t, deltas)[0]
-                ts = t.columns["timestamp"][q].astype(np.float64)
-                eps = t.episode[r] if t.episode is not None else np.zeros(len(r), np.int64)
-                for e in np.unique(eps):
-                    ref = self.src.videos[int(e)][key]
-                    m = eps == e
-                    paths[sel[m]] = ref.path
-                    times[sel[m]] = ts[m] + ref.from_timestamp
+            q = rows[:, None] if deltas is None else _window(rows, arena, deltas)[0]
+            eps = arena.episode[q] if arena.episode is not None else np.zeros(q.shape, np.int64)
+            times = ts_col[q].astype(np.float64)
+            paths = np.empty(q.shape, dtype=object)
+            for e in np.unique(eps):
+                ref = self.src.videos[int(e)][key]
+                m = eps == e
+                paths[m] = ref.path
+                times[m] += ref.from_timestamp
             frames: np.ndarray | None = None
             for p in dict.fromkeys(paths.ravel().tolist()):
                 m = paths == p
                 got = self.frames.read(p, times[m])
                 if frames is None:
-                    frames = np.empty((n, width, *got.shape[1:]), dtype=np.uint8)
+                    frames = np.empty((*q.shape, *got.shape[1:]), dtype=np.uint8)
                 frames[m] = got
             assert frames is not None
             out[key] = frames[:, 0] if deltas is None else frames
         return out
 
-    def _release(self, stop: int) -> None:
-        """Drop shards whose last sample has been assembled; the read-ahead may refill."""
-        done = [s for s in self.tables if self.last[s] < stop]
-        for s in done:
-            del self.tables[s]
-            assert self.readahead is not None
-            self.readahead.release(s)
 
-
-def _window(r: np.ndarray, t: ShardTable, deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _window(rows: np.ndarray, arena: _Arena, deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Row indices of each delta, clamped to the frame's episode, and the pad mask."""
-    q = r[:, None] + deltas[None, :]
-    lo = t.ep_start[r][:, None]
-    hi = t.ep_end[r][:, None]
+    q = rows[:, None] + deltas[None, :]
+    lo = arena.ep_start[rows][:, None]
+    hi = arena.ep_end[rows][:, None]
     pad = (q < lo) | (q >= hi)
     return np.clip(q, lo, hi - 1), pad
-
-
-def _put(out: np.ndarray, sel: slice | np.ndarray, src: np.ndarray, rows: np.ndarray) -> None:
-    if isinstance(sel, slice):
-        np.take(src, rows, axis=0, out=out)
-    else:
-        out[sel] = src[rows]
-
-
-def _put_value(out: np.ndarray, sel: slice | np.ndarray, value: np.ndarray) -> None:
-    out[sel] = value

@@ -97,17 +97,50 @@ def sequence_ids(sizes: np.ndarray, order: np.ndarray, start: int, stop: int) ->
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
-def block_shuffle(n: int, block: int, gen: np.random.Generator) -> np.ndarray:
-    """Level two: a permutation of ``range(n)`` that moves items only within blocks.
+def block_layout(n: int, block: int, gen: np.random.Generator | None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Level two: a permutation of ``range(n)`` that moves items only within blocks, and the
+    blocks' boundaries (``k + 1`` positions from 0 to ``n``).
 
-    Block boundaries start at a random offset, so they differ from epoch to epoch. ``block <= 1``
-    gives the identity.
+    A block occupies the same positions before and after the permutation, so a reader can load
+    a block's rows once and serve them in permuted order. With a generator, the first boundary
+    sits at a random offset (boundaries differ from epoch to epoch); without one (no shuffle) the
+    permutation is the identity. ``block <= 1`` with a generator also gives the identity.
     """
-    if block <= 1 or n <= 1:
-        return np.arange(n, dtype=np.int64)
-    offset = int(gen.integers(block))
+    block = max(int(block), 1)
+    offset = int(gen.integers(block)) if gen is not None and block > 1 else 0
+    cuts = np.arange(block - offset if offset else block, n, block, dtype=np.int64)
+    bounds = np.concatenate([[0], cuts, [n]]).astype(np.int64) if n else np.zeros(1, np.int64)
+    if gen is None or block <= 1 or n <= 1:
+        return np.arange(n, dtype=np.int64), bounds
     blocks = (np.arange(n, dtype=np.int64) + offset) // block
-    return np.lexsort((gen.random(n), blocks)).astype(np.int64)
+    return np.lexsort((gen.random(n), blocks)).astype(np.int64), bounds
+
+
+def block_shuffle(n: int, block: int, gen: np.random.Generator) -> np.ndarray:
+    """The permutation of :func:`block_layout`."""
+    return block_layout(n, block, gen)[0]
+
+
+def worker_plan(
+    sizes: Sequence[int] | np.ndarray,
+    slot: Slot,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+    shuffle_buffer: int = 4096,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every canonical sample id this slot yields in this epoch, in yield order, and the
+    boundaries of the shuffle blocks (positions in that order)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    order = shard_order(len(sizes), seed, epoch, shuffle)
+    start, stop = span(int(sizes.sum()), slot)
+    ids = sequence_ids(sizes, order, start, stop)
+    gen = rng(seed, epoch, _BLOCK_SALT, slot.rank, slot.world_size, slot.worker,
+              slot.num_workers) if shuffle else None
+    perm, bounds = block_layout(len(ids), shuffle_buffer, gen)
+    return ids[perm], bounds
 
 
 def worker_ids(
@@ -120,15 +153,8 @@ def worker_ids(
     shuffle_buffer: int = 4096,
 ) -> np.ndarray:
     """Every canonical sample id this slot yields in this epoch, in yield order."""
-    sizes = np.asarray(sizes, dtype=np.int64)
-    order = shard_order(len(sizes), seed, epoch, shuffle)
-    start, stop = span(int(sizes.sum()), slot)
-    ids = sequence_ids(sizes, order, start, stop)
-    if shuffle:
-        gen = rng(seed, epoch, _BLOCK_SALT, slot.rank, slot.world_size, slot.worker,
-                  slot.num_workers)
-        ids = ids[block_shuffle(len(ids), shuffle_buffer, gen)]
-    return ids
+    return worker_plan(sizes, slot, seed=seed, epoch=epoch, shuffle=shuffle,
+                       shuffle_buffer=shuffle_buffer)[0]
 
 
 def worker_counts(total: int, rank: int, world_size: int, num_workers: int) -> np.ndarray:

@@ -40,6 +40,7 @@ class ReadAhead:
         self._ready: dict[int, ShardTable] = {}
         self._held: dict[int, int] = {}  # shard -> bytes counted against the budget
         self._wanted: int | None = None
+        self._released: set[int] = set()
         self._error: BaseException | None = None
         self._closed = False
         self.fetched_files = 0
@@ -54,6 +55,8 @@ class ReadAhead:
         """The decoded shard, waiting for the background thread if it is not there yet."""
         with self._cond:
             while shard not in self._ready:
+                if shard in self._released:
+                    raise RuntimeError(f"shard {shard} was already released")
                 if self._error is not None:
                     raise self._error
                 if self._closed:
@@ -69,6 +72,7 @@ class ReadAhead:
         with self._cond:
             self._ready.pop(shard, None)
             self._held.pop(shard, None)
+            self._released.add(shard)
             self._cond.notify_all()
 
     def close(self) -> None:

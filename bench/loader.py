@@ -1,0 +1,246 @@
+"""``jpfs bench loader``: ShardDataset vs a naive LeRobot-style map dataset, same data, same run."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+HELP = "data loader samples/s: ShardDataset vs a naive per-episode-file map dataset"
+DESCRIPTION = """\
+Measure training-sample throughput of jpfs.torch.ShardDataset against the baseline every LeRobot
+user starts from: a map-style dataset that opens the episode's parquet file (and, with --video,
+its mp4s) for every sample, shuffled by a seeded sampler. Both run through a torch DataLoader
+with the same number of workers, on the same files, in the same run; samples carry the same
+features and the same delta_timestamps action chunk.
+
+Reported: samples/s and MB/s (bytes of the tensors delivered), for
+  naive      the map dataset over v2.1 (one file per episode)
+  drop-in    ShardDataset yielding samples, batched by the DataLoader's default collate
+  batched    ShardDataset yielding whole batches (columns gathered straight into buffers)
+over v2.1 and over v3.0 copies of one generated dataset, and the ratios. Each figure is the median
+of --repeat runs of --seconds each, epoch after epoch (persistent workers; only the very first
+batch, worker start-up, is not timed).
+
+examples:
+  jpfs bench loader                      # generate a small dataset in a temp dir and compare
+  jpfs bench loader --episodes 400 --workers 2 --seconds 10
+  jpfs bench loader --video --episodes 20    # decode one camera too (encoded AV1)
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", default=None,
+                        help="work folder for the generated v2.1 and v3.0 copies (local or "
+                             "jpfs:/path; default: a temporary folder, removed afterwards)")
+    parser.add_argument("--episodes", type=int, default=200, help="episodes (default 200)")
+    parser.add_argument("--frames-per-episode", default="100-300", metavar="A-B",
+                        help="frames per episode range (default 100-300)")
+    parser.add_argument("--video", action="store_true",
+                        help="one encoded camera, decoded by both loaders (default: tabular)")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    parser.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
+    parser.add_argument("--chunk", type=int, default=16,
+                        help="future actions per sample (delta_timestamps; default 16)")
+    parser.add_argument("--seconds", type=float, default=4.0,
+                        help="time limit per measurement (default 4)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="dataset and shuffle seed")
+
+
+# The baseline -------------------------------------------------------------------------------
+
+
+def naive_dataset(root: str, delta_timestamps: dict[str, list[float]], video: bool) -> Any:
+    """A LeRobot-style map dataset: each ``ds[i]`` opens its episode's files and picks a row."""
+    import bisect
+
+    import fsspec
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    from jpfs.lerobot.dataset import load_meta
+
+    class NaiveEpisodeDataset(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.fs, self.base = fsspec.core.url_to_fs(root)
+            self.meta = load_meta(root, fs=self.fs)
+            self.starts = [ep.dataset_from for ep in self.meta.episodes]
+            fps = self.meta.fps
+            self.deltas = {k: [round(d * fps) for d in v] for k, v in delta_timestamps.items()}
+            self.video_keys = self.meta.video_keys if video else ()
+
+        def __len__(self) -> int:
+            return self.meta.total_frames
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            ep = self.meta.episodes[bisect.bisect_right(self.starts, i) - 1]
+            with self.fs.open(f"{self.base}/{ep.data_file}", "rb") as f:
+                table = pq.read_table(f)
+            rows = table.slice(ep.row_start, ep.length).to_pydict()
+            r = i - ep.dataset_from
+            item: dict[str, Any] = {}
+            for key, values in rows.items():
+                if key in self.deltas:
+                    q = [r + d for d in self.deltas[key]]
+                    item[key] = torch.tensor([values[min(max(j, 0), ep.length - 1)] for j in q])
+                    item[f"{key}_is_pad"] = torch.tensor([j < 0 or j >= ep.length for j in q])
+                else:
+                    item[key] = torch.tensor(values[r])
+            for key in self.video_keys:
+                import av
+
+                seg = ep.videos[key]
+                t = seg.from_timestamp + rows["timestamp"][r]
+                with self.fs.open(f"{self.base}/{seg.path}", "rb") as f, av.open(f) as c:
+                    s = c.streams.video[0]
+                    c.seek(int(t / s.time_base), stream=s, backward=True)
+                    for frame in c.decode(s):
+                        if frame.time >= t - 1e-4:
+                            break
+                    rgb = frame.to_ndarray(format="rgb24")
+                item[key] = torch.from_numpy(np.ascontiguousarray(rgb.transpose(2, 0, 1))
+                                             ).float() / 255
+            return item
+
+    return NaiveEpisodeDataset()
+
+
+# Measuring ----------------------------------------------------------------------------------
+
+
+def _nbytes(batch: dict[str, Any]) -> int:
+    import torch
+
+    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
+
+
+def measure(loader: Any, seconds: float) -> dict[str, float]:
+    """Samples/s and MB/s over ``seconds``, epoch after epoch, the first batch not timed.
+
+    Epoch ends (and, for ShardDataset, the next epoch's first reads) are inside the timing.
+    """
+    epoch = 0
+    it = iter(loader)
+    next(it)
+    samples = nbytes = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        try:
+            batch = next(it)
+        except StopIteration:
+            epoch += 1
+            ds = loader.dataset
+            if hasattr(ds, "set_epoch"):
+                ds.set_epoch(epoch)
+            it = iter(loader)
+            continue
+        samples += len(batch["index"])
+        nbytes += _nbytes(batch)
+    dt = time.perf_counter() - t0
+    del it
+    return {"samples_s": samples / dt, "mb_s": nbytes / dt / 1e6, "samples": samples}
+
+
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from jpfs.lerobot.generate import generate
+    from jpfs.torch import ShardDataset
+    from jpfs.uri import is_jpfs, to_path, to_url
+
+    lo, _, hi = args.frames_per_episode.partition("-")
+    frames = (int(lo), int(hi or lo))
+    tmp = None
+    if args.dir is None:
+        tmp = tempfile.mkdtemp(prefix="jpfs-bench-loader-")
+        base = tmp
+    else:
+        base = to_url(to_path(args.dir)) if is_jpfs(args.dir) else args.dir
+    roots = {"v2.1": f"{base.rstrip('/')}/v21", "v3.0": f"{base.rstrip('/')}/v30"}
+    try:
+        gen = {}
+        for fmt, root in roots.items():
+            t0 = time.perf_counter()
+            gen[fmt] = generate(root, episodes=args.episodes, cameras=1 if args.video else 0,
+                                frames_per_episode=frames, video="encoded" if args.video else
+                                "stub", format=fmt, seed=args.seed, progress=False)
+            log.info("generated %s in %.1fs", fmt, time.perf_counter() - t0)
+        fps = 30
+        deltas = {"action": [i / fps for i in range(args.chunk)]}
+        if args.video:
+            print("video: one 96x72 AV1 camera decoded per sample")
+        dl_kw = dict(num_workers=args.workers, persistent_workers=args.workers > 0)
+        if args.workers:
+            dl_kw["prefetch_factor"] = 4
+        torch.set_num_threads(1)
+
+        def naive() -> Any:
+            g = torch.Generator().manual_seed(args.seed)
+            return DataLoader(naive_dataset(roots["v2.1"], deltas, args.video),
+                              batch_size=args.batch_size, shuffle=True, generator=g, **dl_kw)
+
+        def dropin(fmt: str) -> Any:
+            ds = ShardDataset(roots[fmt], delta_timestamps=deltas, video=args.video,
+                              seed=args.seed)
+            return DataLoader(ds, batch_size=args.batch_size, **dl_kw)
+
+        def batched(fmt: str) -> Any:
+            ds = ShardDataset(roots[fmt], delta_timestamps=deltas, video=args.video,
+                              seed=args.seed, batch_size=args.batch_size)
+            return DataLoader(ds, batch_size=None, **dl_kw)
+
+        cases = {"naive v2.1": naive,
+                 "drop-in v2.1": lambda: dropin("v2.1"), "drop-in v3.0": lambda: dropin("v3.0"),
+                 "batched v2.1": lambda: batched("v2.1"), "batched v3.0": lambda: batched("v3.0")}
+        runs: dict[str, list[dict[str, float]]] = {k: [] for k in cases}
+        for _ in range(max(args.repeat, 1)):
+            for name, make in cases.items():  # interleaved: drift hits every case alike
+                runs[name].append(measure(make(), args.seconds))
+        res = {k: _median(v) for k, v in runs.items()}
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    naive_s = res["naive v2.1"]["samples_s"]
+    print(f"{gen['v2.1']['episodes']} episodes, {gen['v2.1']['frames']} frames; "
+          f"v3.0: {gen['v3.0']['data_files']} data files; workers {args.workers}, "
+          f"batch {args.batch_size}, action chunk {args.chunk}, cores {os.cpu_count()}")
+    print(f"{'loader':<16}{'samples/s':>12}{'MB/s':>10}{'x naive':>10}")
+    for name, r in res.items():
+        ratio = r["samples_s"] / naive_s if naive_s else float("inf")
+        print(f"{name:<16}{r['samples_s']:>12.0f}{r['mb_s']:>10.1f}{ratio:>10.1f}")
+    fig: dict[str, Any] = {
+        "workers": args.workers, "batch_size": args.batch_size, "video": args.video,
+        "episodes": gen["v2.1"]["episodes"], "frames": gen["v2.1"]["frames"],
+    }
+    for name, r in res.items():
+        key = name.replace(" ", "_").replace("-", "").replace(".", "")
+        fig[f"{key}_samples_s"] = round(r["samples_s"], 1)
+        fig[f"{key}_mb_s"] = round(r["mb_s"], 2)
+    best = max(res["batched v3.0"]["samples_s"], res["batched v2.1"]["samples_s"])
+    fig["ratio_batched_vs_naive"] = round(best / naive_s, 2) if naive_s else None
+    fig["ratio_dropin_vs_naive"] = round(
+        max(res["drop-in v3.0"]["samples_s"], res["drop-in v2.1"]["samples_s"]) / naive_s, 2
+    ) if naive_s else None
+    fig["ratio_v30_vs_v21_batched"] = round(
+        res["batched v3.0"]["samples_s"] / res["batched v2.1"]["samples_s"], 3)
+    fig["ratio_v30_vs_v21_dropin"] = round(
+        res["drop-in v3.0"]["samples_s"] / res["drop-in v2.1"]["samples_s"], 3)
+    print(f"ShardDataset vs naive: {fig['ratio_batched_vs_naive']}x batched, "
+          f"{fig['ratio_dropin_vs_naive']}x drop-in (target 10x); v3.0/v2.1: "
+          f"{fig['ratio_v30_vs_v21_batched']} batched, {fig['ratio_v30_vs_v21_dropin']} drop-in")
+    return fig
