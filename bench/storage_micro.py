@@ -3,6 +3,7 @@
 Run by hand (not a test)::
 
     python -m jpfs_bench.storage_micro [--big 64] [--small 20000] [--rounds 3]
+    python -m jpfs_bench.storage_micro --cold [--small 5000]
 
 It starts one ``jpfs-storage`` process on loopback (``--fsync never``: only reads are timed), and
 a baseline process that streams a file of the same total size with ``socket.sendfile`` to a
@@ -156,12 +157,119 @@ async def run_storage(cluster: config.Cluster, args, base_port: int, base_file: 
     return res
 
 
+# ---------------------------------------------------------------------- cold reads
+
+
+def _evict(data_dir: Path) -> None:
+    """Drop the volumes' pages from the page cache (clean pages only: fsync first)."""
+    for vol in (data_dir / "volumes").iterdir():
+        fd = os.open(vol, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            for _ in range(3):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+async def _cold_round(cluster: config.Cluster, cold: list[Chunk], hot: list[Chunk],
+                      data_dir: Path) -> dict:
+    """Cold batched reads (2 tasks) while a third task reads one cached blob at a time."""
+    async with trio.open_nursery() as nursery:
+        client = StorageClient(nursery, cluster)
+        await client.get(hot)
+        _evict(data_dir)
+        await client.get(hot)  # the hot set is cached again, the rest is not
+        lat: list[float] = []
+        done = trio.Event()
+
+        async def hot_reader() -> None:
+            k = 0
+            while not done.is_set():
+                t = time.perf_counter()
+                await client.get([hot[k % len(hot)]])
+                lat.append(time.perf_counter() - t)
+                k += 1
+
+        nursery.start_soon(hot_reader)
+        t = time.perf_counter()
+        await _read_all(client, cold, 100, 2, None)
+        wall = time.perf_counter() - t
+        done.set()
+        await trio.sleep(0)
+        stats = await client.stats(0)
+        client.close()
+        nursery.cancel_scope.cancel()
+    lat.sort()
+    return {
+        "cold_GBps": sum(c.blob_len for c in cold) / wall / 1e9,
+        "cold_blobs_per_s": len(cold) / wall,
+        "hot_p50_ms": 1000 * lat[len(lat) // 2] if lat else float("nan"),
+        "hot_p99_ms": 1000 * lat[int(len(lat) * 0.99)] if lat else float("nan"),
+        "hot_max_ms": 1000 * lat[-1] if lat else float("nan"),
+        "hot_reads": len(lat),
+        "warmups": stats["cold_warmups"],
+    }
+
+
+def cold_main(args, work: Path, cluster: config.Cluster) -> dict:
+    """Cold reads with the server's worker-thread warm-up against sendfile straight away."""
+    rng = random.Random(2)
+    data_dir = cluster.data_dir("storage", 0)
+
+    def start(mode: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "jpfs_daemon.storage.server", "--cluster",
+                                 str(work / "cluster.toml"), "--index", "0", "--cold-reads", mode,
+                                 "--log-file", str(work / "storage-0.log")])
+        _wait_port(cluster.storage[0].host_port[1], proc)
+        return proc
+
+    async def fill() -> tuple[list[Chunk], list[Chunk]]:
+        async with trio.open_nursery() as nursery:
+            client = StorageClient(nursery, cluster)
+            cold = await _put_all(client, [rng.randint(1 << 10, 64 << 10)
+                                           for _ in range(args.small)], 200)
+            hot = await _put_all(client, [4096] * 50, 50)
+            client.close()
+            nursery.cancel_scope.cancel()
+        return cold, hot
+
+    proc = start("warm")
+    try:
+        cold, hot = trio.run(fill)
+    finally:
+        proc.terminate()
+        proc.wait()
+    rng.shuffle(cold)  # training reads in shuffled order: little is adjacent on disk
+    out: dict[str, dict[str, list[float]]] = {}
+    for _ in range(args.rounds):
+        for mode in ("warm", "direct"):
+            proc = start(mode)
+            try:
+                r = trio.run(_cold_round, cluster, cold, hot, data_dir)
+            finally:
+                proc.terminate()
+                proc.wait()
+            for k, v in r.items():
+                out.setdefault(mode, {}).setdefault(k, []).append(v)
+    res = {mode: {k: statistics.median(v) for k, v in d.items()} for mode, d in out.items()}
+    for mode, r in res.items():
+        print(f"cold reads, {mode:>6}: {r['cold_GBps']:.2f} GB/s {r['cold_blobs_per_s']:7.0f} "
+              f"blobs/s; a cached blob meanwhile: p50 {r['hot_p50_ms']:.2f} ms, p99 "
+              f"{r['hot_p99_ms']:.2f} ms, max {r['hot_max_ms']:.1f} ms ({r['hot_reads']:.0f} "
+              f"reads, {r['warmups']:.0f} warm-ups)")
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--big", type=int, default=64, help="4 MiB blobs (default 64)")
     p.add_argument("--small", type=int, default=20000, help="1-64 KiB blobs (default 20000)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", help="work directory (default: a temporary one)")
+    p.add_argument("--cold", action="store_true",
+                   help="measure cold reads instead: the server's worker-thread warm-up against "
+                        "sendfile straight from the event loop")
     args = p.parse_args(argv)
     work = Path(args.dir or tempfile.mkdtemp(prefix="jpfs-storage-micro-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -170,6 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
     config.new_secret(work / "secret")
     config.write(cfg, work / "cluster.toml")
     cluster = config.load(work / "cluster.toml")
+    if args.cold:
+        return cold_main(args, work, cluster)
     base_file = work / "baseline.bin"
     with open(base_file, "wb") as f:  # as many bytes as the big workload reads
         for _ in range(args.big * 4):

@@ -106,7 +106,7 @@ async def test_round_trip_sizes(storage_cluster, client_for):  # noqa: F811
 
 async def test_batch_of_500_small_blobs(storage_cluster, client_for):  # noqa: F811
     sc = storage_cluster(n=3, replicas=2)
-    client = client_for(sc)
+    client = client_for(sc, batch_bytes=64 << 20)
     blobs = []
     for i in range(500):
         bid = new_id()
