@@ -1,10 +1,11 @@
 """Camera frames at sampled timestamps, decoded with PyAV.
 
 Frames are requested in batches; per file the wanted times are sorted and decoded in one forward
-pass, seeking only backwards or across long gaps. That is the cheap way to serve a shuffled window
-whose samples come from a handful of episodes (LeRobot encodes a keyframe every 2 frames, so a
-seek is short). The frame nearest to each time is taken; it must lie within ``tolerance_s``, as in
-LeRobot's ``decode_video_frames``.
+pass, seeking only when a keyframe lies between the decoder and the next wanted frame (keyframe
+times come from one scan of the packets, no decoding). That is the cheap way to serve a shuffled
+window whose samples come from a handful of episodes (LeRobot encodes a keyframe every 2 frames,
+so a seek is short). The frame nearest to each time is taken; it must lie within
+``tolerance_s``, as in LeRobot's ``decode_video_frames``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,30 @@ class _Cursor:
         self.prev: Any = None  # last frame at or before the previous target
         self.ahead: Any = None  # decoded, not yet passed
         self.ended = False
+        self.keys = self._keyframes()
+        from av.video.reformatter import VideoReformatter
+
+        self.reformatter = VideoReformatter()  # keeps its scaler context from frame to frame
+
+    def _keyframes(self) -> np.ndarray:
+        """Times of the keyframes, from the packet headers; the file is rewound afterwards."""
+        tb = float(self.stream.time_base)
+        keys = [float(p.pts) * tb for p in self.container.demux(self.stream)
+                if p.is_keyframe and p.pts is not None]
+        self.container.seek(0, stream=self.stream, backward=True, any_frame=False)
+        return np.asarray(sorted(keys), dtype=np.float64)
+
+    def should_seek(self, t: float, tol: float) -> bool:
+        """Seek when decoding forward would cost more than restarting from a keyframe."""
+        last = self.prev.time if self.prev is not None else None
+        if last is None:
+            if self.frames is None:  # fresh or just seeked: at the file's start
+                return t > (self.keys[1] if len(self.keys) > 1 else 0.0) - tol
+            return False
+        if t < last - tol:
+            return True
+        k = np.searchsorted(self.keys, t + tol, side="right") - 1
+        return k >= 0 and self.keys[k] > last + tol
 
     def close(self) -> None:
         self.container.close()
@@ -62,12 +87,10 @@ class _Cursor:
 class FrameReader:
     """Decodes frames of mp4 files on a filesystem; keeps a few files open between calls."""
 
-    def __init__(self, fs: Any, *, tolerance_s: float = 1e-4, max_open: int = 8,
-                 seek_gap_s: float = 1.0):
+    def __init__(self, fs: Any, *, tolerance_s: float = 1e-4, max_open: int = 32):
         self.fs = fs
         self.tolerance_s = tolerance_s
         self.max_open = max_open
-        self.seek_gap_s = seek_gap_s
         self._open: collections.OrderedDict[str, _Cursor] = collections.OrderedDict()
         self.decoded = 0
         self.seeks = 0
@@ -108,9 +131,7 @@ class FrameReader:
 
     def _at(self, cur: _Cursor, t: float, path: str) -> np.ndarray:
         tol = self.tolerance_s
-        last = cur.prev.time if cur.prev is not None else None
-        if (cur.frames is None and t > self.seek_gap_s) or (
-                last is not None and (t < last - tol or t - last > self.seek_gap_s)):
+        if cur.should_seek(t, tol):
             cur.seek(t)
             self.seeks += 1
         while True:
@@ -133,4 +154,6 @@ class FrameReader:
         if best is None or abs(best.time - t) > tol:
             got = "nothing" if best is None else f"{best.time:.6f}s"
             raise FrameError(f"{path}: no frame within {tol}s of {t:.6f}s (nearest: {got})")
-        return best.to_ndarray(format="rgb24")
+        # One reformatter per file: a fresh one per frame (frame.reformat, to_ndarray(format=))
+        # rebuilds the colour converter every time, which costs more than decoding.
+        return cur.reformatter.reformat(best, format="rgb24").to_ndarray()
