@@ -8,6 +8,7 @@ and stops cleanly (finishing the transaction in hand) on SIGTERM or SIGINT.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -21,6 +22,9 @@ from jpfs import config
 
 log = logging.getLogger(__name__)
 
+
+EXIT_ADDRESS_IN_USE = 98
+"""Exit status when the listen address is taken (``jpfs cluster up`` then picks another)."""
 
 _FAULTS: dict[str, int] | None = None
 
@@ -97,6 +101,12 @@ def run(args: argparse.Namespace, main: Callable[[], Awaitable[None]]) -> None:
 
     try:
         trio.run(supervised)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        log.error("cannot listen: %s", e)
+        print(f"{sys.argv[0]}: cannot listen: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_ADDRESS_IN_USE) from None
     finally:
         if pid_file:
             try:

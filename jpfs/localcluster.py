@@ -9,6 +9,7 @@ This is what ``jpfs cluster up``, the tests and the benchmarks use.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ MODULES = {"meta": "jpfs_daemon.meta.server", "storage": "jpfs_daemon.storage.se
 DEFAULT_META_SHARDS = 2
 DEFAULT_STORAGE_NODES = 2
 START_TIMEOUT = 30.0
+EXIT_ADDRESS_IN_USE = 98  # what a daemon exits with when its port is taken
 
 
 @dataclass(frozen=True)
@@ -43,16 +45,6 @@ def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _port_free(address: str) -> bool:
-    host, port = config.parse_address(address)
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
 
 
 def _read_pid(path: Path) -> int | None:
@@ -104,7 +96,6 @@ def up(
             if asked is not None and asked != have:
                 raise ValueError(f"{path} already has {have} {what}; cannot change it to {asked} "
                                  "(start a new cluster in another directory)")
-        cluster = _reassign_busy_ports(d, cluster)
     else:
         n_meta = DEFAULT_META_SHARDS if meta_shards is None else meta_shards
         n_storage = DEFAULT_STORAGE_NODES if storage_nodes is None else storage_nodes
@@ -131,43 +122,39 @@ def up(
             if _read_pid(d / f"{role}-{i}.pid") is None:
                 started.append(_spawn(d, role, i, sync, (extra_args or {}).get(role, []), env))
     for role, i, proc in started:
-        _wait_listening(d, role, i, proc, (cluster.meta if role == "meta" else cluster.storage)[i])
-    return cluster
+        _wait_started(d, role, i, proc, sync, (extra_args or {}).get(role, []), env)
+    return config.load(path)
 
 
 def start(directory: str | os.PathLike, role: str, index: int, *, sync: bool = True,
           env: dict[str, str] | None = None, extra_args: list[str] | None = None) -> int:
     """Start one stopped daemon (tests use ``env`` for fault points); returns its pid."""
     d = Path(directory).resolve()
-    cluster = _reassign_busy_ports(d, config.load(cluster_file(d)))
     _, _, proc = _spawn(d, role, index, sync, extra_args or [], env)
-    _wait_listening(d, role, index, proc,
-                    (cluster.meta if role == "meta" else cluster.storage)[index])
-    return proc.pid
+    return _wait_started(d, role, index, proc, sync, extra_args or [], env)
 
 
-def _reassign_busy_ports(d: Path, cluster: config.Cluster) -> config.Cluster:
-    """Keep old addresses where free (or still ours); move stopped daemons off taken ports."""
-    changed = False
+def _wait_started(d: Path, role: str, index: int, proc: subprocess.Popen, sync: bool,
+                  extra: list[str], env: dict[str, str] | None) -> int:
+    """Wait until the daemon listens; if its old port was taken meanwhile, move it to a free
+    one (rewriting cluster.toml) and start it again."""
+    for _ in range(5):
+        cluster = config.load(cluster_file(d))
+        server = (cluster.meta if role == "meta" else cluster.storage)[index]
+        if _wait_listening(d, role, index, proc, server):
+            return proc.pid
+        _move(d, cluster, role, index)
+        _, _, proc = _spawn(d, role, index, sync, extra, env)
+    raise RuntimeError(f"{role}-{index}: could not find a free port")
 
-    def fix(role: str, servers) -> tuple:
-        nonlocal changed
-        out = []
-        for i, s in enumerate(servers):
-            if _read_pid(d / f"{role}-{i}.pid") is None and not _port_free(s.address):
-                host, _ = config.parse_address(s.address)
-                s = config.Server(f"{host}:{_free_port(host)}", s.data)
-                changed = True
-            out.append(s)
-        return tuple(out)
 
-    updated = config.Cluster(meta=fix("meta", cluster.meta), storage=fix("storage",
-                             cluster.storage), secret=cluster.secret, replicas=cluster.replicas,
-                             chunk_size=cluster.chunk_size, name=cluster.name, path=cluster.path,
-                             secret_file=cluster.secret_file)
-    if changed:
-        config.write(updated, cluster_file(d))
-    return updated
+def _move(d: Path, cluster: config.Cluster, role: str, index: int) -> None:
+    """Give one daemon a new free port in cluster.toml."""
+    servers = list(cluster.meta if role == "meta" else cluster.storage)
+    host, _ = config.parse_address(servers[index].address)
+    servers[index] = config.Server(f"{host}:{_free_port(host)}", servers[index].data)
+    updated = dataclasses.replace(cluster, **{role: tuple(servers)})
+    config.write(updated, cluster_file(d))
 
 
 def _spawn(d: Path, role: str, index: int, sync: bool, extra: list[str],
@@ -186,16 +173,19 @@ def _spawn(d: Path, role: str, index: int, sync: bool, extra: list[str],
 
 
 def _wait_listening(d: Path, role: str, index: int, proc: subprocess.Popen,
-                    server: config.Server) -> None:
+                    server: config.Server) -> bool:
+    """True once it listens; False if it exited because its address was taken."""
     host, port = server.host_port
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            if proc.returncode == EXIT_ADDRESS_IN_USE:
+                return False
             raise RuntimeError(f"{role}-{index} exited with status {proc.returncode}:\n"
                                + _tail(d, role, index))
         try:
             with socket.create_connection((host, port), timeout=0.5):
-                return
+                return True
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"{role}-{index} did not start listening on {server.address} within "

@@ -73,7 +73,9 @@ async def _connection(sock, peer, service: Service, secret: bytes, limits, max_i
             reason = ProtocolError("handshake timed out")
         else:
             reason = ProtocolError("closed during handshake")
-        log.warning("rejected connection from %s: %s", where, reason.strerror)
+        # a bare TCP probe (health check) closes before the handshake: not worth a warning
+        log.log(logging.DEBUG if isinstance(e, EOFError) else logging.WARNING,
+                "rejected connection from %s: %s", where, reason.strerror)
         await _send_final_error(fs, reason)
         fs.close()
         return
