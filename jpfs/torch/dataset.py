@@ -80,6 +80,8 @@ class ShardDataset(IterableDataset):
         readahead_bytes, readahead_files: read-ahead budget and files per batched read.
         video_dtype: "float32" (C, H, W in [0, 1], LeRobot's) or "uint8" (C, H, W).
         tolerance_s: how far a decoded frame may lie from its requested timestamp.
+        video_lookahead_bytes: decoded frames held ahead of the batch being assembled, so each
+            video file is decoded in few forward passes.
         with_task: add the task string (``task``) per sample as LeRobot does (not with batches).
         fps: frame rate for plain parquet shards (LeRobot datasets carry their own).
         storage_options: passed to fsspec.
@@ -92,7 +94,7 @@ class ShardDataset(IterableDataset):
                  drop_last: bool = False, readahead_bytes: int = 256 << 20,
                  readahead_files: int = 32, video_dtype: str = "float32",
                  tolerance_s: float = 1e-4, with_task: bool = False, fps: float | None = None,
-                 storage_options: dict | None = None):
+                 video_lookahead_bytes: int = 64 << 20, storage_options: dict | None = None):
         super().__init__()
         self.root = str(root)
         self.source: Source = open_source(self.root, columns=columns, fps=fps,
@@ -127,6 +129,7 @@ class ShardDataset(IterableDataset):
         self.readahead_files = int(readahead_files)
         self.video_dtype = video_dtype
         self.tolerance_s = float(tolerance_s)
+        self.video_lookahead_bytes = int(video_lookahead_bytes)
         self.with_task = bool(with_task)
         # Shared memory, so set_epoch() reaches persistent DataLoader workers too.
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
@@ -385,6 +388,8 @@ class _Assembler:
         self.columns = tuple(dict.fromkeys(src.columns))
         self.readahead: ReadAhead | None = None
         self.frames: Any = None
+        self.vcache: tuple[int, int, int, dict[str, np.ndarray]] | None = None
+        self.vsample_bytes = 0  # decoded bytes per sample, known after the first decode
         self.arenas: dict[int, _Arena] = {}
         self.spec: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
 
@@ -486,7 +491,7 @@ class _Assembler:
         vids: list[tuple[int, int, dict[str, np.ndarray]]] = []
         if self.ds.video:
             for b, a, z in segments:
-                vids.append((a, z, self._video(b, a, z)))
+                vids.append((a, z, self._frames(b, a, z)))
             for k, v in vids[0][2].items():
                 shape = (*v.shape[1:-3], v.shape[-1], *v.shape[-3:-1])  # [T,] C, H, W
                 dt = torch.float32 if self.ds.video_dtype == "float32" else torch.uint8
@@ -519,6 +524,20 @@ class _Assembler:
                 else:
                     views[k][sl] = chw
         return out
+
+    def _frames(self, b: int, a: int, z: int) -> dict[str, np.ndarray]:
+        """Frames for positions ``[a, z)`` of block ``b``, decoded ahead within the block as far
+        as ``video_lookahead_bytes`` allows: one sorted pass per file serves many batches."""
+        c = self.vcache
+        if c is None or c[0] != b or not (c[1] <= a and z <= c[2]):
+            ahead = z - a
+            if self.vsample_bytes:
+                ahead = max(ahead, self.ds.video_lookahead_bytes // self.vsample_bytes)
+            end = min(int(self.bounds[b + 1]), a + ahead)
+            frames = self._video(b, a, end)
+            self.vsample_bytes = max(1, sum(v[0].nbytes for v in frames.values()))
+            c = self.vcache = (b, a, end, frames)
+        return {k: v[a - c[1]:z - c[1]] for k, v in c[3].items()}
 
     def _video(self, b: int, a: int, z: int) -> dict[str, np.ndarray]:
         """Decoded frames per camera: (n, H, W, 3) or (n, T, H, W, 3) with a delta window."""
