@@ -43,21 +43,21 @@ class ProtocolError(JPFSError):
         super().__init__(_errno.EPROTO, message)
 
 
-class AuthError(JPFSError):
+class AuthError(JPFSError, PermissionError):
     """The handshake failed: the peer does not hold the cluster secret."""
 
     def __init__(self, message: str = "authentication failed: wrong cluster secret"):
         super().__init__(_errno.EACCES, message)
 
 
-class DeadlineError(JPFSError):
+class DeadlineError(JPFSError, TimeoutError):
     """A call did not finish within its deadline."""
 
     def __init__(self, message: str = "deadline exceeded"):
         super().__init__(_errno.ETIMEDOUT, message)
 
 
-class Unavailable(JPFSError):
+class Unavailable(JPFSError, ConnectionError):
     """A server could not be reached (refused, reset, or down)."""
 
     def __init__(self, message: str):
