@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="thread and/or process workers (thread)")
     parser.add_argument("--via", type=_str_list, default=["local"], metavar="VIA[,VIA...]",
                         help="where to read from: local, an fsspec URL or jpfs:/path (local)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed read repeats (median; 3)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs of each conversion setting and each read (median; 3)")
     parser.add_argument("--no-read", action="store_true", help="skip the read comparison")
 
 
@@ -122,45 +123,62 @@ def _generate(args: argparse.Namespace, root: str) -> str:
 
 
 def _bench_convert(args: argparse.Namespace, src: str, work: str) -> dict[str, Any]:
+    """Each setting --repeat times, interleaved (ABAB...) so load from other processes on a
+    shared machine spreads over all settings; reports the median and the best run."""
     from jpfs.lerobot.convert import convert
 
     configs = [(1, "inline")]
     configs += [(w, kind) for kind in args.executor for w in args.workers if w > 1]
+    times: dict[tuple[int, str], list[float]] = {c: [] for c in configs}
+    cpu: dict[tuple[int, str], list[float]] = {c: [] for c in configs}
+    last: dict[str, Any] = {}
+    base_dst = os.path.join(work, "v30")
+    for _ in range(max(1, args.repeat)):
+        for workers, kind in configs:
+            dst = base_dst if (workers, kind) == configs[0] else os.path.join(work, "v30-other")
+            shutil.rmtree(dst, ignore_errors=True)
+            c0 = _cpu_seconds()
+            last = convert(src, dst, data_file_mb=args.data_file_mb,
+                           video_file_mb=args.video_file_mb, workers=workers,
+                           executor="thread" if kind == "inline" else kind, progress=False)
+            cpu[(workers, kind)].append(_cpu_seconds() - c0)
+            times[(workers, kind)].append(last["seconds"])
+    shutil.rmtree(os.path.join(work, "v30-other"), ignore_errors=True)
     runs = []
-    dst = ""
     for workers, kind in configs:
-        dst = os.path.join(work, f"v30-{kind}-{workers}")
-        shutil.rmtree(dst, ignore_errors=True)
-        fig = convert(src, dst, data_file_mb=args.data_file_mb, video_file_mb=args.video_file_mb,
-                      workers=workers, executor="thread" if kind == "inline" else kind,
-                      progress=False)
-        secs = fig["seconds"]
-        out_files = fig["data_files"] + fig["video_files"] + 4
+        secs = statistics.median(times[(workers, kind)])
         runs.append({
             "workers": workers, "executor": kind, "seconds": secs,
-            "episodes_per_s": fig["episodes"] / secs,
-            "mb_per_s": fig["source_bytes"] / secs / 1e6,
-            "source_files": fig["source_files"] + 4, "output_files": out_files,
-            "source_bytes": fig["source_bytes"], "output_bytes": fig["output_bytes"],
+            "best_seconds": min(times[(workers, kind)]),
+            "cpu_seconds": statistics.median(cpu[(workers, kind)]),
+            "episodes_per_s": last["episodes"] / secs,
+            "mb_per_s": last["source_bytes"] / secs / 1e6,
         })
-        runs[-1]["dst"] = dst
-        if len(runs) > 1:
-            shutil.rmtree(dst, ignore_errors=True)  # keep only the baseline's output
     base = runs[0]
     for r in runs:
         r["speedup"] = base["seconds"] / r["seconds"]
-    print("\nconvert (baseline: 1 worker inline)")
-    print(f"  {'workers':>7} {'executor':>8} {'seconds':>8} {'eps/s':>8} {'MB/s':>7} {'x':>6}")
+    source_files = last["source_files"] + 4  # + the 4 v2.1 meta files
+    output_files = last["data_files"] + last["video_files"] + 4  # + info, stats, tasks, episodes
+    reduction = source_files / output_files
+    print(f"\nconvert, median of {max(1, args.repeat)} (baseline: 1 worker inline)")
+    print(f"  {'workers':>7} {'executor':>8} {'seconds':>8} {'best':>7} {'cpu s':>7} "
+          f"{'eps/s':>8} {'MB/s':>7} {'x':>6}")
     for r in runs:
         print(f"  {r['workers']:>7} {r['executor']:>8} {r['seconds']:>8.2f} "
-              f"{r['episodes_per_s']:>8.1f} {r['mb_per_s']:>7.2f} {r['speedup']:>6.2f}")
-    reduction = base["source_files"] / base["output_files"]
-    print(f"  files: {base['source_files']} -> {base['output_files']} "
-          f"({reduction:.1f}x fewer)")
+              f"{r['best_seconds']:>7.2f} {r['cpu_seconds']:>7.2f} {r['episodes_per_s']:>8.1f} "
+              f"{r['mb_per_s']:>7.2f} {r['speedup']:>6.2f}")
+    print(f"  files: {source_files} -> {output_files} ({reduction:.1f}x fewer); bytes: "
+          f"{last['source_bytes'] / 1e6:.1f} MB -> {last['output_bytes'] / 1e6:.1f} MB")
     best = max(runs, key=lambda r: r["episodes_per_s"])
-    return {"runs": [{k: v for k, v in r.items() if k != "dst"} for r in runs],
-            "file_reduction": reduction, "best": {k: v for k, v in best.items() if k != "dst"},
-            "dst": base["dst"]}
+    return {"runs": runs, "file_reduction": reduction, "source_files": source_files,
+            "output_files": output_files, "source_bytes": last["source_bytes"],
+            "output_bytes": last["output_bytes"], "best": best, "dst": base_dst}
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (process workers included)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,31 +286,39 @@ PATTERNS: dict[str, Callable[[str], int]] = {
 
 
 def _bench_read(args: argparse.Namespace, v21: str, v30: str, work: str) -> dict[str, Any]:
+    """Both formats per pattern, interleaved run by run; wall and CPU seconds, medians."""
     out: dict[str, Any] = {}
-    print(f"\nread every frame's data, warm, median of {args.repeat} (baseline: v2.1, same via)")
-    print(f"  {'via':<16} {'pattern':<9} {'format':<6} {'seconds':>8} {'frames/s':>10} "
-          f"{'MB/s':>7} {'x':>6}")
+    n = max(1, args.repeat)
+    print(f"\nread every frame's data, warm, median of {n} (baseline: v2.1, same via)")
+    print(f"  {'via':<16} {'pattern':<9} {'format':<6} {'seconds':>8} {'cpu s':>7} "
+          f"{'frames/s':>10} {'MB/s':>7} {'x':>6} {'x cpu':>6}")
     for via in args.via:
         place = VIAS.get(via) or _via_url(via)
         roots = {"v2.1": place(v21, "v21"), "v3.0": place(v30, "v30")}
         out[via] = {}
         for pattern, reader in PATTERNS.items():
+            wall: dict[str, list[float]] = {fmt: [] for fmt in roots}
+            cpu: dict[str, list[float]] = {fmt: [] for fmt in roots}
+            rows: dict[str, int] = {}
+            for root in roots.values():
+                reader(root)  # warm-up, untimed
+            for _ in range(n):
+                for fmt, root in roots.items():
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    rows[fmt] = reader(root)
+                    wall[fmt].append(time.perf_counter() - t0)
+                    cpu[fmt].append(time.process_time() - c0)
             res: dict[str, Any] = {}
             for fmt, root in roots.items():
-                reader(root)  # warm-up, untimed
-                nbytes = data_bytes(root)
-                times = []
-                for _ in range(max(1, args.repeat)):
-                    t0 = time.perf_counter()
-                    rows = reader(root)
-                    times.append(time.perf_counter() - t0)
-                secs = statistics.median(times)
-                res[fmt] = {"seconds": secs, "frames_per_s": rows / secs,
-                            "mb_per_s": nbytes / secs / 1e6, "frames": rows}
-            for fmt in res:
-                res[fmt]["ratio"] = res["v2.1"]["seconds"] / res[fmt]["seconds"]
-                r = res[fmt]
+                secs = statistics.median(wall[fmt])
+                res[fmt] = {"seconds": secs, "cpu_seconds": statistics.median(cpu[fmt]),
+                            "frames_per_s": rows[fmt] / secs,
+                            "mb_per_s": data_bytes(root) / secs / 1e6, "frames": rows[fmt]}
+            for fmt, r in res.items():
+                r["ratio"] = res["v2.1"]["seconds"] / r["seconds"]
+                r["cpu_ratio"] = res["v2.1"]["cpu_seconds"] / max(r["cpu_seconds"], 1e-9)
                 print(f"  {via:<16} {pattern:<9} {fmt:<6} {r['seconds']:>8.3f} "
-                      f"{r['frames_per_s']:>10.0f} {r['mb_per_s']:>7.1f} {r['ratio']:>6.2f}")
+                      f"{r['cpu_seconds']:>7.3f} {r['frames_per_s']:>10.0f} "
+                      f"{r['mb_per_s']:>7.1f} {r['ratio']:>6.2f} {r['cpu_ratio']:>6.2f}")
             out[via][pattern] = res
     return out

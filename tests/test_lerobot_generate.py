@@ -291,6 +291,15 @@ def test_stub_videos(tmp_path: Path):
         assert probe_frames(path) == 5
 
 
+def test_synth_frames_samples_match_full_episode():
+    from jpfs.lerobot.video import synth_frames
+
+    full = synth_frames(40, 12, 16, seed=5)
+    pick = [0, 7, 39]
+    assert (synth_frames(40, 12, 16, seed=5, indices=pick) == full[pick]).all()
+    assert not (full[0] == full[1]).all()  # the frames move
+
+
 def test_episode_lengths_in_range():
     lengths = episode_lengths(200, (200, 800), seed=1)
     assert all(200 <= n <= 800 for n in lengths)

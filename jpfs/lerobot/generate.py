@@ -218,8 +218,9 @@ def _generate_v21(fs: Any, base: str, root: str, episodes: int, cameras: int,
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
     args = [(ep, length, int(starts[ep]), task_index[task_list[drawn[ep]]])
             for ep, length in enumerate(lengths)]
-    if workers is None:  # a pool pays off only once encoding dominates its start-up
-        workers = 1 if sum(lengths) * max(1, cameras) < 40_000 else default_workers()
+    if workers is None:  # a pool pays off only once the work outweighs its ~2 s start-up
+        frames = sum(lengths) * max(1, cameras)
+        workers = 1 if frames < (40_000 if encoder else 400_000) else default_workers()
     bar = tqdm(total=episodes, desc=f"generate {root}", unit="ep", disable=not progress)
     stat_rows = []
     with worker_pool(min(workers, episodes), "process") as pool:  # see workers.py: not threads
@@ -268,13 +269,16 @@ class _EpisodeJob:
         with fs.open(_mk(fs, join(base, layout.v21_data_path(self.info, ep))), "wb") as f:
             pq.write_table(table, f)
         for cam, key in enumerate(self.keys):
-            frames = vio.synth_frames(length, self.height, self.width,
-                                      seed=hash_seed(self.seed, ep, cam))
-            step = max(1, length // IMAGE_STAT_SAMPLES)
-            ep_stats[key] = stats.feature_stats(frames[::step], image=True)
+            sample = np.arange(0, length, max(1, length // IMAGE_STAT_SAMPLES))
+            cam_seed = hash_seed(self.seed, ep, cam)
             if self.encoder:
+                frames = vio.synth_frames(length, self.height, self.width, seed=cam_seed)
+                ep_stats[key] = stats.feature_stats(frames[sample], image=True)
                 data = vio.encode(frames, self.fps, self.encoder)
             else:
+                ep_stats[key] = stats.feature_stats(
+                    vio.synth_frames(length, self.height, self.width, cam_seed, sample),
+                    image=True)
                 data = vio.make_stub(length, self.fps, self.width, self.height,
                                      self.video_bytes, seed=hash_seed(self.seed, ep, cam))
             write_bytes(fs, join(base, layout.v21_video_path(self.info, key, ep)), data)

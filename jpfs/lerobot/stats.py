@@ -27,16 +27,17 @@ def feature_stats(values: np.ndarray, image: bool = False) -> dict[str, np.ndarr
         image: reduce per channel, to shape [3, 1, 1], after scaling to [0, 1].
     """
     if image:
-        px = values.reshape(-1, values.shape[-1])  # (pixels, 3), still uint8: cheap min/max
+        # Channels first and contiguous: row reductions are several times faster than strided.
+        px = np.ascontiguousarray(values.reshape(-1, values.shape[-1]).T).astype(np.float32)
 
         def chan(a: np.ndarray) -> np.ndarray:
             return (np.asarray(a, np.float64) / 255.0).reshape(-1, 1, 1)
 
         return {
-            "min": chan(px.min(axis=0)),
-            "max": chan(px.max(axis=0)),
-            "mean": chan(px.mean(axis=0, dtype=np.float64)),
-            "std": chan(px.std(axis=0, dtype=np.float64)),
+            "min": chan(px.min(axis=1)),
+            "max": chan(px.max(axis=1)),
+            "mean": chan(px.mean(axis=1, dtype=np.float64)),
+            "std": chan(px.std(axis=1, dtype=np.float64)),
             "count": np.array([len(values)]),
         }
     x = values if values.ndim > 1 else values.reshape(-1, 1)

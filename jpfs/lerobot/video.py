@@ -63,8 +63,13 @@ def pick_encoder(preferred: str | None = None) -> str:
     raise ValueError(f"PyAV has no encoder for {preferred or 'any of ' + ', '.join(ENCODERS)}")
 
 
-def synth_frames(n: int, height: int, width: int, seed: int) -> np.ndarray:
-    """``n`` deterministic RGB frames: a coloured gradient with a square moving across it."""
+def synth_frames(n: int, height: int, width: int, seed: int,
+                 indices: np.ndarray | None = None) -> np.ndarray:
+    """Deterministic RGB frames: a coloured gradient with a square moving across it.
+
+    Frame ``t`` of an ``n``-frame episode; ``indices`` picks some (stats of stand-in videos need
+    only samples), the default all ``n``.
+    """
     rng = np.random.default_rng(seed)
     base = rng.integers(40, 200, size=3)
     xs = np.arange(width)
@@ -72,9 +77,9 @@ def synth_frames(n: int, height: int, width: int, seed: int) -> np.ndarray:
     frame = np.empty((height, width, 3), np.uint8)
     frame[...] = base
     frame[:, :, int(rng.integers(3))] = (xs * 255 // max(1, width - 1))[None, :]
-    frames = np.broadcast_to(frame, (n, height, width, 3)).copy()
+    t = np.arange(n) if indices is None else np.asarray(indices)
+    frames = np.broadcast_to(frame, (len(t), height, width, 3)).copy()
     side = max(2, min(height, width) // 6)
-    t = np.arange(n)
     px = (int(rng.integers(width)) + 2 * t) % max(1, width - side)
     py = (int(rng.integers(height)) + t) % max(1, height - side)
     mask = (((ys[None, :] >= py[:, None]) & (ys[None, :] < py[:, None] + side))[:, :, None]
