@@ -195,8 +195,8 @@ def video_keys_of(features: dict) -> list[str]:
 
 
 def frame_columns(features: dict) -> list[str]:
-    """The parquet columns of frame tables: every feature that is not a video or image."""
-    return [k for k, ft in features.items() if ft.get("dtype") not in ("video", "image")]
+    """The parquet columns of frame tables: every feature but videos (images live in parquet)."""
+    return [k for k, ft in features.items() if ft.get("dtype") != "video"]
 
 
 def arrow_type(feature: dict) -> pa.DataType:
