@@ -8,6 +8,7 @@ process starts a fresh loop and fresh connections.
 from __future__ import annotations
 
 import functools
+import io
 import os
 import threading
 from collections.abc import Iterator
@@ -87,6 +88,21 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def open(self, path: str, mode: str = "rb", buffering: int = -1, **options):
+        """Open a JPFS file like ``open()`` (binary modes only). ``buffering=0`` gives the raw
+        file; otherwise reads and writes go through an ``io`` buffer of ``buffering`` bytes
+        (default 1 MiB)."""
+        from .files import RawFile
+
+        afile = self._call("open", path, mode, **options)
+        raw = RawFile(afile, lambda fn, *a: trio.from_thread.run(fn, *a, trio_token=self._token))
+        if buffering == 0:
+            return raw
+        size = buffering if buffering > 1 else 1 << 20
+        if raw.readable() and raw.writable():
+            return io.BufferedRandom(raw, size)
+        return io.BufferedReader(raw, size) if raw.readable() else io.BufferedWriter(raw, size)
+
     def walk(self, top: str = "/") -> Iterator[tuple[str, list[str], list[str]]]:
         """Like ``os.walk``: top-down, one scandir per directory."""
         stack = [top]
@@ -117,7 +133,8 @@ FORWARDED = (
     "stat", "lstat", "exists", "isdir", "isfile", "stat_many", "scandir", "listdir", "readlink",
     "statfs", "getxattr", "listxattr", "mkdir", "makedirs", "remove", "unlink", "rmdir",
     "rmtree", "rename", "replace", "symlink", "link", "chmod", "chown", "utime", "truncate",
-    "setxattr", "removexattr", "create",
+    "setxattr", "removexattr", "create", "read_bytes", "read_many", "write_bytes", "put", "get",
+    "layout",
 )
 
 for _name in FORWARDED:

@@ -20,8 +20,11 @@ import trio
 
 from .. import config, uri
 from ..errors import JPFSError, error
-from ..types import ROOT_INO, Attr
+from ..types import ROOT_INO, Attr, Layout
+from .data import DataPath
+from .files import AsyncFile, parse_mode
 from .meta import MetaClient
+from .storage import StorageClient
 
 MAX_SYMLINKS = 40
 
@@ -72,12 +75,22 @@ class AsyncClient:
         self.cluster = cluster
         self.nursery = nursery
         self.meta = MetaClient(nursery, cluster)
+        self.storage = StorageClient(nursery, cluster) if cluster.n_nodes else None
+        self.data = DataPath(self.meta, self.storage, cluster) if self.storage else None
         self.dir_cache_ttl = dir_cache_ttl
         self._dirs: dict[str, tuple[int, float]] = {}
         self.umask = _umask()
 
     def close(self) -> None:
         self.meta.close()
+        if self.storage:
+            self.storage.close()
+
+    def _data(self) -> DataPath:
+        if self.data is None:
+            raise error(errno.ENODEV, "this cluster has no storage nodes: file contents cannot "
+                        "be stored or read")
+        return self.data
 
     # ---- resolution ---------------------------------------------------------------------------
 
@@ -374,6 +387,132 @@ class AsyncClient:
         except JPFSError as e:
             raise error(e.errno, e.strerror, p) from None
         return attr
+
+
+    # ---- file contents ---------------------------------------------------------------------
+
+    async def open(self, path: str, mode: str = "rb", *, readahead: int | None = None,
+                   perm: int = 0o666) -> AsyncFile:
+        """Open a file (binary modes: r, w, a, x, with + and b)."""
+        readable, writable, kind = parse_mode(mode)
+        data = self._data()
+        if kind == "r":
+            attr = await self.stat(path)
+            parent = 0
+            if writable:
+                parent, _, _ = await self._parent(path)
+        else:
+            parent, name, p = await self._parent(path)
+            try:
+                attr, created = await self.meta.create(parent, name, _stat.S_IFREG |
+                                                       (perm & ~self.umask),
+                                                       exclusive=kind == "x")
+            except JPFSError as e:
+                raise error(e.errno, e.strerror, p) from None
+            if attr.is_link:  # open() follows a final symlink
+                attr = await self.stat(path)
+            if kind == "w" and attr.size:
+                attr = await self.meta.setattr(attr.ino, size=0)
+        if attr.is_dir:
+            raise error(errno.EISDIR, "is a directory", path)
+        layout = await self.meta.get_layout(attr.ino)
+        return AsyncFile(data, _path(path), mode, layout, parent,
+                         **({"readahead": readahead} if readahead else {}))
+
+    async def layout(self, path: str) -> Layout:
+        return await self.meta.get_layout((await self.stat(path)).ino)
+
+    async def read_bytes(self, path: str) -> bytes:
+        """The whole content of a file."""
+        data = self._data()
+        layout = await self.layout(path)
+        if layout.attr.is_dir:
+            raise error(errno.EISDIR, "is a directory", path)
+        (view,) = await data.read_layouts([layout])
+        return bytes(view)
+
+    async def read_many(self, paths: list[str]) -> list[memoryview]:
+        """The contents of many files in as few round trips as possible: one batched lookup per
+        directory, one batched layout read per shard, one batched blob read per storage node.
+        Returns read-only views (bytes-like; ``bytes(v)`` copies)."""
+        data = self._data()
+        attrs = await self.stat_many(paths)
+        for p, a in zip(paths, attrs, strict=True):
+            if isinstance(a, OSError):
+                raise error(a.errno, a.strerror, p)
+        links = [i for i, a in enumerate(attrs) if a.is_link]
+        for i in links:
+            attrs[i] = await self.stat(paths[i])
+        for p, a in zip(paths, attrs, strict=True):
+            if a.is_dir:
+                raise error(errno.EISDIR, "is a directory", p)
+        layouts = await self.meta.batch_layout([a.ino for a in attrs])
+        for p, lay in zip(paths, layouts, strict=True):
+            if lay is None:
+                raise error(errno.ENOENT, "vanished while being read", p)
+        return await data.read_layouts(layouts)
+
+    async def write_bytes(self, path: str, content, *, perm: int = 0o666) -> Attr:
+        """Make ``content`` the whole content of ``path`` (created if missing)."""
+        data = self._data()
+        parent, name, p = await self._parent(path)
+        try:
+            attr, _ = await self.meta.create(parent, name, _stat.S_IFREG | (perm & ~self.umask),
+                                             exclusive=False)
+            if attr.is_link:
+                attr = await self.stat(p)
+            return await data.write_whole(attr, parent, content)
+        except JPFSError as e:
+            raise error(e.errno, e.strerror, p) from None
+
+    async def put(self, local: str | os.PathLike, remote: str, *, window: int = 4) -> Attr:
+        """Copy a local file into JPFS, streaming ``window`` chunks at a time; the new content
+        appears at once when every chunk is stored. Keeps the local mtime and permissions."""
+        data = self._data()
+        st = os.stat(local)
+        parent, name, p = await self._parent(remote)
+        attr, _ = await self.meta.create(parent, name, _stat.S_IFREG | (st.st_mode & 0o7777),
+                                         exclusive=False)
+        cs = data.chunk_size
+        total = -(-st.st_size // cs)
+        chunks: list = []
+        with open(local, "rb") as f:
+            for first in range(0, total, window):
+                pieces = []
+                for i in range(first, min(first + window, total)):
+                    buf = await trio.to_thread.run_sync(f.read, cs)
+                    pieces.append((i, memoryview(buf)))
+                chunks += await data.store(attr.ino, parent, pieces, total)
+        await self.meta.write_chunks(attr.ino, chunks, st.st_size)
+        return await self.meta.setattr(attr.ino, mtime_ns=st.st_mtime_ns,
+                                       mode=st.st_mode & 0o7777)
+
+    async def get(self, remote: str, local: str | os.PathLike, *, window: int = 4) -> int:
+        """Copy a JPFS file to a local path (written to a temporary name, then renamed)."""
+        data = self._data()
+        layout = await self.layout(remote)
+        attr = layout.attr
+        tmp = f"{os.fspath(local)}.jpfs-part"
+        by_index = {c.index: c for c in layout.chunks}
+        cs = layout.chunk_size
+        total = -(-attr.size // cs)
+        with open(tmp, "wb") as f:
+            for first in range(0, total, window):
+                idx = list(range(first, min(first + window, total)))
+                present = [by_index[i] for i in idx if i in by_index]
+                blobs = dict(zip([c.index for c in present], await data.read_chunks(present),
+                                 strict=True))
+                for i in idx:
+                    n = min(cs, attr.size - i * cs)
+                    c = by_index.get(i)
+                    piece = blobs[i][:min(n, c.length)] if c else b""
+                    await trio.to_thread.run_sync(f.write, piece)
+                    if len(piece) < n:
+                        await trio.to_thread.run_sync(f.write, bytes(n - len(piece)))
+        os.utime(tmp, ns=(attr.atime_ns, attr.mtime_ns))
+        os.chmod(tmp, attr.mode & 0o7777)
+        os.replace(tmp, local)
+        return attr.size
 
 
 @asynccontextmanager

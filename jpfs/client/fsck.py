@@ -96,7 +96,7 @@ async def fsck(meta: MetaClient, *, repair: bool = False) -> Report:
     dentries: list[list] = []
     chunk_inos: set[int] = set()
     for shard in range(meta.n_shards):
-        for ino, mode, nlink, parent, size in await _scan(meta, shard, "inode"):
+        for ino, mode, nlink, parent, _size in await _scan(meta, shard, "inode"):
             inodes[ino] = [mode, nlink, parent]
         dentries.extend(await _scan(meta, shard, "dentry"))
         for ino, *_ in await _scan(meta, shard, "chunk"):

@@ -1,0 +1,191 @@
+"""fsspec for JPFS: ``jpfs://a/b`` names ``/a/b`` in the cluster named by ``$JPFS_CLUSTER``
+(or the ``cluster`` storage option), so pandas, pyarrow, datasets and anything else that speaks
+fsspec reads JPFS directly, through the native client.
+
+``cat`` of many paths maps to the client's batched ``read_many``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+
+from fsspec.spec import AbstractFileSystem
+
+from .. import uri
+from .blocking import Client
+
+_clients: dict[tuple[str | None, int], Client] = {}
+
+
+def _client(cluster: str | None) -> Client:
+    """One blocking client per cluster file per process (DataLoader workers get their own)."""
+    key = (cluster, os.getpid())
+    c = _clients.get(key)
+    if c is None:
+        c = _clients[key] = Client(cluster)
+    return c
+
+
+class JPFSFileSystem(AbstractFileSystem):
+    """fsspec's view of a JPFS cluster."""
+
+    protocol = "jpfs"
+    root_marker = "/"
+
+    def __init__(self, cluster: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.cluster = os.fspath(cluster) if cluster else None
+
+    @property
+    def client(self) -> Client:
+        return _client(self.cluster)
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        path = os.fspath(path)
+        return uri.to_path(path) if uri.is_jpfs(path) else uri.normalize(path)
+
+    def unstrip_protocol(self, name: str) -> str:
+        return uri.to_url(name)
+
+    @staticmethod
+    def _info(path: str, attr) -> dict:
+        kind = "directory" if attr.is_dir else "link" if attr.is_link else "file"
+        return {"name": path, "size": attr.size, "type": kind, "ino": attr.ino,
+                "mode": attr.mode, "nlink": attr.nlink, "uid": attr.uid, "gid": attr.gid,
+                "mtime": attr.mtime_ns / 1e9, "created": attr.ctime_ns / 1e9}
+
+    def info(self, path, **kwargs):
+        p = self._strip_protocol(path)
+        return self._info(p, self.client.stat(p))
+
+    def ls(self, path, detail=True, **kwargs):
+        p = self._strip_protocol(path)
+        attr = self.client.stat(p)
+        if not attr.is_dir:
+            entries = [self._info(p, attr)]
+        else:
+            entries = [self._info(e.path, e.attr) for e in self.client.scandir(p)]
+        return entries if detail else [e["name"] for e in entries]
+
+    def exists(self, path, **kwargs) -> bool:
+        return self.client.exists(self._strip_protocol(path))
+
+    def cat_file(self, path, start=None, end=None, **kwargs) -> bytes:
+        p = self._strip_protocol(path)
+        if start is None and end is None:
+            return self.client.read_bytes(p)
+        with self.client.open(p, "rb") as f:
+            size = f.raw.size if hasattr(f, "raw") else f.size
+            s = 0 if start is None else (start if start >= 0 else max(0, size + start))
+            e = size if end is None else (end if end >= 0 else max(0, size + end))
+            f.seek(s)
+            return f.read(max(0, e - s))
+
+    def cat(self, path, recursive=False, on_error="raise", **kwargs):
+        paths = self.expand_path(path, recursive=recursive)
+        if len(paths) == 1 and paths[0] == self._strip_protocol(path) and not isinstance(
+                path, list) and not self.isdir(paths[0]):
+            return self.cat_file(paths[0])
+        files = [p for p in paths if not self.isdir(p)]
+        try:
+            views = self.client.read_many(files)
+        except OSError:
+            if on_error == "raise":
+                raise
+            out = {}
+            for p in files:
+                try:
+                    out[p] = self.cat_file(p)
+                except OSError as e:
+                    if on_error == "return":
+                        out[p] = e
+            return out
+        return {p: bytes(v) for p, v in zip(files, views, strict=True)}
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        p = self._strip_protocol(path)
+        if mode == "create" and self.client.exists(p):
+            raise FileExistsError(errno.EEXIST, "exists", p)
+        self.client.write_bytes(p, value)
+
+    def put_file(self, lpath, rpath, callback=None, **kwargs):
+        rp = self._strip_protocol(rpath)
+        if os.path.isdir(lpath):
+            self.client.makedirs(rp, exist_ok=True)
+        else:
+            self.client.put(lpath, rp)
+
+    def get_file(self, rpath, lpath, callback=None, outfile=None, **kwargs):
+        rp = self._strip_protocol(rpath)
+        if self.isdir(rp):
+            os.makedirs(lpath, exist_ok=True)
+        elif outfile is not None:
+            outfile.write(self.client.read_bytes(rp))
+        else:
+            self.client.get(rp, lpath)
+
+    def mkdir(self, path, create_parents=True, **kwargs):
+        p = self._strip_protocol(path)
+        if create_parents:
+            self.client.makedirs(p, exist_ok=False)
+        else:
+            self.client.mkdir(p)
+
+    def makedirs(self, path, exist_ok=False):
+        self.client.makedirs(self._strip_protocol(path), exist_ok=exist_ok)
+
+    def rmdir(self, path):
+        self.client.rmdir(self._strip_protocol(path))
+
+    def rm_file(self, path):
+        self.client.remove(self._strip_protocol(path))
+
+    def _rm(self, path):
+        p = self._strip_protocol(path)
+        if self.client.lstat(p).is_dir:
+            self.client.rmdir(p)
+        else:
+            self.client.remove(p)
+
+    def rm(self, path, recursive=False, maxdepth=None):
+        paths = [path] if isinstance(path, str) else path
+        for p in paths:
+            p = self._strip_protocol(p)
+            if recursive and self.client.lstat(p).is_dir:
+                self.client.rmtree(p)
+            else:
+                self._rm(p)
+
+    def mv(self, path1, path2, recursive=False, maxdepth=None, **kwargs):
+        self.client.rename(self._strip_protocol(path1), self._strip_protocol(path2))
+
+    def touch(self, path, truncate=True, **kwargs):
+        p = self._strip_protocol(path)
+        if truncate or not self.client.exists(p):
+            self.client.write_bytes(p, b"")
+        else:
+            self.client.utime(p)
+
+    def created(self, path):
+        import datetime
+
+        return datetime.datetime.fromtimestamp(self.info(path)["created"], datetime.UTC)
+
+    def modified(self, path):
+        import datetime
+
+        return datetime.datetime.fromtimestamp(self.info(path)["mtime"], datetime.UTC)
+
+    def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None,
+              **kwargs):
+        p = self._strip_protocol(path)
+        if "w" in mode or "a" in mode or "x" in mode:
+            parent = posixpath.dirname(p)
+            if parent and parent != "/" and not self.client.exists(parent):
+                raise FileNotFoundError(errno.ENOENT, "no such directory", parent)
+        return self.client.open(p, mode, buffering=block_size or -1)
