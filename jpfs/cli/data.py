@@ -1,0 +1,270 @@
+"""Data commands: ``jpfs import``, ``export``, ``cp``, ``cat``, ``du``, ``gc``.
+
+Paths inside JPFS are written ``jpfs:/a/b``; anything else is a local path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import posixpath
+import sys
+import time
+
+from .. import uri
+from ..config import format_size
+from .common import add_json, connect, jpfs_path, print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "import", help="copy a local tree into JPFS (parallel, packed, resumable)",
+        description="Make jpfs:/DST a copy of the local directory SRC (DST holds SRC's "
+        "entries). Each directory's small files are sent in name order in batches, so they are "
+        "packed next to each other on the storage nodes. A rerun skips files already there with "
+        "the same size and modification time, so an interrupted import resumes.")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="jpfs:/DST")
+    _transfer_options(p)
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("export", help="copy a JPFS tree to a local directory (resumable)",
+                       description="Make the local directory DST a copy of jpfs:/SRC; a rerun "
+                       "skips files already there with the same size and modification time.")
+    p.add_argument("src", metavar="jpfs:/SRC")
+    p.add_argument("dst", metavar="DST")
+    _transfer_options(p)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("cp", help="copy files between local paths and JPFS",
+                       description="Copy SRC to DST; either may be jpfs:/... (with an existing "
+                       "directory as DST, copy into it). -r copies directory trees.")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("-r", "--recursive", action="store_true", help="copy directories")
+    p.set_defaults(func=cmd_cp)
+
+    p = sub.add_parser("cat", help="write JPFS files to standard output")
+    p.add_argument("paths", nargs="+", metavar="jpfs:/PATH")
+    p.set_defaults(func=cmd_cat)
+
+    p = sub.add_parser("du", help="space used under JPFS paths")
+    p.add_argument("paths", nargs="*", default=["/"], metavar="PATH")
+    p.add_argument("-s", "--summarize", action="store_true", help="one total per argument")
+    p.add_argument("-H", "--human", action="store_true", help="sizes as 1.5 MiB")
+    add_json(p)
+    p.set_defaults(func=cmd_du)
+
+    p = sub.add_parser("gc", help="reclaim space of deleted and overwritten data",
+                       description="Mark every blob a file points at, delete the others (older "
+                       "than --grace seconds, so writes in flight are safe) from the storage "
+                       "nodes, and compact volumes with enough dead space. Safe to interrupt and "
+                       "rerun.")
+    p.add_argument("--grace", type=float, default=600.0,
+                   help="only collect blobs older than this many seconds (default 600)")
+    p.add_argument("--min-dead", type=float, default=0.3,
+                   help="compact volumes with at least this dead share (default 0.3)")
+    p.add_argument("--no-compact", action="store_true", help="delete, but do not compact")
+    p.add_argument("--dry-run", action="store_true", help="count what would be collected")
+    add_json(p)
+    p.set_defaults(func=cmd_gc)
+
+
+def _transfer_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parallel", type=int, default=4, help="batches in flight (default 4)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_json(p)
+
+
+def _need_jpfs(text: str, what: str) -> str:
+    if not uri.is_jpfs(text):
+        shown = text if text.startswith("/") else "/" + text
+        raise ValueError(f"{what} must be a JPFS path (write jpfs:{shown})")
+    return uri.to_path(text)
+
+
+def _bar(args, total_files: int | None, total_bytes: int | None, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                disable=args.no_progress or args.json, dynamic_ncols=True,
+                postfix={"files": f"0/{total_files}" if total_files is not None else 0})
+
+
+def _run_transfer(args, fn, src, dst, totals) -> int:
+    from ..client import transfer
+
+    client = connect(args)
+    files_done = 0
+    bar = _bar(args, *totals, desc=args.command)
+
+    def tick(files: int, nbytes: int) -> None:
+        nonlocal files_done
+        files_done += files
+        bar.update(nbytes)
+        bar.set_postfix(files=f"{files_done}/{totals[0]}" if totals[0] is not None
+                        else files_done, refresh=False)
+
+    t0 = time.monotonic()
+    try:
+        stats = client.run(getattr(transfer, fn), src, dst, parallel=args.parallel,
+                           progress=tick)
+    finally:
+        bar.close()
+        client.close()
+    secs = time.monotonic() - t0
+    result = {**stats.as_dict(), "seconds": round(secs, 3),
+              "bytes_per_s": round(stats.bytes / secs) if secs else None}
+    if args.json:
+        print_json(result)
+    else:
+        print(f"{args.command}: {stats.files:,} files, {format_size(stats.bytes)} in {secs:.1f}s "
+              f"({format_size(stats.bytes / secs if secs else 0)}/s, "
+              f"{stats.files / secs if secs else 0:,.0f} files/s); skipped {stats.skipped:,} "
+              f"unchanged; {stats.dirs:,} directories")
+        for e in stats.errors[:20]:
+            print(f"  error: {e}", file=sys.stderr)
+    return 1 if stats.errors else 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from ..client.transfer import scan_local
+
+    dst = _need_jpfs(args.dst, "the destination")
+    if not os.path.isdir(args.src):
+        raise NotADirectoryError(20, "import copies a directory (use jpfs cp for a file)",
+                                 args.src)
+    totals = scan_local(args.src) if not args.no_progress else (None, None)
+    return _run_transfer(args, "import_tree", args.src, dst, totals)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    src = _need_jpfs(args.src, "the source")
+    return _run_transfer(args, "export_tree", src, args.dst, (None, None))
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    src_j, dst_j = uri.is_jpfs(args.src), uri.is_jpfs(args.dst)
+    client = connect(args)
+    try:
+        if src_j and not dst_j:
+            src = uri.to_path(args.src)
+            dst = args.dst
+            if client.isdir(src):
+                if not args.recursive:
+                    raise IsADirectoryError(21, "is a directory (use -r)", src)
+                from ..client.transfer import export_tree
+                client.run(export_tree, src, dst)
+                return 0
+            if os.path.isdir(dst):
+                dst = os.path.join(dst, posixpath.basename(src))
+            client.get(src, dst)
+        elif dst_j and not src_j:
+            dst = uri.to_path(args.dst)
+            if os.path.isdir(args.src):
+                if not args.recursive:
+                    raise IsADirectoryError(21, "is a directory (use -r)", args.src)
+                from ..client.transfer import import_tree
+                client.run(import_tree, args.src, dst)
+                return 0
+            if client.isdir(dst):
+                dst = posixpath.join(dst, os.path.basename(args.src))
+            client.put(args.src, dst)
+        elif src_j and dst_j:
+            _copy_within(client, uri.to_path(args.src), uri.to_path(args.dst), args.recursive)
+        else:
+            raise ValueError("one of SRC and DST must be a JPFS path (jpfs:/...)")
+    finally:
+        client.close()
+    return 0
+
+
+def _copy_within(client, src: str, dst: str, recursive: bool) -> None:
+    attr = client.stat(src)
+    if client.isdir(dst):
+        dst = posixpath.join(dst, posixpath.basename(src))
+    if not attr.is_dir:
+        with client.open(src, "rb") as fi, client.open(dst, "wb") as fo:
+            while piece := fi.read(4 << 20):
+                fo.write(piece)
+        return
+    if not recursive:
+        raise IsADirectoryError(21, "is a directory (use -r)", src)
+    client.makedirs(dst, exist_ok=True)
+    for e in client.scandir(src):
+        _copy_within(client, e.path, posixpath.join(dst, e.name), True)
+
+
+def cmd_cat(args: argparse.Namespace) -> int:
+    client = connect(args)
+    out = sys.stdout.buffer
+    try:
+        for p in args.paths:
+            with client.open(jpfs_path(p), "rb") as f:
+                while piece := f.read(4 << 20):
+                    out.write(piece)
+        out.flush()
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_du(args: argparse.Namespace) -> int:
+    """Apparent sizes (what the files hold), totalled per directory like du(1)."""
+    client = connect(args)
+    rows = []
+    try:
+        for p in args.paths:
+            top = jpfs_path(p)
+            own: dict[str, list[int]] = {}
+            for d, _dirs, _files in client.walk(top):
+                files = [e for e in client.scandir(d) if not e.is_dir()]
+                own[d] = [sum(e.attr.size for e in files), len(files)]
+            total = {d: [0, 0] for d in own}
+            for d, (nbytes, nfiles) in own.items():
+                cur = d
+                while True:
+                    total[cur][0] += nbytes
+                    total[cur][1] += nfiles
+                    if cur == top:
+                        break
+                    cur = posixpath.dirname(cur)
+            dirs = [top] if args.summarize else sorted(total, key=lambda x: (-x.count("/"), x))
+            rows += [{"path": d, "bytes": total[d][0], "files": total[d][1]} for d in dirs]
+    finally:
+        client.close()
+    if args.json:
+        print_json(rows)
+    else:
+        for r in rows:
+            size = format_size(r["bytes"]) if args.human else str(r["bytes"])
+            print(f"{size:>12}  {r['files']:>10,} files  {r['path']}")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from ..client.gc import collect
+
+    client = connect(args)
+    try:
+        report = client.run(lambda ac: collect(ac, grace=args.grace,
+                                               min_dead_ratio=args.min_dead,
+                                               compact=not args.no_compact,
+                                               dry_run=args.dry_run))
+    finally:
+        client.close()
+    if args.json:
+        print_json(report)
+        return 0
+    print(f"live blobs: {report['live_blobs']:,}")
+    for node, r in report["nodes"].items():
+        if "error" in r:
+            print(f"  storage-{node}: skipped ({r['error']})")
+            continue
+        line = f"  storage-{node}: scanned {r['scanned']:,} blobs, " \
+               f"{'would delete' if args.dry_run else 'deleted'} {r['deleted']:,}"
+        c = r.get("compact")
+        if c:
+            line += f"; compaction reclaimed {format_size(c.get('bytes_reclaimed', 0))}"
+        print(line)
+    return 0
