@@ -190,14 +190,7 @@ class FrameSocket:
         """
         if isinstance(dest, list):
             if sum(len(d) for d in dest) == length:
-                for d in dest:
-                    n = len(d)
-                    if n < _SCATTER_DIRECT:  # small parts: one recv serves many, then copies
-                        await self._fill(n)
-                        d[:] = self._view[self._start:self._start + n]
-                        self._start += n
-                    else:
-                        await self._read_exact_into(d)
+                await self._scatter_into(dest)
                 return dest
             dest = None
         if dest is None or len(dest) != length:
@@ -205,6 +198,21 @@ class FrameSocket:
         if length:
             await self._read_exact_into(dest)
         return dest
+
+    async def _scatter_into(self, parts: list[memoryview]) -> None:
+        """Fill ``parts`` in order: big ones straight from the socket, small ones copied out of
+        the stream buffer (one recv serves many; no await while they are buffered)."""
+        view = self._view
+        for d in parts:
+            n = len(d)
+            if n >= _SCATTER_DIRECT:
+                await self._read_exact_into(d)
+                continue
+            if self._end - self._start < n:
+                await self._fill(n)
+            start = self._start
+            d[:] = view[start:start + n]
+            self._start = start + n
 
     async def skip_payload(self, length: int) -> None:
         scratch = memoryview(bytearray(min(length, 1 << 20)))
