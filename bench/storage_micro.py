@@ -8,7 +8,9 @@ Run by hand (not a test)::
 It starts one ``jpfs-storage`` process on loopback (``--fsync never``: only reads are timed), and
 a baseline process that streams a file of the same total size with ``socket.sendfile`` to a
 client doing ``recv_into`` on a 1 MiB buffer. Everything is warm (page cache). Figures are
-medians of ``--rounds`` runs; each workload reports its ratio to the baseline of the same run.
+medians of ``--rounds`` runs; each workload reports its ratio to the baseline of the same run,
+and the CPU seconds per GB that the client (this process, all threads: receiving, verifying
+checksums) and the server spent, which move less than wall-clock rates on a shared machine.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import socket
 import statistics
 import subprocess
@@ -67,11 +70,24 @@ while True:
 """
 
 
-def baseline(path: Path, port: int) -> float:
-    """Seconds to receive the whole file over loopback (sendfile -> recv_into 1 MiB)."""
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _my_cpu(who: int = resource.RUSAGE_SELF) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def baseline(path: Path, port: int) -> tuple[float, float]:
+    """Seconds and client CPU seconds to receive the whole file over loopback (sendfile ->
+    recv_into 1 MiB)."""
     size = path.stat().st_size
     buf = memoryview(bytearray(MiB))
     with socket.create_connection(("127.0.0.1", port)) as s:
+        c = _my_cpu(resource.RUSAGE_THREAD)
         t = time.perf_counter()
         s.sendall(b"g")
         got = 0
@@ -80,7 +96,7 @@ def baseline(path: Path, port: int) -> float:
             if not n:
                 raise RuntimeError("baseline stream ended early")
             got += n
-        return time.perf_counter() - t
+        return time.perf_counter() - t, _my_cpu(resource.RUSAGE_THREAD) - c
 
 
 # ---------------------------------------------------------------------- the storage workloads
@@ -114,10 +130,26 @@ async def _read_all(client: StorageClient, chunks: list[Chunk], batch: int, task
     return time.perf_counter() - t
 
 
-async def run_storage(cluster: config.Cluster, args, base_port: int, base_file: Path) -> dict:
+WORKLOADS = (
+    # name, which blobs, blobs per get() call, concurrent callers, into caller buffers
+    ("big_1x1", "big", 1, 1, False),
+    ("big_8x2", "big", 8, 2, False),
+    ("big_8x2_into", "big", 8, 2, True),
+    ("big_16x4_into", "big", 16, 4, True),
+    ("small_500x2", "small", 500, 2, False),
+    ("small_500x2_into", "small", 500, 2, True),
+    ("small_500x4_into", "small", 500, 4, True),
+    ("small_50x4", "small", 50, 4, False),
+)
+
+
+async def run_storage(cluster: config.Cluster, args, pids: tuple[int, int], base_port: int,
+                      base_file: Path) -> dict:
+    """Medians over rounds of: GB/s, blobs/s, and CPU seconds per GB of client and server."""
+    server_pid, base_pid = pids
     rng = random.Random(1)
-    big_sizes = [4 * MiB] * args.big
-    small_sizes = [rng.randint(1 << 10, 64 << 10) for _ in range(args.small)]
+    sizes = {"big": [4 * MiB] * args.big,
+             "small": [rng.randint(1 << 10, 64 << 10) for _ in range(args.small)]}
     out: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:
@@ -125,29 +157,30 @@ async def run_storage(cluster: config.Cluster, args, base_port: int, base_file: 
 
     async with trio.open_nursery() as nursery:
         client = StorageClient(nursery, cluster)
-        big = await _put_all(client, big_sizes, 8)
-        small = await _put_all(client, small_sizes, 200)
-        big_bytes, small_bytes = sum(big_sizes), sum(small_sizes)
-        big_into = [memoryview(bytearray(s)) for s in big_sizes]
-        small_into = [memoryview(bytearray(s)) for s in small_sizes]
-        await _read_all(client, big, 8, 2, None)  # warm everything up once
-        await _read_all(client, small, 500, 2, None)
+        sets = {"big": await _put_all(client, sizes["big"], 8),
+                "small": await _put_all(client, sizes["small"], 200)}
+        intos = {k: [memoryview(bytearray(n)) for n in v] for k, v in sizes.items()}
+        for k in sets:  # warm everything up once, buffers included
+            await _read_all(client, sets[k], 100, 2, intos[k])
         for _ in range(args.rounds):
-            base_s = await trio.to_thread.run_sync(baseline, base_file, base_port)
-            add("baseline_GBps", base_file.stat().st_size / base_s / 1e9)
-            for name, chunks, nbytes, batch, tasks, into in (
-                ("big_1x1", big, big_bytes, 1, 1, None),
-                ("big_8x2", big, big_bytes, 8, 2, None),
-                ("big_8x2_into", big, big_bytes, 8, 2, big_into),
-                ("big_16x4_into", big, big_bytes, 16, 4, big_into),
-                ("small_500x2", small, small_bytes, 500, 2, None),
-                ("small_500x2_into", small, small_bytes, 500, 2, small_into),
-                ("small_500x4_into", small, small_bytes, 500, 4, small_into),
-                ("small_50x4", small, small_bytes, 50, 4, None),
-            ):
-                s = await _read_all(client, chunks, batch, tasks, into)
-                add(f"{name}_GBps", nbytes / s / 1e9)
-                add(f"{name}_blobs_per_s", len(chunks) / s)
+            size = base_file.stat().st_size
+            sc = _proc_cpu(base_pid)
+            secs, cc = await trio.to_thread.run_sync(baseline, base_file, base_port)
+            sc = _proc_cpu(base_pid) - sc
+            add("baseline_GBps", size / secs / 1e9)
+            add("baseline_client_s_per_GB", cc / size * 1e9)
+            add("baseline_server_s_per_GB", sc / size * 1e9)
+            for name, which, batch, tasks, into in WORKLOADS:
+                chunks = sets[which]
+                nbytes = sum(sizes[which])
+                sc, cc = _proc_cpu(server_pid), _my_cpu()
+                secs = await _read_all(client, chunks, batch, tasks,
+                                       intos[which] if into else None)
+                sc, cc = _proc_cpu(server_pid) - sc, _my_cpu() - cc
+                add(f"{name}_GBps", nbytes / secs / 1e9)
+                add(f"{name}_blobs_per_s", len(chunks) / secs)
+                add(f"{name}_client_s_per_GB", cc / nbytes * 1e9)
+                add(f"{name}_server_s_per_GB", sc / nbytes * 1e9)
         stats = await client.stats(0)
         client.close()
         nursery.cancel_scope.cancel()
@@ -155,6 +188,25 @@ async def run_storage(cluster: config.Cluster, args, base_port: int, base_file: 
     res["segments_per_blob"] = stats["segments_sent"] / max(1, stats["blobs_sent"])
     res["cold_warmups"] = stats["cold_warmups"]
     return res
+
+
+def report(res: dict) -> None:
+    base = res["baseline_GBps"]
+    bc, bs = res["baseline_client_s_per_GB"], res["baseline_server_s_per_GB"]
+    base_cap = 1 / max(bc, bs)
+    print(f"baseline, loopback socket.sendfile -> recv_into 1 MiB: {base:.2f} GB/s; CPU s/GB "
+          f"client {bc:.3f} server {bs:.3f}")
+    print("CPU-bound = 1 / max(client, server CPU s/GB): the rate with a free core per process")
+    print(f"{'workload':>17} {'GB/s':>6} {'ratio':>6} {'blobs/s':>8} {'client':>7} "
+          f"{'server':>7} {'CPU-bound':>9} {'ratio':>6}")
+    for name, *_ in WORKLOADS:
+        gb = res[f"{name}_GBps"]
+        c, s = res[f"{name}_client_s_per_GB"], res[f"{name}_server_s_per_GB"]
+        cap = 1 / max(c, s)
+        print(f"{name:>17} {gb:6.2f} {gb / base:5.2f}x {res[name + '_blobs_per_s']:8.0f} "
+              f"{c:7.3f} {s:7.3f} {cap:9.2f} {cap / base_cap:5.2f}x")
+    print(f"segments per blob sent: {res['segments_per_blob']:.3f}; "
+          f"cold warm-ups: {res['cold_warmups']}")
 
 
 # ---------------------------------------------------------------------- cold reads
@@ -271,8 +323,15 @@ def main(argv: list[str] | None = None) -> dict:
                    help="measure cold reads instead: the server's worker-thread warm-up against "
                         "sendfile straight from the event loop")
     args = p.parse_args(argv)
-    work = Path(args.dir or tempfile.mkdtemp(prefix="jpfs-storage-micro-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.dir:
+        work = Path(args.dir)
+        work.mkdir(parents=True, exist_ok=True)
+        return _main(args, work)
+    with tempfile.TemporaryDirectory(prefix="jpfs-storage-micro-") as tmp:
+        return _main(args, Path(tmp))
+
+
+def _main(args, work: Path) -> dict:
     cfg = config.Cluster(meta=(config.Server(f"127.0.0.1:{_free_port()}"),),
                          storage=(config.Server(f"127.0.0.1:{_free_port()}", "storage-0"),))
     config.new_secret(work / "secret")
@@ -296,20 +355,13 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         _wait_port(cluster.storage[0].host_port[1], procs[0])
         _wait_port(base_port, procs[1])
-        res = trio.run(run_storage, cluster, args, base_port, base_file)
+        res = trio.run(run_storage, cluster, args, (procs[0].pid, procs[1].pid), base_port,
+                       base_file)
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait()
-    base = res["baseline_GBps"]
-    print(f"baseline: loopback socket.sendfile -> recv_into 1 MiB: {base:.2f} GB/s")
-    for k, v in sorted(res.items()):
-        if k.endswith("_GBps") and k != "baseline_GBps":
-            name = k[:-5]
-            print(f"{name:>18}: {v:5.2f} GB/s  {v / base:4.2f}x baseline  "
-                  f"{res[name + '_blobs_per_s']:9.0f} blobs/s")
-    print(f"segments per blob sent: {res['segments_per_blob']:.3f}; "
-          f"cold warm-ups: {res['cold_warmups']}")
+    report(res)
     return res
 
 

@@ -189,7 +189,7 @@ class StorageServer:
     async def get_blobs(self, ids: list) -> Reply:
         P.check_ids(ids, "get_blobs")
         entries = self.store.lookup(ids)
-        total = sum(e.length for e in entries if e is not None)
+        total = sum(e[2] for e in entries if e is not None)
         if total > P.MAX_GET_BYTES:
             raise error(errno.E2BIG, f"get_blobs: {total} bytes asked for in one request "
                                      f"(at most {P.MAX_GET_BYTES})")
@@ -198,7 +198,7 @@ class StorageServer:
         statuses: list = []
         pinned: list[int] = []
         segments: list[FileSegment] = []
-        seg_vol = -1
+        seg_vol = seg_fd = seg_start = seg_end = -1
         sent = nbytes = 0
         short = self.store.short
         try:
@@ -206,28 +206,31 @@ class StorageServer:
                 if e is None:
                     statuses.append("ENOENT")
                     continue
-                if e.vol in short and e.offset + e.length > short[e.vol]:
-                    log.error("blob %s lies past the end of volume %d", P.blob_name(bid), e.vol)
+                vol, offset, length, xxh, _ = e
+                if short and vol in short and offset + length > short[vol]:
+                    log.error("blob %s lies past the end of volume %d", P.blob_name(bid), vol)
                     statuses.append("EIO")
                     continue
-                if e.length:
-                    last = segments[-1] if segments else None
-                    if last and e.vol == seg_vol and e.offset == last.offset + last.length:
-                        segments[-1] = FileSegment(last.fd, last.offset, last.length + e.length)
+                if length:
+                    if vol == seg_vol and offset == seg_end:
+                        seg_end += length
                     else:
                         try:
-                            fd = self.files.pin(e.vol)
+                            fd = self.files.pin(vol)
                         except OSError as exc:
-                            log.error("cannot open volume %d for blob %s: %s", e.vol,
+                            log.error("cannot open volume %d for blob %s: %s", vol,
                                       P.blob_name(bid), exc)
                             statuses.append("EIO")
                             continue
-                        pinned.append(e.vol)
-                        seg_vol = e.vol
-                        segments.append(FileSegment(fd, e.offset, e.length))
-                statuses.append([e.length, e.xxh])
+                        if seg_vol >= 0:
+                            segments.append(FileSegment(seg_fd, seg_start, seg_end - seg_start))
+                        pinned.append(vol)
+                        seg_vol, seg_fd, seg_start, seg_end = vol, fd, offset, offset + length
+                statuses.append([length, xxh])
                 sent += 1
-                nbytes += e.length
+                nbytes += length
+            if seg_vol >= 0:
+                segments.append(FileSegment(seg_fd, seg_start, seg_end - seg_start))
             if segments and self.warm_cold_reads and not _cached(segments):
                 # sendfile on this thread would stall every connection on the disk: read the
                 # pages in with a worker thread first.

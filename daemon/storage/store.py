@@ -278,11 +278,13 @@ class Store:
 
     # ------------------------------------------------------------------ reads
 
-    def lookup(self, ids: Sequence[bytes]) -> list[Entry | None]:
-        """Index entries for ``ids`` (None where unknown): one short read transaction."""
+    def lookup(self, ids: Sequence[bytes]) -> list[tuple | None]:
+        """Index entries for ``ids`` as (volume, offset, length, xxh, created) tuples, None where
+        unknown: one short read transaction (plain tuples: this is the per-blob hot path)."""
+        unpack = ENTRY.unpack
         with self.env.begin(db=self.blobs) as txn:
             get = txn.get
-            return [Entry.unpack(raw) if (raw := get(b)) is not None else None for b in ids]
+            return [unpack(raw) if (raw := get(b)) is not None else None for b in ids]
 
     def list_blobs(self, after: bytes, limit: int) -> list[list]:
         """Up to ``limit`` [id, created] with id > ``after``, in id order."""

@@ -92,8 +92,10 @@ def check_ids(values: list, what: str) -> list[bytes]:
     if len(values) > MAX_BATCH_BLOBS:
         raise error(errno.E2BIG, f"{what}: {len(values)} ids in one request "
                                  f"(at most {MAX_BATCH_BLOBS})")
-    for v in values:
-        check_id(v)
+    n = BLOB_ID_BYTES
+    if not all(type(v) is bytes and len(v) == n for v in values):
+        for v in values:
+            check_id(v)
     return values
 
 
