@@ -85,6 +85,21 @@ def test_block_shuffle_moves_items_only_within_a_window(n, block, seed):
     assert (displacement < max(block, 1)).all()
 
 
+@settings(max_examples=60, deadline=None)
+@given(sizes=sizes_st, buf=st.integers(1, 30), seed=st.integers(0, 999), shuffle=st.booleans())
+def test_blocks_hold_contiguous_runs_of_the_sequence(sizes, buf, seed, shuffle):
+    # A block's ids are exactly the sequence positions it spans, so a reader can load the
+    # block's rows once; blocks tile the stream and are at most `buf` long.
+    slot = P.Slot(0, 1, 0, 1)
+    ids, bounds = P.worker_plan(sizes, slot, seed=seed, shuffle=shuffle, shuffle_buffer=buf)
+    seq = P.worker_plan(sizes, slot, seed=seed, shuffle=shuffle, shuffle_buffer=1)[0]
+    assert bounds[0] == 0 and bounds[-1] == len(ids)
+    assert (np.diff(bounds) > 0).all() or len(ids) == 0
+    assert (np.diff(bounds) <= buf).all()
+    for a, z in zip(bounds[:-1], bounds[1:], strict=True):
+        assert sorted(ids[a:z].tolist()) == sorted(seq[a:z].tolist())
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 @settings(max_examples=80, deadline=None)
 @given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=4), bs=st.integers(1, 7),

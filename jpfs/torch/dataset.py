@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import partition
 from .readahead import ReadAhead, mount_hint
-from .shards import ShardTable, Source, decode_shard, open_source
+from .shards import ShardDecoder, ShardTable, Source, open_source
 
 log = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ class _Assembler:
         if self.n:
             self.readahead = ReadAhead(
                 src.fs, src.shards, self.schedule,
-                lambda data: decode_shard(data, self.columns, src.shapes, self.extra),
+                ShardDecoder(src, self.columns, self.extra),
                 budget=self.ds.readahead_bytes, batch_files=self.ds.readahead_files,
                 hint=mount_hint(src.root))
         if self.ds.video:

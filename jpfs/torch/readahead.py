@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .shards import Shard, ShardTable
+from .shards import Shard, ShardDecoder, ShardTable
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class ReadAhead:
     """Fetch and decode ``schedule`` (shard indices in first-use order) ahead of the consumer."""
 
     def __init__(self, fs: Any, shards: Sequence[Shard], schedule: Sequence[int],
-                 decode: Callable[[bytes], ShardTable], *, budget: int = 256 << 20,
+                 decode: ShardDecoder, *, budget: int = 256 << 20,
                  batch_files: int = 32, hint: Callable[[list[str]], None] | None = None):
         self.fs = fs
         self.shards = shards
@@ -83,6 +83,8 @@ class ReadAhead:
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.decode.close()
 
     # background side -----------------------------------------------------------------------
 
@@ -121,21 +123,10 @@ class ReadAhead:
                 pos += len(batch)
                 if self.hint is not None:
                     self.hint([self.shards[s].path for s in self.schedule[pos:pos + 64]])
-                paths = [self.shards[s].path for s in batch]
-                # TODO(client): call Client.read_many(paths) directly once jpfs.client exists;
-                # until then fsspec's cat() is the batch read (the JPFS fsspec class maps it).
-                blobs = self.fs.cat(paths) if len(paths) > 1 else {paths[0]:
-                                                                   self.fs.cat_file(paths[0])}
-                self.fetch_calls += 1
-                for s, p in zip(batch, paths, strict=True):
-                    data = blobs.get(p)
-                    if data is None:
-                        data = blobs[self.fs._strip_protocol(p)]
-                    if isinstance(data, BaseException):
-                        raise data
-                    table = self.decode(data)
+                for s, data in zip(batch, self._fetch(batch), strict=True):
+                    table = self.decode(s, data)
                     self.fetched_files += 1
-                    self.fetched_bytes += len(data)
+                    self.fetched_bytes += len(data) if data is not None else self.shards[s].nbytes
                     with self._cond:
                         if self._closed:
                             return
@@ -147,6 +138,37 @@ class ReadAhead:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+
+
+    def _fetch(self, batch: list[int]) -> list[bytes | None]:
+        """The bytes of ``batch``: whole files in one multi-file read, row-group spans in one
+        multi-range read.
+
+        TODO(client): call the native Client's batched read (read_many) directly once
+        jpfs.client exists; until then fsspec's ``cat`` / ``cat_ranges`` are the batch reads,
+        and the JPFS fsspec class maps them onto it.
+        """
+        fetch = [s for s in batch if self.decode.wants_bytes(self.shards[s])]
+        whole = [s for s in fetch if self.shards[s].row_groups is None]
+        ranged = [s for s in fetch if self.shards[s].row_groups is not None]
+        got: dict[int, bytes | None] = {}
+        if whole:
+            paths = [self.shards[s].path for s in whole]
+            if len(paths) == 1:
+                got[whole[0]] = self.fs.cat_file(paths[0])
+            else:
+                blobs = self.fs.cat(paths, on_error="raise")
+                for s, p in zip(whole, paths, strict=True):
+                    data = blobs.get(p)
+                    got[s] = data if data is not None else blobs[self.fs._strip_protocol(p)]
+            self.fetch_calls += 1
+        if ranged:
+            sh = [self.shards[s] for s in ranged]
+            blobs = self.fs.cat_ranges([x.path for x in sh], [x.start for x in sh],
+                                       [x.stop for x in sh], on_error="raise")
+            got.update(zip(ranged, blobs, strict=True))
+            self.fetch_calls += 1
+        return [got.get(s) for s in batch]
 
 
 def mount_hint(root: str) -> Callable[[list[str]], None] | None:

@@ -1,7 +1,10 @@
 """What a ShardDataset reads: the shards of a LeRobot v3.0, LeRobot v2.1 or plain parquet dataset.
 
-A *shard* is one parquet data file: a v3.0 ``data/chunk-*/file-*.parquet`` (many episodes), a v2.1
-episode file, or any ``*.parquet`` under a root without ``meta/info.json``. The format is detected
+A *shard* is the unit of shard-order shuffling and of reading: a v2.1 episode file; in a v3.0
+``data/chunk-*/file-*.parquet`` (many episodes), each run of row groups that holds whole episodes
+(JPFS's converter writes one episode per row group, so v3.0 shuffles and reads episode by episode
+as v2.1 does; a file of one row group, as pandas writes them, is one shard); any ``*.parquet``
+under a root without ``meta/info.json``. The format is detected
 from ``meta/info.json``; LeRobot metadata comes from ``jpfs.lerobot.dataset`` (never re-parsed
 here). Shards are listed in canonical order (episode order for LeRobot), so canonical sample ids
 (see ``partition``) are the same for a v2.1 and a v3.0 copy of one dataset.
@@ -12,6 +15,7 @@ inside the shard: the bounds that ``delta_timestamps`` windows are clamped to.
 
 from __future__ import annotations
 
+import io
 import logging
 import posixpath
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +38,19 @@ _NON_TABULAR = {"video", "image", "string"}
 
 @dataclass(frozen=True)
 class Shard:
-    """One data file: ``path`` on the source's filesystem, its row count and size in bytes."""
+    """Rows of one data file: ``path`` on the source's filesystem, row count, bytes to read.
+
+    ``row_groups`` None means the whole file; otherwise those row groups, whose column chunks lie
+    in bytes ``[start, stop)`` of a file of ``file_bytes`` (one ranged read).
+    """
 
     path: str
     rows: int
     nbytes: int
+    row_groups: tuple[int, ...] | None = None
+    start: int = 0
+    stop: int = 0
+    file_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,7 @@ class Source:
     tasks: dict[int, str] = field(default_factory=dict)
     video_decodable: bool = False
     meta: Any = None
+    footers: dict[str, Any] = field(default_factory=dict)  # path -> pq.FileMetaData
 
     @property
     def sizes(self) -> np.ndarray:
@@ -116,11 +130,25 @@ def _open_lerobot(url: str, fs: fsspec.AbstractFileSystem, path: str,
     # Canonical order: by the first global index a file holds, i.e. episode order.
     files = sorted(by_file, key=lambda f: min(e.dataset_from for e in by_file[f]))
     sizes = _sizes(fs, _join(path, "data"))
-    shards = []
+    shards: list[Shard] = []
+    footers: dict[str, Any] = {}
     for rel in files:
         p = fs._strip_protocol(_join(path, rel))
-        rows = sum(e.length for e in by_file[rel])
-        shards.append(Shard(p, rows, sizes.get(p, 0)))
+        eps = by_file[rel]
+        rows = sum(e.length for e in eps)
+        if len(eps) == 1:  # v2.1, or a v3.0 file of one episode: read whole
+            shards.append(Shard(p, rows, sizes.get(p, 0)))
+            continue
+        with fs.open(p, "rb") as f:
+            md = pq.read_metadata(f)
+        if md.num_rows != rows:
+            raise ValueError(f"{p}: {md.num_rows} rows, its episodes say {rows}")
+        pieces = _episode_pieces(p, md, {e.row_start + e.length for e in eps}, sizes.get(p, 0))
+        if len(pieces) > 1:
+            footers[p] = md
+            shards.extend(pieces)
+        else:
+            shards.append(Shard(p, rows, sizes.get(p, 0)))
     tabular = [k for k, f in meta.features.items() if f.get("dtype") not in _NON_TABULAR]
     cols = _pick(tabular, columns)
     shapes = {k: _feature_shape(meta.features[k]) for k in tabular}
@@ -136,7 +164,39 @@ def _open_lerobot(url: str, fs: fsspec.AbstractFileSystem, path: str,
               meta.total_frames)
     return Source(fs=fs, root=path, format=meta.version, shards=tuple(shards), columns=cols,
                   fps=float(meta.fps), shapes=shapes, video_keys=tuple(meta.video_keys),
-                  videos=videos, tasks=dict(meta.tasks), video_decodable=decodable, meta=meta)
+                  videos=videos, tasks=dict(meta.tasks), video_decodable=decodable, meta=meta,
+                  footers=footers)
+
+
+def _episode_pieces(path: str, md: Any, episode_ends: set[int], file_bytes: int) -> list[Shard]:
+    """Runs of consecutive row groups that end where an episode ends (so hold whole episodes)."""
+    pieces = []
+    first = 0
+    row = 0
+    for rg in range(md.num_row_groups):
+        row += md.row_group(rg).num_rows
+        if row in episode_ends or rg == md.num_row_groups - 1:
+            groups = tuple(range(first, rg + 1))
+            start, stop = _byte_span(md, groups)
+            rows = sum(md.row_group(g).num_rows for g in groups)
+            pieces.append(Shard(path, rows, stop - start, groups, start, stop, file_bytes))
+            first = rg + 1
+    return pieces
+
+
+def _byte_span(md: Any, groups: tuple[int, ...]) -> tuple[int, int]:
+    """Bytes ``[start, stop)`` of the file holding every column chunk of ``groups``."""
+    lo, hi = None, 0
+    for g in groups:
+        rg = md.row_group(g)
+        for j in range(rg.num_columns):
+            c = rg.column(j)
+            start = c.data_page_offset
+            if c.has_dictionary_page and c.dictionary_page_offset:
+                start = min(start, c.dictionary_page_offset)
+            lo = start if lo is None else min(lo, start)
+            hi = max(hi, start + c.total_compressed_size)
+    return int(lo or 0), int(hi)
 
 
 def _open_plain(fs: fsspec.AbstractFileSystem, path: str,
@@ -196,15 +256,104 @@ def column_to_numpy(col: pa.ChunkedArray | pa.Array, shape: tuple[int, ...] | No
     return values.reshape(rows, -1) if rows else values.reshape(0, 0)
 
 
+class _Span(io.RawIOBase):
+    """A file of which only bytes ``[start, start + len(data))`` are at hand (a ranged read);
+    pyarrow, given the footer separately, reads nothing else."""
+
+    def __init__(self, size: int, start: int, data: bytes | memoryview):
+        super().__init__()
+        self.size = size
+        self.start = start
+        self.data = memoryview(data)
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.pos, self.size)[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        a = self.pos - self.start
+        if a < 0 or a > len(self.data):
+            raise OSError(f"read at {self.pos} outside the fetched range")
+        n = min(len(buf), len(self.data) - a)
+        buf[:n] = self.data[a:a + n]
+        self.pos += n
+        return n
+
+
+class ShardDecoder:
+    """Turns fetched shard bytes into ``ShardTable``s for one reader (thread) of a source.
+
+    Keeps one parquet reader per file split into row-group shards: building a reader from a
+    footer costs more than decoding a row group. On a local or mounted path such a file is
+    memory-mapped (read natively, in the read-ahead thread); elsewhere the reader reads the
+    fetched byte span, which is swapped in before each decode.
+    """
+
+    def __init__(self, source: Source, columns: tuple[str, ...], extra: tuple[str, ...] = ()):
+        self.source = source
+        self.columns = columns
+        self.extra = extra
+        self.local = isinstance(source.fs, LocalFileSystem)
+        self._readers: dict[str, tuple[Any, _Span | None]] = {}
+
+    def wants_bytes(self, shard: Shard) -> bool:
+        """False where the decoder reads the shard itself (row groups of a local file)."""
+        return shard.row_groups is None or not self.local
+
+    def __call__(self, index: int, data: bytes | memoryview | None) -> ShardTable:
+        shard = self.source.shards[index]
+        if shard.row_groups is None:
+            assert data is not None
+            return decode_table(pq.ParquetFile(pa.BufferReader(data)), None, self.columns,
+                                self.source.shapes, self.extra)
+        entry = self._readers.get(shard.path)
+        if entry is None:
+            footer = self.source.footers[shard.path]
+            if self.local:
+                entry = (pq.ParquetFile(pa.memory_map(shard.path), metadata=footer), None)
+            else:
+                span = _Span(max(shard.file_bytes, shard.stop), 0, b"")
+                entry = (pq.ParquetFile(pa.PythonFile(span, mode="r"), metadata=footer), span)
+            self._readers[shard.path] = entry
+        reader, span = entry
+        if span is not None:
+            assert data is not None
+            span.start, span.data = shard.start, memoryview(data)
+        return decode_table(reader, shard.row_groups, self.columns, self.source.shapes,
+                            self.extra)
+
+    def close(self) -> None:
+        self._readers.clear()
+
+
 def decode_shard(data: bytes | memoryview, columns: tuple[str, ...],
                  shapes: dict[str, tuple[int, ...]], extra: tuple[str, ...] = ()) -> ShardTable:
-    """Parse one shard's bytes: the wanted columns (and ``extra`` ones), and episode bounds."""
-    reader = pq.ParquetFile(pa.BufferReader(data))
+    """Parse the bytes of a whole parquet file (see ``ShardDecoder`` for row-group shards)."""
+    return decode_table(pq.ParquetFile(pa.BufferReader(data)), None, columns, shapes, extra)
+
+
+def decode_table(reader: Any, row_groups: tuple[int, ...] | None, columns: tuple[str, ...],
+                 shapes: dict[str, tuple[int, ...]], extra: tuple[str, ...] = ()) -> ShardTable:
+    """The wanted columns (and ``extra`` ones, where present) and each row's episode bounds."""
     names = set(reader.schema_arrow.names)
     want = list(dict.fromkeys([*columns, *(c for c in extra if c in names)]))
     if "episode_index" in names and "episode_index" not in want:
         want.append("episode_index")
-    table = reader.read(columns=want, use_threads=False)
+    if row_groups is not None:
+        table = reader.read_row_groups(list(row_groups), columns=want, use_threads=False)
+    else:
+        table = reader.read(columns=want, use_threads=False)
     cols = {c: column_to_numpy(table.column(c), shapes.get(c)) for c in want}
     n = table.num_rows
     episode = cols.get("episode_index")
