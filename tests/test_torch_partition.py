@@ -20,7 +20,7 @@ def all_slots(world: int, workers: int):
             yield P.Slot(r, world, w, workers)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(sizes=sizes_st, world=world_st, workers=workers_st, seed=st.integers(0, 2**31),
        epoch=st.integers(0, 50), buf=st.integers(1, 40), shuffle=st.booleans())
 def test_every_sample_exactly_once_across_the_world(sizes, world, workers, seed, epoch, buf,

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
+from jpfs.uri import is_jpfs, to_path, to_url
+
 from . import partition
 from .readahead import ReadAhead, mount_hint
 from .shards import ShardDecoder, ShardTable, Source, open_source
@@ -96,7 +98,7 @@ class ShardDataset(IterableDataset):
                  tolerance_s: float = 1e-4, with_task: bool = False, fps: float | None = None,
                  video_lookahead_bytes: int = 64 << 20, storage_options: dict | None = None):
         super().__init__()
-        self.root = str(root)
+        self.root = to_url(to_path(root)) if is_jpfs(root) else str(root)
         self.source: Source = open_source(self.root, columns=columns, fps=fps,
                                           storage_options=storage_options)
         if fps is not None and self.source.fps is None:
@@ -108,6 +110,15 @@ class ShardDataset(IterableDataset):
             log.warning("%s: videos are stand-ins (not decodable); yielding tabular features only",
                         self.root)
             self.video = False
+        if self.video:
+            try:
+                import av  # noqa: F401
+            except ImportError:
+                raise ImportError("decoding camera frames needs PyAV (pip install 'jpfs[video]'); "
+                                  "pass video=False for tabular features only") from None
+        if not self.video:  # camera windows of a policy config mean nothing without frames
+            self.deltas = {k: v for k, v in self.deltas.items()
+                           if k not in self.source.video_keys}
         known = set(self.source.columns) | (set(self.source.video_keys) if self.video else set())
         unknown = [k for k in self.deltas if k not in known]
         if unknown:
@@ -205,7 +216,7 @@ class ShardDataset(IterableDataset):
         return self._state(p["epoch"], p["num_workers"], {str(p["worker"]): p["consumed"]})
 
     def state_after(self, batches: int, batch_size: int | None = None, num_workers: int = 0,
-                    epoch: int | None = None) -> dict[str, Any]:
+                    epoch: int | None = None, drop_last: bool | None = None) -> dict[str, Any]:
         """The state of a plain ``DataLoader`` that has handed out ``batches`` batches.
 
         ``batches`` counts from the start of the epoch (across earlier resumes). Pure arithmetic:
@@ -213,14 +224,15 @@ class ShardDataset(IterableDataset):
         count is known. A resumed plain DataLoader starts its cycle at worker 0 again, so the state
         also records whose turn it was and the workers' roles rotate accordingly: the resumed
         batches are exactly the uninterrupted run's remaining batches, in the same order.
-        ``batch_size`` is the DataLoader's (or this dataset's own).
+        ``batch_size`` and ``drop_last`` are the DataLoader's (or this dataset's own).
         """
         bs = self.batch_size or batch_size
         if not bs:
             raise ValueError("batch_size is needed")
         nw = max(num_workers, 1)
         counts = partition.worker_counts(self.source.total, self.rank, self.world_size, nw)
-        done, turn = partition.loader_progress(counts, bs, batches, self.drop_last)
+        drop = self.drop_last if drop_last is None else bool(drop_last)
+        done, turn = partition.loader_progress(counts, bs, batches, drop)
         ep = self.epoch if epoch is None else int(epoch)
         state = self._state(ep, num_workers, {str(w): n for w, n in enumerate(done)})
         state["turn"] = turn
