@@ -92,7 +92,7 @@ class Client:
         """Open a JPFS file like ``open()`` (binary modes only). ``buffering=0`` gives the raw
         file; otherwise reads and writes go through an ``io`` buffer of ``buffering`` bytes
         (default 1 MiB)."""
-        from .files import RawFile
+        from .files import BufferedRandom, BufferedWriter, RawFile
 
         afile = self._call("open", path, mode, **options)
         raw = RawFile(afile, lambda fn, *a: trio.from_thread.run(fn, *a, trio_token=self._token))
@@ -100,8 +100,8 @@ class Client:
             return raw
         size = buffering if buffering > 1 else 1 << 20
         if raw.readable() and raw.writable():
-            return io.BufferedRandom(raw, size)
-        return io.BufferedReader(raw, size) if raw.readable() else io.BufferedWriter(raw, size)
+            return BufferedRandom(raw, size)
+        return io.BufferedReader(raw, size) if raw.readable() else BufferedWriter(raw, size)
 
     def walk(self, top: str = "/") -> Iterator[tuple[str, list[str], list[str]]]:
         """Like ``os.walk``: top-down, one scandir per directory."""

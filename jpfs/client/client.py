@@ -453,14 +453,26 @@ class AsyncClient:
         return await data.read_layouts(layouts)
 
     async def write_bytes(self, path: str, content, *, perm: int = 0o666) -> Attr:
-        """Make ``content`` the whole content of ``path`` (created if missing)."""
+        """Make ``content`` the whole content of ``path`` (created if missing). Atomic for
+        readers: they see the old content or the new, never an empty or partial file."""
         data = self._data()
         parent, name, p = await self._parent(path)
         try:
-            attr, _ = await self.meta.create(parent, name, _stat.S_IFREG | (perm & ~self.umask),
-                                             exclusive=False)
+            try:
+                attr = await self.meta.lookup(parent, name)
+            except FileNotFoundError:
+                # new file: bytes first, then the entry with its content in one transaction
+                (made,) = await self.meta.bulk_create(parent, [await data.new_entry(
+                    name, parent, content, _stat.S_IFREG | (perm & ~self.umask))])
+                if not isinstance(made, OSError):
+                    return made
+                if made.errno != errno.EEXIST:
+                    raise made from None
+                attr = await self.meta.lookup(parent, name)
             if attr.is_link:
                 attr = await self.stat(p)
+            if attr.is_dir:
+                raise error(errno.EISDIR, "is a directory", p)
             return await data.write_whole(attr, parent, content)
         except JPFSError as e:
             raise error(e.errno, e.strerror, p) from None

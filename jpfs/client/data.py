@@ -10,6 +10,7 @@ file that points at missing bytes.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 
 from ..config import Cluster
@@ -82,6 +83,18 @@ class DataPath:
         return [Chunk(i, bid, nodes, len(data), len(data), xxh)
                 for (i, data), (bid, _, _), (nodes, xxh) in zip(pieces, items, stored,
                                                                   strict=True)]
+
+    async def new_entry(self, name: bytes, parent: int, data, mode: int) -> list:
+        """A ``bulk_create`` entry for a new file holding ``data`` (its blobs stored first).
+        Chunks of a large file stripe from a random start, as its inode is not known yet."""
+        view = memoryview(data).cast("B")
+        cs = self.chunk_size
+        total = n_chunks(len(view), cs)
+        key = int.from_bytes(os.urandom(8), "little")
+        chunks = await self.store(key, parent, [(i, view[i * cs:(i + 1) * cs])
+                                                for i in range(total)], total)
+        return [name, mode & 0o7777, os.getuid(), os.getgid(), len(view), time.time_ns(),
+                [c.to_wire() for c in chunks]]
 
     async def write_whole(self, attr: Attr, parent: int, data) -> Attr:
         """Make ``data`` the whole content of regular file ``attr.ino``."""

@@ -26,7 +26,7 @@ FLUSH_BYTES = 64 << 20
 def parse_mode(mode: str) -> tuple[bool, bool, str]:
     """(readable, writable, 'r'|'w'|'a'|'x') for a binary open mode; ValueError otherwise."""
     letters = set(mode)
-    if "t" in letters or not letters <= set("rwaxb+") or len(mode) != len(letters):
+    if "b" not in letters or not letters <= set("rwaxb+") or len(mode) != len(letters):
         raise ValueError(f"invalid mode {mode!r}: JPFS files are binary (wrap them in "
                          "io.TextIOWrapper for text)")
     kinds = letters & set("rwax")
@@ -264,3 +264,19 @@ class RawFile(io.RawIOBase):
     @property
     def size(self) -> int:
         return self._f.size
+
+
+class BufferedWriter(io.BufferedWriter):
+    """``flush()`` commits: buffered bytes go to the file *and* to JPFS (visible to others)."""
+
+    def flush(self) -> None:
+        super().flush()
+        self.raw.flush()
+
+
+class BufferedRandom(io.BufferedRandom):
+    """``flush()`` commits: buffered bytes go to the file *and* to JPFS (visible to others)."""
+
+    def flush(self) -> None:
+        super().flush()
+        self.raw.flush()

@@ -140,7 +140,9 @@ async def import_tree(client: AsyncClient, src: str | os.PathLike, dst: str, *,
             parent = (await client.stat(dpath)).ino
             batch: list[tuple[str, os.stat_result, str]] = []
             size = 0
-            for name in sorted(names):
+            # os.walk lists symlinks to directories with the directories (and does not enter)
+            links = [n for n in dirs if os.path.islink(os.path.join(root, n))]
+            for name in sorted(names + links):
                 path = os.path.join(root, name)
                 try:
                     st = os.lstat(path)
