@@ -25,6 +25,8 @@ Reported: samples/s and MB/s (bytes of the tensors delivered), for
   naive      the map dataset over v2.1 (one file per episode)
   drop-in    ShardDataset yielding samples, batched by the DataLoader's default collate
   batched    ShardDataset yielding whole batches (columns gathered straight into buffers)
+  ring       the batched ShardDataset through jpfs.torch.to_device in the training process
+             (the pinned-ring pipeline: one reader thread, no DataLoader workers)
 over v2.1 and over v3.0 copies of one generated dataset, and the ratios. Each figure is the median
 of --repeat runs of --seconds each, epoch after epoch (persistent workers; only the very first
 batch, worker start-up, is not timed).
@@ -38,8 +40,9 @@ examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=None,
-                        help="work folder for the generated v2.1 and v3.0 copies (local or "
-                             "jpfs:/path; default: a temporary folder, removed afterwards)")
+                        help="work folder for the v2.1 and v3.0 copies (local or jpfs:/path): "
+                             "generated if absent, reused if there (default: a temporary "
+                             "folder, removed afterwards)")
     parser.add_argument("--episodes", type=int, default=200, help="episodes (default 200)")
     parser.add_argument("--frames-per-episode", default="100-300", metavar="A-B",
                         help="frames per episode range (default 100-300)")
@@ -150,6 +153,35 @@ def measure(loader: Any, seconds: float) -> dict[str, float]:
     return {"samples_s": samples / dt, "mb_s": nbytes / dt / 1e6, "samples": samples}
 
 
+def _exists(path: str) -> bool:
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path)
+    return fs.exists(p)
+
+
+def _describe(root: str) -> dict[str, Any]:
+    """The generator's figures for a dataset already there (--dir reused)."""
+    from jpfs.lerobot.dataset import load_meta
+
+    meta = load_meta(root)
+    return {"episodes": len(meta.episodes), "frames": meta.total_frames,
+            "data_files": len(meta.data_files)}
+
+
+class _InProcess:
+    """``to_device(ds, "cpu")``: the in-process pinned-ring pipeline (a reader thread, no
+    workers), iterated like a DataLoader."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __iter__(self) -> Any:
+        from jpfs.torch import to_device
+
+        return to_device(self.dataset, "cpu")
+
+
 def _median(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
@@ -175,6 +207,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gen = {}
         for fmt, root in roots.items():
             t0 = time.perf_counter()
+            if _exists(f"{root}/meta/info.json"):
+                gen[fmt] = _describe(root)
+                print(f"reusing {root} ({gen[fmt]['frames']} frames)")
+                continue
             gen[fmt] = generate(root, episodes=args.episodes, cameras=1 if args.video else 0,
                                 frames_per_episode=frames, video="encoded" if args.video else
                                 "stub", format=fmt, seed=args.seed, progress=False)
@@ -203,9 +239,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               seed=args.seed, batch_size=args.batch_size)
             return DataLoader(ds, batch_size=None, **dl_kw)
 
+        def ring(fmt: str) -> Any:
+            ds = ShardDataset(roots[fmt], delta_timestamps=deltas, video=args.video,
+                              seed=args.seed, batch_size=args.batch_size)
+            return _InProcess(ds)
+
         cases = {"naive v2.1": naive,
                  "drop-in v2.1": lambda: dropin("v2.1"), "drop-in v3.0": lambda: dropin("v3.0"),
-                 "batched v2.1": lambda: batched("v2.1"), "batched v3.0": lambda: batched("v3.0")}
+                 "batched v2.1": lambda: batched("v2.1"), "batched v3.0": lambda: batched("v3.0"),
+                 "ring v2.1": lambda: ring("v2.1"), "ring v3.0": lambda: ring("v3.0")}
         runs: dict[str, list[dict[str, float]]] = {k: [] for k in cases}
         for _ in range(max(args.repeat, 1)):
             for name, make in cases.items():  # interleaved: drift hits every case alike
@@ -238,9 +280,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ) if naive_s else None
     fig["ratio_v30_vs_v21_batched"] = round(
         res["batched v3.0"]["samples_s"] / res["batched v2.1"]["samples_s"], 3)
+    fig["ratio_ring_vs_naive"] = round(
+        max(res["ring v3.0"]["samples_s"], res["ring v2.1"]["samples_s"]) / naive_s, 2
+    ) if naive_s else None
     fig["ratio_v30_vs_v21_dropin"] = round(
         res["drop-in v3.0"]["samples_s"] / res["drop-in v2.1"]["samples_s"], 3)
-    print(f"ShardDataset vs naive: {fig['ratio_batched_vs_naive']}x batched, "
-          f"{fig['ratio_dropin_vs_naive']}x drop-in (target 10x); v3.0/v2.1: "
+    print(f"ShardDataset vs naive, {args.workers} workers each: "
+          f"{fig['ratio_batched_vs_naive']}x batched, {fig['ratio_dropin_vs_naive']}x drop-in "
+          f"(target 10x); in-process ring: {fig['ratio_ring_vs_naive']}x; v3.0/v2.1: "
           f"{fig['ratio_v30_vs_v21_batched']} batched, {fig['ratio_v30_vs_v21_dropin']} drop-in")
     return fig

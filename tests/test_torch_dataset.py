@@ -306,6 +306,19 @@ def test_resume_after_k_batches_plain_dataloader(lerobot, workers):
         assert rest == full[k:]
 
 
+def test_resume_batched_dataset_with_workers(lerobot):
+    # Worker-side batches (DataLoader batch_size=None), a partial last batch per worker.
+    def make():
+        return ShardDataset(lerobot["v2.1"], video=False, seed=4, batch_size=7, shuffle_buffer=9)
+
+    full = [b["index"].tolist() for b in DataLoader(make(), batch_size=None, num_workers=3)]
+    for k in (2, len(full) - 2):
+        ds = make()
+        ds.load_state_dict(make().state_after(k, num_workers=3))
+        assert [b["index"].tolist() for b in DataLoader(ds, batch_size=None,
+                                                        num_workers=3)] == full[k:]
+
+
 def test_resume_from_state_dict_in_process(lerobot):
     ds = ShardDataset(lerobot["v2.1"], video=False, seed=8, batch_size=5)
     full = [b["index"].tolist() for b in ds]
