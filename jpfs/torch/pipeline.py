@@ -122,11 +122,15 @@ def ring_batches(produce: Callable[[Alloc], Iterable[Batch]], capacity: int, dep
     def run() -> None:
         local.slots = []
         try:
-            for batch in produce(alloc):
-                slots, local.slots = local.slots, []
-                ready.put((batch, slots))
-                if stop.is_set():
-                    return
+            batches = iter(produce(alloc))
+            try:
+                for batch in batches:
+                    slots, local.slots = local.slots, []
+                    ready.put((batch, slots))
+                    if stop.is_set():
+                        return
+            finally:
+                getattr(batches, "close", _noop)()  # unwinds the producer (read-ahead, files)
             ready.put(_DONE)
         except Stopped:
             pass
