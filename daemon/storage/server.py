@@ -16,7 +16,8 @@ RPC layer ``os.sendfile`` them. Because ``sendfile`` on the trio thread would bl
 server on a page that is not cached, each segment is first probed with ``preadv(RWF_NOWAIT)``; if
 any probe misses, a worker thread pulls the segments into the page cache (``posix_fadvise``
 WILLNEED for all of them, so the disk works on them in parallel, then ``sendfile`` to /dev/null,
-no copy to user space) before the answer is sent. Measured here (bench/storage_micro.py --cold):
+no copy to user space) before the answer is sent. Measured on the project VM (bench/storage_micro.py
+--cold):
 cold-read throughput is the same either way, but a cached read issued meanwhile waited a median
 35-40 ms behind the stalled event loop without the warm-up and 3-8 ms with it.
 (``--cold-reads direct`` turns the warm-up off, to measure.)
@@ -32,6 +33,7 @@ import errno
 import functools
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -105,27 +107,42 @@ class _Writer:
                 self.commits += 1
             except Exception as e:
                 log.exception("group commit of %d operations failed", len(batch))
-                err = error(getattr(e, "errno", None) or errno.EIO,
-                            f"storage commit failed: {getattr(e, 'strerror', None) or e}")
-                results = [err] * len(batch)
+                err = getattr(e, "errno", None) or errno.EIO
+                why = f"storage commit failed: {getattr(e, 'strerror', None) or e}"
+                results = [error(err, why) for _ in batch]
             for q, r in zip(batch, results, strict=True):
                 q.result = r
                 q.done.set()
 
 
 class _Files:
-    """Read-only descriptors of volumes, pinned while an answer that uses them is sent."""
+    """Read-only descriptors of volumes, pinned while an answer that uses them is sent.
 
-    def __init__(self, store: Store):
+    At most ``keep`` unpinned descriptors stay open (least recently used go first), so a node
+    with thousands of volumes does not run out of file descriptors.
+    """
+
+    def __init__(self, store: Store, keep: int = 256):
         self.store = store
-        self._fds: dict[int, list] = {}  # vol -> [fd, pins, retired]
+        self.keep = keep
+        self._fds: OrderedDict[int, list] = OrderedDict()  # vol -> [fd, pins, retired]
 
     def pin(self, vol: int) -> int:
         slot = self._fds.get(vol)
         if slot is None:
-            slot = self._fds[vol] = [os.open(self.store.vol_path(vol), os.O_RDONLY), 0, False]
-        slot[1] += 1
+            slot = self._fds[vol] = [os.open(self.store.vol_path(vol), os.O_RDONLY), 1, False]
+            if len(self._fds) > self.keep:
+                self._trim()
+        else:
+            self._fds.move_to_end(vol)
+            slot[1] += 1
         return slot[0]
+
+    def _trim(self) -> None:
+        for vol in [v for v, slot in self._fds.items() if not slot[1]]:
+            if len(self._fds) <= self.keep:
+                break
+            os.close(self._fds.pop(vol)[0])
 
     def unpin(self, vols: Sequence[int]) -> None:
         for vol in vols:
@@ -299,6 +316,8 @@ class StorageServer:
             return summary
         for v in candidates:  # appends must stop before we take a volume's snapshot
             await self.writer.submit(SealOp(v))
+        recs = await trio.to_thread.run_sync(store.volume_records)  # as sealed
+        candidates = [v for v in candidates if v in recs]
         # Pack the survivors of several old volumes into one new volume, up to the volume size.
         groups: list[list[int]] = []
         size = 0
