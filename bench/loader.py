@@ -67,10 +67,10 @@ def naive_dataset(root: str, delta_timestamps: dict[str, list[float]], video: bo
 
     import fsspec
     import numpy as np
-    import pyarrow.parquet as pq
     import torch
 
     from jpfs.lerobot.dataset import load_meta
+    from jpfs.lerobot.fsutil import read_table
 
     class NaiveEpisodeDataset(torch.utils.data.Dataset):
         def __init__(self) -> None:
@@ -86,8 +86,7 @@ def naive_dataset(root: str, delta_timestamps: dict[str, list[float]], video: bo
 
         def __getitem__(self, i: int) -> dict[str, Any]:
             ep = self.meta.episodes[bisect.bisect_right(self.starts, i) - 1]
-            with self.fs.open(f"{self.base}/{ep.data_file}", "rb") as f:
-                table = pq.read_table(f)
+            table = read_table(self.fs, f"{self.base}/{ep.data_file}")
             rows = table.slice(ep.row_start, ep.length).to_pydict()
             r = i - ep.dataset_from
             item: dict[str, Any] = {}

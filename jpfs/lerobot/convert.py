@@ -45,6 +45,7 @@ from .fsutil import (
     local_output,
     read_json,
     read_jsonl,
+    read_table,
     replace,
     write_json,
 )
@@ -281,8 +282,7 @@ def _concat_parquet(fs: Any, inputs: list[str], lengths: list[int], output: str,
     try:
         for path, want in zip(inputs, lengths, strict=True):
             try:
-                with fs.open(path, "rb") as f:
-                    table = pq.read_table(f)
+                table = read_table(fs, path)
             except FileNotFoundError:
                 raise DatasetError(path, "missing") from None
             except (OSError, ValueError) as e:

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
-import pyarrow.parquet as pq
 
 from . import layout
-from .fsutil import DatasetError, get_fs, join, read_json, read_jsonl
+from .fsutil import DatasetError, get_fs, join, read_json, read_jsonl, read_table
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +233,7 @@ def _load_v30(fs: Any, base: str, info: dict, video_keys: tuple[str, ...]
 
 def _read_parquet(fs: Any, path: str, columns: list[str] | None = None) -> Any:
     try:
-        with fs.open(path, "rb") as f:
-            return pq.read_table(f, columns=columns)
+        return read_table(fs, path, columns)
     except FileNotFoundError:
         raise DatasetError(path, "missing") from None
     except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid is a ValueError

@@ -79,6 +79,21 @@ def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
         raise DatasetError(path, "missing") from None
 
 
+def read_table(fs: fsspec.AbstractFileSystem, path: str, columns: list[str] | None = None):
+    """A whole parquet file as a pyarrow Table.
+
+    Local files are read natively; others are fetched whole and parsed from memory. Never hand
+    pyarrow a Python file object here: its dataset reader may release that object on one of its
+    own threads while the interpreter exits, which aborts the process (std::terminate).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if is_local(fs):
+        return pq.read_table(path, columns=columns)
+    return pq.read_table(pa.BufferReader(fs.cat_file(path)), columns=columns)
+
+
 def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:
     """A JSON document; missing or malformed files raise DatasetError naming the file."""
     data = read_bytes(fs, path)

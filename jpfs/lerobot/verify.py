@@ -14,12 +14,11 @@ from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
 
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from . import video
 from .dataset import DatasetMeta, EpisodeInfo, load_meta
-from .fsutil import DatasetError, get_fs, join
+from .fsutil import DatasetError, get_fs, join, read_table
 from .workers import default_workers, worker_pool
 
 log = logging.getLogger(__name__)
@@ -133,16 +132,14 @@ def _check_data(old: DatasetMeta, new: DatasetMeta, rel: str) -> tuple[int, list
     sfs, sbase = get_fs(old.root)
     dfs, dbase = get_fs(new.root)
     path = join(dbase, rel)
-    with dfs.open(path, "rb") as f:
-        table = pq.read_table(f).replace_schema_metadata(None)
+    table = read_table(dfs, path).replace_schema_metadata(None)
     eps = [ep for ep in new.episodes if ep.data_file == rel]
     problems = []
     frames = 0
     covered = 0
     for ep in eps:
         src_ep = old.episode(ep.index)
-        with sfs.open(join(sbase, src_ep.data_file), "rb") as f:
-            want = pq.read_table(f).replace_schema_metadata(None)
+        want = read_table(sfs, join(sbase, src_ep.data_file)).replace_schema_metadata(None)
         got = table.slice(ep.row_start, ep.length)
         covered += ep.length
         if got.schema != want.schema:
