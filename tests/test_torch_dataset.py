@@ -306,6 +306,25 @@ def test_resume_after_k_batches_plain_dataloader(lerobot, workers):
         assert rest == full[k:]
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_resume_applies_to_one_epoch_only(lerobot, persistent):
+    def make():
+        return ShardDataset(lerobot["v2.1"], video=False, seed=2, shuffle_buffer=10)
+
+    ref = make()
+    ref.set_epoch(3)
+    want3 = [b["index"].tolist() for b in DataLoader(ref, batch_size=4, num_workers=2)]
+    ref.set_epoch(4)
+    want4 = [b["index"].tolist() for b in DataLoader(ref, batch_size=4, num_workers=2)]
+    ds = make()
+    ds.load_state_dict(ref.state_after(5, batch_size=4, num_workers=2, epoch=3))
+    loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=persistent)
+    assert ds.epoch == 3
+    assert [b["index"].tolist() for b in loader] == want3[5:]
+    ds.set_epoch(4)
+    assert [b["index"].tolist() for b in loader] == want4  # the next epoch starts afresh
+
+
 def test_resume_batched_dataset_with_workers(lerobot):
     # Worker-side batches (DataLoader batch_size=None), a partial last batch per worker.
     def make():

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 STATE_KEY = "jpfs.ShardDataset"
 STATE_VERSION = 1
 _CHUNK = 512  # samples assembled at a time in per-sample mode
+_MAX_WORKERS = 1024
 
 Alloc = Callable[[Mapping[str, tuple[tuple[int, ...], torch.dtype]], int], dict[str, torch.Tensor]]
 
@@ -145,6 +146,9 @@ class ShardDataset(IterableDataset):
         # Shared memory, so set_epoch() reaches persistent DataLoader workers too.
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._pending: dict | None = None
+        # Which DataLoader workers already applied a state loaded in the main process: every
+        # epoch's workers start from the main process's copy, which still holds that state.
+        self._applied = torch.zeros(_MAX_WORKERS, dtype=torch.uint8).share_memory_()
         self._progress: dict[str, int] | None = None
         self.stats: dict[str, int] = {}
         # Resolve now: DataLoader workers are new processes where torch.distributed is not set up.
@@ -247,10 +251,12 @@ class ShardDataset(IterableDataset):
                           ("world_size", self.world_size), ("total", self.source.total)):
             if state[key] != mine:
                 raise ValueError(f"state was saved with {key}={state[key]!r}, dataset has {mine!r}")
+        in_worker = get_worker_info() is not None
         self._pending = {"epoch": int(state["epoch"]), "num_workers": int(state["num_workers"]),
                          "consumed": {str(k): int(v) for k, v in state["consumed"].items()},
-                         "turn": int(state.get("turn", 0))}
-        if get_worker_info() is None:
+                         "turn": int(state.get("turn", 0)), "once_per_worker": not in_worker}
+        if not in_worker:
+            self._applied.zero_()
             self.set_epoch(int(state["epoch"]))
 
     def _resume(self, workers: int) -> tuple[partition.Slot, int, int]:
@@ -259,6 +265,13 @@ class ShardDataset(IterableDataset):
         slot = self._slot()
         pending, self._pending = self._pending, None
         epoch = self.epoch
+        info = get_worker_info()
+        if pending is not None and pending["once_per_worker"] and info is not None:
+            # Loaded in the main process, applied in workers: the first iteration's workers only.
+            self._pending = pending  # the main process's copy keeps it; so does ours
+            if info.id >= _MAX_WORKERS or self._applied[info.id]:
+                return slot, epoch, 0
+            self._applied[info.id] = 1
         if pending is None:
             return slot, epoch, 0
         if pending["consumed"] and max(pending["num_workers"], 1) != max(workers, 1):
@@ -394,7 +407,7 @@ class _Assembler:
         uniq, first = np.unique(self.shard, return_index=True)
         self.schedule = uniq[np.argsort(first, kind="stable")].tolist()
         last = np.full(len(src.shards), -1, dtype=np.int64)
-        last[self.shard] = np.arange(self.n)  # later positions overwrite earlier ones
+        np.maximum.at(last, self.shard, np.arange(self.n, dtype=np.int64))
         self.last = last
         self.extra = ("timestamp",) if ds.video else ()
         self.columns = tuple(dict.fromkeys(src.columns))
