@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,8 +42,29 @@ class Daemon:
         return f"{self.role}-{self.index}"
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A free port *below* the ephemeral range: a port the kernel hands out for outgoing
+    connections could be taken by one while its daemon is down, and a restart would then fail
+    to bind its own address."""
+    low = max(1025, _ephemeral_low() - 12000)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, _ephemeral_low())
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    with socket.socket() as s:  # crowded machine: let the kernel choose
         s.bind((host, 0))
         return s.getsockname()[1]
 
