@@ -235,6 +235,14 @@ def test_video_frames_match_a_full_decode(lerobot):
         assert s[CAM].shape == want.shape and s[CAM].dtype == torch.float32
         torch.testing.assert_close(s[CAM], want, atol=1e-6, rtol=0)
         np.testing.assert_array_equal(s[f"{CAM}_is_pad"].numpy(), r[f"{CAM}_is_pad"])
+    # uint8 frames: the same pixels, without the conversion.
+    raw = ShardDataset(root, delta_timestamps={CAM: VIDEO_DELTAS[CAM]}, seed=4,
+                       shuffle_buffer=40, video_dtype="uint8", columns=["index"])
+    samples = collect(DataLoader(ShardDataset(root, delta_timestamps=VIDEO_DELTAS, seed=4,
+                                              shuffle_buffer=40), batch_size=6))
+    for s, u in zip(samples, raw, strict=True):
+        assert set(u) == {"index", CAM, f"{CAM}_is_pad"} and u[CAM].dtype == torch.uint8
+        assert torch.equal(u[CAM], (s[CAM] * 255).round().to(torch.uint8))
 
 
 def _same(a: dict, b: dict) -> None:
