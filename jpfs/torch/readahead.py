@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fsspec.spec import AbstractFileSystem
+
 from .shards import Shard, ShardDecoder, ShardTable
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class ReadAhead:
         self._held: dict[int, int] = {}  # shard -> bytes counted against the budget
         self._wanted: int | None = None
         self._released: set[int] = set()
+        self._handles: dict[str, Any] = {}  # open files for ranged reads (reader thread only)
         self._error: BaseException | None = None
         self._closed = False
         self.fetched_files = 0
@@ -85,6 +88,9 @@ class ReadAhead:
             self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self.decode.close()
+            for f in self._handles.values():
+                f.close()
+            self._handles.clear()
 
     # background side -----------------------------------------------------------------------
 
@@ -164,11 +170,23 @@ class ReadAhead:
             self.fetch_calls += 1
         if ranged:
             sh = [self.shards[s] for s in ranged]
-            blobs = self.fs.cat_ranges([x.path for x in sh], [x.start for x in sh],
-                                       [x.stop for x in sh], on_error="raise")
+            if type(self.fs).cat_ranges is not AbstractFileSystem.cat_ranges:
+                blobs = self.fs.cat_ranges([x.path for x in sh], [x.start for x in sh],
+                                           [x.stop for x in sh], on_error="raise")
+            else:  # fsspec's default opens the file per range: keep handles open instead
+                blobs = [self._read_range(x.path, x.start, x.stop) for x in sh]
             got.update(zip(ranged, blobs, strict=True))
             self.fetch_calls += 1
         return [got.get(s) for s in batch]
+
+    def _read_range(self, path: str, start: int, stop: int) -> bytes:
+        f = self._handles.get(path)
+        if f is None:
+            while len(self._handles) >= 16:
+                self._handles.pop(next(iter(self._handles))).close()
+            f = self._handles[path] = self.fs.open(path, "rb", block_size=0, cache_type="none")
+        f.seek(start)
+        return f.read(stop - start)
 
 
 def mount_hint(root: str) -> Callable[[list[str]], None] | None:
