@@ -24,6 +24,7 @@ features and the same delta_timestamps action chunk.
 Reported: samples/s and MB/s (bytes of the tensors delivered), for
   naive      the map dataset over v2.1 (one file per episode)
   drop-in    ShardDataset yielding samples, batched by the DataLoader's default collate
+  collate    drop-in, with collate_fn=jpfs.torch.collate (one shared buffer per batch)
   batched    ShardDataset yielding whole batches (columns gathered straight into buffers)
   ring       the batched ShardDataset through jpfs.torch.to_device in the training process
              (the pinned-ring pipeline: one reader thread, no DataLoader workers)
@@ -233,6 +234,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               seed=args.seed)
             return DataLoader(ds, batch_size=args.batch_size, **dl_kw)
 
+        def packed(fmt: str) -> Any:
+            from jpfs.torch import collate
+
+            ds = ShardDataset(roots[fmt], delta_timestamps=deltas, video=args.video,
+                              seed=args.seed)
+            return DataLoader(ds, batch_size=args.batch_size, collate_fn=collate, **dl_kw)
+
         def batched(fmt: str) -> Any:
             ds = ShardDataset(roots[fmt], delta_timestamps=deltas, video=args.video,
                               seed=args.seed, batch_size=args.batch_size)
@@ -245,6 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         cases = {"naive v2.1": naive,
                  "drop-in v2.1": lambda: dropin("v2.1"), "drop-in v3.0": lambda: dropin("v3.0"),
+                 "collate v3.0": lambda: packed("v3.0"),
                  "batched v2.1": lambda: batched("v2.1"), "batched v3.0": lambda: batched("v3.0"),
                  "ring v2.1": lambda: ring("v2.1"), "ring v3.0": lambda: ring("v3.0")}
         runs: dict[str, list[dict[str, float]]] = {k: [] for k in cases}

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from jpfs.torch import ShardDataset, to_device
+from jpfs.torch import ShardDataset, collate, to_device
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
@@ -394,6 +394,19 @@ def test_state_mismatch_is_refused(lerobot):
     other.load_state_dict(state)
     with pytest.raises(ValueError):  # saved with 2 workers, read with 3
         list(DataLoader(other, batch_size=4, num_workers=0))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_packed_collate_equals_default_collate(lerobot, workers):
+    kw = dict(delta_timestamps=VIDEO_DELTAS, seed=13, shuffle_buffer=30, with_task=True)
+    want = list(DataLoader(ShardDataset(lerobot["v2.1"], **kw), batch_size=8,
+                           num_workers=workers))
+    got = list(DataLoader(ShardDataset(lerobot["v2.1"], **kw), batch_size=8,
+                          num_workers=workers, collate_fn=collate))
+    assert len(want) == len(got)
+    for a, b in zip(want, got, strict=True):
+        _same(a, b)
+        assert isinstance(b["task"], list) and isinstance(b["task"][0], str)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

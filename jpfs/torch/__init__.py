@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from .dataset import ShardDataset, delta_indices
 from .partition import Slot, loader_progress, worker_ids
-from .pipeline import PinnedRing, to_device
+from .pipeline import PinnedRing, collate, to_device
 
 __all__ = [
     "PinnedRing",
     "ShardDataset",
     "Slot",
+    "collate",
     "delta_indices",
     "loader_progress",
     "to_device",

@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from jpfs.uri import is_jpfs, to_path, to_url
 
 from . import partition
+from .pipeline import plain_alloc, shared_alloc
 from .readahead import ReadAhead, mount_hint
 from .shards import ShardDecoder, ShardTable, Source, open_source
 
@@ -290,7 +291,7 @@ class ShardDataset(IterableDataset):
         info = get_worker_info()
         plan = self._plan(info.num_workers if info is not None else 0)
         if self.batch_size:
-            return self._batches(plan, _shared_alloc if info is not None else _plain_alloc)
+            return self._batches(plan, shared_alloc if info is not None else plain_alloc)
         return self._samples(plan)
 
     def produce_batches(self, alloc: Alloc) -> Iterator[dict[str, torch.Tensor]]:
@@ -313,7 +314,7 @@ class ShardDataset(IterableDataset):
         progress = plan.progress
         with _Assembler(self, plan) as asm:
             for start, stop in asm.chunks(_CHUNK):
-                chunk = asm.assemble(start, stop, _plain_alloc)
+                chunk = asm.assemble(start, stop, plain_alloc)
                 keys = list(chunk)
                 tasks = None
                 if self.with_task and "task_index" in chunk:
@@ -347,35 +348,6 @@ class _Plan:
 
 def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _plain_alloc(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                 n: int) -> dict[str, torch.Tensor]:
-    return {k: torch.empty((n, *shape), dtype=dt) for k, (shape, dt) in spec.items()}
-
-
-_ALIGN = 64
-
-
-def _shared_alloc(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                  n: int) -> dict[str, torch.Tensor]:
-    """In a DataLoader worker: one shared-memory block per batch, carved into the tensors.
-
-    Sending the batch to the main process then passes one handle, not a copy (default collate
-    allocates one shared block per key; this is one per batch).
-    """
-    sizes = {}
-    total = 0
-    for k, (shape, dt) in spec.items():
-        nbytes = int(np.prod((n, *shape), dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
-        sizes[k] = (total, nbytes)
-        total += -(-nbytes // _ALIGN) * _ALIGN
-    block = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()
-    out = {}
-    for k, (shape, dt) in spec.items():
-        off, nbytes = sizes[k]
-        out[k] = block[off:off + nbytes].view(dt).view((n, *shape))
-    return out
 
 
 class _Arena:

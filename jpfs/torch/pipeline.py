@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -87,6 +88,57 @@ class PinnedRing:
 
     def free_count(self) -> int:
         return self._free.qsize()
+
+
+def plain_alloc(spec: Spec, n: int) -> dict[str, torch.Tensor]:
+    """Fresh host buffers for a batch of ``n``."""
+    return {k: torch.empty((n, *shape), dtype=dt) for k, (shape, dt) in spec.items()}
+
+
+_ALIGN = 64
+
+
+def shared_alloc(spec: Spec, n: int) -> dict[str, torch.Tensor]:
+    """In a DataLoader worker: one shared-memory block per batch, carved into the tensors.
+
+    Sending the batch to the main process then passes one handle, where default collate
+    allocates (and the main process maps) one shared block per key.
+    """
+    place = {}
+    total = 0
+    for k, (shape, dt) in spec.items():
+        nbytes = math.prod((n, *shape)) * torch.empty(0, dtype=dt).element_size()
+        place[k] = (total, nbytes)
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    block = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()
+    out = {}
+    for k, (shape, dt) in spec.items():
+        off, nbytes = place[k]
+        out[k] = block[off:off + nbytes].view(dt).view((n, *shape))
+    return out
+
+
+def collate(samples: list[Mapping[str, Any]]) -> Batch:
+    """``default_collate`` for dict samples, with every tensor of the batch in one buffer.
+
+    Pass it as the DataLoader's ``collate_fn`` with a per-sample ShardDataset: in workers the
+    batch is one shared-memory block (one handle to send instead of one per key), about twice
+    the drop-in throughput on small samples. Values that are not tensors (``task`` strings) go
+    through ``default_collate``.
+    """
+    from torch.utils.data import default_collate, get_worker_info
+
+    first = samples[0]
+    keys = [k for k, v in first.items() if isinstance(v, torch.Tensor)]
+    spec = {k: (tuple(first[k].shape), first[k].dtype) for k in keys}
+    alloc = shared_alloc if get_worker_info() is not None else plain_alloc
+    out: Batch = dict(alloc(spec, len(samples)))
+    for k in keys:
+        torch.stack([s[k] for s in samples], out=out[k])
+    for k in first:
+        if k not in out:
+            out[k] = default_collate([s[k] for s in samples])
+    return {k: out[k] for k in first}
 
 
 class Stopped(Exception):
