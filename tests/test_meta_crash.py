@@ -152,7 +152,7 @@ def test_random_kills_during_cross_shard_work(make_cluster):
         for round_ in range(8):
             stop = threading.Event()
 
-            def work(seed=round_):
+            def work(seed=round_, stop=stop):
                 r = random.Random(seed)
                 n = 0
                 while not stop.is_set() and n < 200:

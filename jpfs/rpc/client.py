@@ -12,6 +12,7 @@ import errno
 import itertools
 import logging
 import math
+import os
 import socket as _socket
 from dataclasses import dataclass, field
 
@@ -110,6 +111,15 @@ class Connection:
     def close(self) -> None:
         self._fail(Unavailable(f"connection to {self.address} closed"))
 
+    async def _finish_send(self, parts: list) -> None:
+        """Send the rest of a frame. A frame half-sent would corrupt the stream for everyone:
+        never cancel mid-frame, but give up on a peer that stops reading."""
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(_SEND_TIMEOUT) as scope:
+                await self.fs.send_parts(parts)
+            if scope.cancelled_caught:
+                raise Unavailable(f"sending to {self.address} timed out")
+
     async def call(
         self,
         method: str,
@@ -128,14 +138,20 @@ class Connection:
         remaining_ms = max(1, int((deadline - trio.current_time()) * 1000)) \
             if math.isfinite(deadline) else None
         try:
-            # A frame half-sent would corrupt the stream for everyone: never cancel mid-frame.
-            async with self.fs.send_lock:
+            parts = self.fs.frame_parts(F.REQUEST, [req_id, method, args, remaining_ms], payload)
+            lock = self.fs.send_lock
+            if not lock.locked():  # fast path: the socket usually takes the frame at once
+                lock.acquire_nowait()
+                try:
+                    parts = self.fs.send_parts_nowait(parts)
+                    if parts:
+                        await self._finish_send(parts)
+                finally:
+                    lock.release()
+            else:
                 with trio.CancelScope(shield=True):
-                    with trio.move_on_after(_SEND_TIMEOUT) as scope:
-                        await self.fs.send_frame(F.REQUEST, [req_id, method, args, remaining_ms],
-                                                 payload)
-                    if scope.cancelled_caught:
-                        raise Unavailable(f"sending to {self.address} timed out")
+                    async with lock:
+                        await self._finish_send(parts)
         except JPFSError as e:
             self._pending.pop(req_id, None)
             self._fail(e if isinstance(e, Unavailable) else Unavailable(str(e)))
@@ -167,31 +183,45 @@ async def connect(
     """Open, authenticate and start the reader of one connection."""
     host, port = parse_address(address)
     family = _socket.AF_INET6 if ":" in host else _socket.AF_INET
-    sock = trio.socket.socket(family, _socket.SOCK_STREAM)
+    sock = _socket.socket(family, _socket.SOCK_STREAM)
+    sock.setblocking(False)
     try:
         with trio.fail_after(timeout):
-            await sock.connect((host, port))
+            err = sock.connect_ex((host, port))
+            if err in (errno.EINPROGRESS, errno.EAGAIN):
+                await trio.lowlevel.wait_writable(sock)
+                err = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_ERROR)
+            if err:
+                raise OSError(err, os.strerror(err))
             sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
             fs = F.FrameSocket(sock, limits)
             with trio.fail_after(HANDSHAKE_TIMEOUT):
                 role = await client_handshake(fs, secret)
     except trio.TooSlowError:
-        sock.close()
+        _close(sock)
         raise Unavailable(f"connecting to {address} timed out") from None
     except EOFError:
-        sock.close()
+        _close(sock)
         raise Unavailable(f"{address} closed the connection during the handshake") from None
     except OSError as e:
-        sock.close()
+        _close(sock)
         if isinstance(e, JPFSError):
             raise
         raise Unavailable(f"cannot connect to {address}: {e.strerror or e}") from None
     except BaseException:
-        sock.close()
+        _close(sock)
         raise
     conn = Connection(fs, address, role)
     nursery.start_soon(conn.reader)
     return conn
+
+
+def _close(sock: _socket.socket) -> None:
+    try:
+        trio.lowlevel.notify_closing(sock)
+    except RuntimeError:
+        pass
+    sock.close()
 
 
 class Pool:

@@ -13,6 +13,7 @@ allocated, so a hostile peer cannot make us allocate gigabytes.
 from __future__ import annotations
 
 import os
+import socket as _socket
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -95,14 +96,18 @@ def decode_error(body: object) -> JPFSError:
 
 
 class FrameSocket:
-    """One connected trio socket that reads and writes frames.
+    """One connected, non-blocking socket that reads and writes frames under trio.
 
     Reads are buffered (many small frames per ``recv``); writes are scatter-gather (``sendmsg``)
-    plus ``sendfile`` for file segments. One task reads and one task at a time writes; callers
-    serialise writes with ``send_lock``.
+    plus ``sendfile`` for file segments. Every syscall is tried at once and only waits (trio's
+    ``wait_readable``/``wait_writable``) when it would block: a request/response round trip then
+    costs a few syscalls instead of several scheduler passes per socket call, which is what
+    bounds one-call-at-a-time metadata rates. One task reads and one task at a time writes;
+    callers serialise writes with ``send_lock``.
     """
 
-    def __init__(self, sock: trio.socket.SocketType, limits: Limits = Limits()):
+    def __init__(self, sock: _socket.socket, limits: Limits = Limits()):
+        sock.setblocking(False)
         self.sock = sock
         self.limits = limits
         self.send_lock = trio.Lock()
@@ -114,6 +119,21 @@ class FrameSocket:
 
     # ---------------------------------------------------------------- receiving
 
+    async def _recv_into(self, view: memoryview) -> int:
+        while True:
+            try:
+                return self.sock.recv_into(view)
+            except BlockingIOError:
+                pass
+            except InterruptedError:
+                continue
+            except OSError as e:
+                raise Unavailable(f"connection lost: {_why(e)}") from None
+            try:
+                await trio.lowlevel.wait_readable(self.sock)
+            except (trio.ClosedResourceError, OSError) as e:
+                raise Unavailable(f"connection lost: {_why(e)}") from None
+
     async def _fill(self, need: int) -> None:
         """Ensure ``need`` bytes are buffered (need <= buffer size)."""
         if self._end - self._start >= need:
@@ -123,10 +143,7 @@ class FrameSocket:
             self._buf[:n] = self._buf[self._start:self._end]
             self._start, self._end = 0, n
         while self._end - self._start < need:
-            try:
-                got = await self.sock.recv_into(self._view[self._end:])
-            except (OSError, trio.ClosedResourceError) as e:
-                raise Unavailable(f"connection lost: {_why(e)}") from None
+            got = await self._recv_into(self._view[self._end:])
             if not got:
                 if self._end == self._start:
                     raise EOFError
@@ -141,10 +158,7 @@ class FrameSocket:
             self._start += have
         pos = have
         while pos < len(dest):
-            try:
-                got = await self.sock.recv_into(dest[pos:])
-            except (OSError, trio.ClosedResourceError) as e:
-                raise Unavailable(f"connection lost: {_why(e)}") from None
+            got = await self._recv_into(dest[pos:])
             if not got:
                 raise ProtocolError("connection closed in the middle of a frame")
             pos += got
@@ -235,35 +249,61 @@ class FrameSocket:
 
     # ---------------------------------------------------------------- sending
 
-    async def send_frame(self, kind: int, body: object, payload: Payload = ()) -> None:
-        """Send one frame. The caller holds ``send_lock``."""
+    @staticmethod
+    def frame_parts(kind: int, body: object, payload: Payload = ()) -> list:
+        """A frame as a list of byte views and FileSegments, ready for ``send_parts``."""
         raw = pack_body(body)
-        total = payload_length(payload)
-        head = HEADER.pack(MAGIC, VERSION, kind, len(raw), total)
-        buffers: list = [head, raw]
+        head = HEADER.pack(MAGIC, VERSION, kind, len(raw), payload_length(payload))
+        parts: list = [memoryview(head), memoryview(raw)]
         for part in payload:
             if isinstance(part, FileSegment):
-                await self._sendmsg_all(buffers)
-                buffers = []
-                await self._sendfile_all(part)
+                if part.length:
+                    parts.append(part)
             elif len(part):
-                buffers.append(part)
-        await self._sendmsg_all(buffers)
+                parts.append(memoryview(part).cast("B"))
+        return parts
 
-    async def _sendmsg_all(self, buffers: list) -> None:
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        while views:
+    def send_parts_nowait(self, parts: list) -> list:
+        """Send what the socket takes now, without waiting; returns the parts still to send
+        (empty when all went out). Stops at a FileSegment, which ``send_parts`` sends. A
+        non-empty answer means a partial frame is on the wire: finish it before anyone else
+        sends (hold ``send_lock``)."""
+        while parts and not isinstance(parts[0], FileSegment):
+            n = 0
+            while n < len(parts) and n < 64 and not isinstance(parts[n], FileSegment):
+                n += 1
             try:
-                sent = await self.sock.sendmsg(views[:64])
-            except (OSError, trio.ClosedResourceError) as e:
+                sent = self.sock.sendmsg(parts[:n])
+            except (BlockingIOError, InterruptedError):
+                return parts
+            except OSError as e:
                 raise Unavailable(f"connection lost: {_why(e)}") from None
             while sent:
-                if sent >= len(views[0]):
-                    sent -= len(views[0])
-                    views.pop(0)
+                if sent >= len(parts[0]):
+                    sent -= len(parts[0])
+                    parts.pop(0)
                 else:
-                    views[0] = views[0][sent:]
+                    parts[0] = parts[0][sent:]
                     sent = 0
+        return parts
+
+    async def send_parts(self, parts: list) -> None:
+        """Send every part, waiting for the socket as needed. The caller holds ``send_lock``."""
+        while parts:
+            parts = self.send_parts_nowait(parts)
+            if not parts:
+                return
+            if isinstance(parts[0], FileSegment):
+                await self._sendfile_all(parts.pop(0))
+                continue
+            try:
+                await trio.lowlevel.wait_writable(self.sock)
+            except (trio.ClosedResourceError, OSError) as e:
+                raise Unavailable(f"connection lost: {_why(e)}") from None
+
+    async def send_frame(self, kind: int, body: object, payload: Payload = ()) -> None:
+        """Send one frame. The caller holds ``send_lock``."""
+        await self.send_parts(self.frame_parts(kind, body, payload))
 
     async def _sendfile_all(self, seg: FileSegment) -> None:
         offset, left = seg.offset, seg.length
@@ -273,9 +313,12 @@ class FrameSocket:
             try:
                 sent = os.sendfile(fileno, seg.fd, offset, left)
             except BlockingIOError:
-                await trio.lowlevel.wait_writable(self.sock)
+                try:
+                    await trio.lowlevel.wait_writable(self.sock)
+                except (trio.ClosedResourceError, OSError) as e:
+                    raise Unavailable(f"connection lost: {_why(e)}") from None
                 continue
-            except (OSError, trio.ClosedResourceError) as e:
+            except OSError as e:
                 raise Unavailable(f"connection lost: {_why(e)}") from None
             if sent == 0:
                 raise ProtocolError("file segment shorter than announced (file truncated?)")
@@ -285,4 +328,8 @@ class FrameSocket:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            try:
+                trio.lowlevel.notify_closing(self.sock)  # wake any task waiting on it
+            except RuntimeError:  # not inside trio: nobody can be waiting
+                pass
             self.sock.close()

@@ -40,24 +40,35 @@ async def serve(
     Start it with ``port = await nursery.start(serve, ...)``; port 0 picks a free port.
     """
     family = _socket.AF_INET6 if ":" in host else _socket.AF_INET
-    listener = trio.socket.socket(family, _socket.SOCK_STREAM)
+    listener = _socket.socket(family, _socket.SOCK_STREAM)
     listener.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
-    await listener.bind((host, port))
+    listener.setblocking(False)
+    try:
+        listener.bind((host, port))
+    except OSError:
+        listener.close()
+        raise
     listener.listen(1024)
     bound = listener.getsockname()[1]
     log.info("%s server listening on %s:%d", service.role, host, bound)
     task_status.started(bound)
-    with listener:
+    try:
         async with trio.open_nursery() as nursery:
             while True:
                 try:
-                    sock, peer = await listener.accept()
+                    sock, peer = listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    await trio.lowlevel.wait_readable(listener)
+                    continue
                 except OSError as e:  # EMFILE and friends: back off, keep serving
                     log.warning("accept failed: %s", e)
                     await trio.sleep(0.1)
                     continue
                 sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
                 nursery.start_soon(_connection, sock, peer, service, secret, limits, max_inflight)
+    finally:
+        trio.lowlevel.notify_closing(listener)
+        listener.close()
 
 
 async def _connection(sock, peer, service: Service, secret: bytes, limits, max_inflight) -> None:
@@ -174,13 +185,30 @@ async def _run(fs, where, service: Service, spec, req_id, args, deadline, payloa
 
 
 async def _send(fs: F.FrameSocket, kind: int, body, payload=()) -> None:
-    """Send one frame; a failure mid-frame leaves the stream unusable, so close it."""
+    """Send one frame; a failure mid-frame leaves the stream unusable, so close it.
+
+    Fast path: when nobody else is sending and the socket takes the whole frame at once, no
+    await happens at all."""
+    if fs.closed:
+        return
     try:
-        async with fs.send_lock:
+        parts = fs.frame_parts(kind, body, payload)
+        lock = fs.send_lock
+        if not lock.locked():
+            lock.acquire_nowait()
+            try:
+                parts = fs.send_parts_nowait(parts)
+                if parts:
+                    with trio.fail_after(_SEND_TIMEOUT):
+                        await fs.send_parts(parts)
+            finally:
+                lock.release()
+            return
+        async with lock:
             if fs.closed:
                 return
             with trio.fail_after(_SEND_TIMEOUT):
-                await fs.send_frame(kind, body, payload)
+                await fs.send_parts(parts)
     except (JPFSError, trio.TooSlowError, OSError) as e:
         log.info("dropping connection: send failed: %s", e)
         fs.close()
