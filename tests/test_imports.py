@@ -1,0 +1,118 @@
+"""The import direction of DESIGN.md, checked by reading every module's imports."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"jpfs": ROOT / "jpfs", "jpfs_daemon": ROOT / "daemon", "jpfs_bench": ROOT / "bench"}
+
+
+def _modules():
+    for pkg, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            yield ".".join([pkg, *parts]), path, path.name == "__init__.py"
+
+
+def _imports(name: str, path: Path, is_pkg: bool) -> set[str]:
+    """Every module of ours that ``name`` imports (absolute names), at any depth in the file."""
+    tree = ast.parse(path.read_text())
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                mod = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module
+                                                                     else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return {m for m in out if m.split(".")[0] in PACKAGES}
+
+
+LEVEL0_NAMES = {"errors", "types", "placement", "config", "uri"}
+
+
+def _area(mod: str) -> str:
+    parts = mod.split(".")
+    if parts[0] != "jpfs":
+        return parts[0]
+    if len(parts) == 1:
+        return "jpfs"  # the package facade (jpfs/__init__.py)
+    if parts[1] in LEVEL0_NAMES or parts[1].startswith("__"):
+        return "level0"
+    return "jpfs." + parts[1]
+
+
+# area -> areas it may import (besides itself and level 0)
+ALLOWED = {
+    "jpfs": {"jpfs.client"},  # jpfs.connect() and jpfs.aconnect(), imported on use
+    "jpfs.rpc": set(),
+    "jpfs.proto": {"jpfs.rpc"},
+    "jpfs_daemon": {"jpfs.rpc", "jpfs.proto"},
+    "jpfs.client": {"jpfs.rpc", "jpfs.proto"},
+    "jpfs.fuse": {"jpfs.client", "jpfs.rpc", "jpfs.proto"},
+    # the dataset reads LeRobot metadata with jpfs.lerobot (a documented addition to DESIGN.md)
+    "jpfs.torch": {"jpfs.client", "jpfs.lerobot"},
+    "jpfs.lerobot": set(),
+    "jpfs.localcluster": set(),
+    "jpfs.cli": {"jpfs.client", "jpfs.localcluster", "jpfs.lerobot", "jpfs.fuse", "jpfs.rpc",
+                 "jpfs.proto", "jpfs_bench"},
+    "jpfs_bench": {"jpfs.client", "jpfs.localcluster", "jpfs.lerobot", "jpfs.torch",
+                   "jpfs.fuse", "jpfs.cli", "jpfs.rpc", "jpfs.proto"},
+}
+
+
+def _check(name: str, imported: set[str]) -> list[str]:
+    area = _area(name)
+    allowed = ALLOWED.get(area, set()) | {area, "level0"}
+    bad = []
+    for mod in imported:
+        target = _area(mod)
+        if target == "jpfs" and mod == "jpfs":
+            target = "level0"  # `import jpfs` / `from jpfs import config`: the package itself
+        if target not in allowed:
+            bad.append(f"{name} imports {mod} ({area} may not import {target})")
+    return bad
+
+
+def test_import_direction():
+    problems = []
+    for name, path, is_pkg in _modules():
+        problems += _check(name, _imports(name, path, is_pkg))
+    assert not problems, "\n".join(sorted(problems))
+
+
+def test_nothing_installs_as_top_level_daemon():
+    cfg = (ROOT / "setup.cfg").read_text()
+    assert "jpfs_daemon = daemon" in cfg
+    assert not any(line.strip() == "daemon" for line in cfg.splitlines())
+
+
+@pytest.mark.parametrize("module", ["jpfs", "jpfs.client", "jpfs.lerobot.dataset",
+                                    "jpfs.cli.main"])
+def test_import_works_without_torch(module):
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ImportError('torch is blocked for this test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"import {module}\n"
+        "if hasattr(sys.modules[%r], 'build_parser'):\n"
+        "    sys.modules[%r].build_parser()\n"
+        "assert 'torch' not in sys.modules\n" % (module, module)
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
