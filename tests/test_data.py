@@ -359,3 +359,21 @@ def test_import_killed_then_resumed(make_cluster, tmp_path):
 def test_cluster_file_names_storage(data_cluster):
     c = config.load(localcluster.cluster_file(data_cluster))
     assert c.n_nodes == 3 and c.chunk_size == CHUNK
+
+
+def test_read_ranges_and_fsspec_cat_ranges(dc, data_cluster, monkeypatch):
+    import fsspec
+
+    a, b = os.urandom(3 * CHUNK + 100), os.urandom(5000)
+    dc.write_bytes("/ra", a)
+    dc.write_bytes("/rb", b)
+    dc.truncate("/rb", 7000)  # a tail past the stored bytes reads as zeros
+    want_b = b + bytes(2000)
+    ranges = [("/ra", 0, 10), ("/ra", CHUNK - 5, CHUNK + 5), ("/ra", -50, -1), ("/rb", 4990, 7000),
+              ("/ra", 2 * CHUNK, 10 * CHUNK), ("/rb", 100, 50)]
+    got = [bytes(v) for v in dc.read_ranges(ranges)]
+    assert got == [a[0:10], a[CHUNK - 5:CHUNK + 5], a[-50:-1], want_b[4990:7000],
+                   a[2 * CHUNK:], b""]
+    monkeypatch.setenv("JPFS_CLUSTER", str(data_cluster))
+    fs = fsspec.filesystem("jpfs")
+    assert fs.cat_ranges(["jpfs://ra", "jpfs://rb"], [5, 0], [9, 3]) == [a[5:9], b[:3]]

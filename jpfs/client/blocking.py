@@ -133,8 +133,8 @@ FORWARDED = (
     "stat", "lstat", "exists", "isdir", "isfile", "stat_many", "scandir", "listdir", "readlink",
     "statfs", "getxattr", "listxattr", "mkdir", "makedirs", "remove", "unlink", "rmdir",
     "rmtree", "rename", "replace", "symlink", "link", "chmod", "chown", "utime", "truncate",
-    "setxattr", "removexattr", "create", "read_bytes", "read_many", "write_bytes", "put", "get",
-    "layout",
+    "setxattr", "removexattr", "create", "read_bytes", "read_many", "read_ranges",
+    "write_bytes", "put", "get", "layout",
 )
 
 for _name in FORWARDED:

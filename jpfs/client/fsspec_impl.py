@@ -107,6 +107,27 @@ class JPFSFileSystem(AbstractFileSystem):
             return out
         return {p: bytes(v) for p, v in zip(files, views, strict=True)}
 
+    def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
+        """Many byte ranges in one batched read (each chunk fetched once)."""
+        if not isinstance(starts, list):
+            starts = [starts] * len(paths)
+        if not isinstance(ends, list):
+            ends = [ends] * len(paths)
+        items = [(self._strip_protocol(p), 0 if s is None else s, (1 << 62) if e is None else e)
+                 for p, s, e in zip(paths, starts, ends, strict=True)]
+        try:
+            return [bytes(v) for v in self.client.read_ranges(items)]
+        except OSError as err:
+            if on_error == "raise":
+                raise
+            out = []
+            for p, s, e in items:
+                try:
+                    out.append(bytes(self.client.read_ranges([(p, s, e)])[0]))
+                except OSError as one:
+                    out.append(one)
+            return out if out else [err]
+
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         p = self._strip_protocol(path)
         if mode == "create" and self.client.exists(p):
