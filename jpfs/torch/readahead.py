@@ -22,7 +22,7 @@ from .shards import Shard, ShardDecoder, ShardTable
 
 log = logging.getLogger(__name__)
 
-HINT_FILE = ".jpfs-prefetch"
+HINT_FILE = os.path.join(".jpfs", "prefetch")  # the mount's control file (jpfs/fuse/control.py)
 
 
 class ReadAhead:
@@ -150,9 +150,8 @@ class ReadAhead:
         """The bytes of ``batch``: whole files in one multi-file read, row-group spans in one
         multi-range read.
 
-        TODO(client): call the native Client's batched read (read_many) directly once
-        jpfs.client exists; until then fsspec's ``cat`` / ``cat_ranges`` are the batch reads,
-        and the JPFS fsspec class maps them onto it.
+        For ``jpfs://`` roots, fsspec's ``cat`` and ``cat_ranges`` are the native client's
+        batched ``read_many`` and ``read_ranges``: one round trip per storage node per batch.
         """
         fetch = [s for s in batch if self.decode.wants_bytes(self.shards[s])]
         whole = [s for s in fetch if self.shards[s].row_groups is None]
@@ -192,8 +191,8 @@ class ReadAhead:
 def mount_hint(root: str) -> Callable[[list[str]], None] | None:
     """A hint function for a path inside a JPFS mount that offers a prefetch control file.
 
-    Looks for ``.jpfs-prefetch`` at the mount root (walking up from ``root``); writing paths to it,
-    one per line, asks the mount to fetch them ahead. None when there is no such file.
+    Looks for ``.jpfs/prefetch`` at the mount root (walking up from ``root``); writing paths to
+    it, one per line, asks the mount to fetch them ahead. None when there is no such file.
     """
     if "://" in root:
         return None
