@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from ..config import Cluster
 from ..placement import chunk_nodes, n_chunks
 from ..types import Attr, Chunk, Layout
+from .cache import BlobCache
 from .meta import MetaClient
 from .storage import StorageClient
 
@@ -46,17 +47,25 @@ def assemble(layout: Layout, blobs: Sequence[memoryview]) -> memoryview:
 class DataPath:
     """Read and write file contents given inodes (the path-level client sits on top)."""
 
-    def __init__(self, meta: MetaClient, storage: StorageClient, cluster: Cluster):
+    def __init__(self, meta: MetaClient, storage: StorageClient, cluster: Cluster,
+                 cache: BlobCache | None = None):
         self.meta = meta
         self.storage = storage
         self.cluster = cluster
         self.chunk_size = cluster.chunk_size
+        self.cache = cache
+        """Reads go through this blob cache when set (the FUSE mount sets its own)."""
+
+    async def _blobs(self, chunks: Sequence[Chunk]) -> list[memoryview]:
+        if self.cache is not None:
+            return await self.cache.get(chunks, self.storage.get)
+        return await self.storage.get(chunks)
 
     # ---- reads
     async def read_layouts(self, layouts: Sequence[Layout]) -> list[memoryview]:
         """The whole contents of each file, fetched in one batched storage call."""
         chunks = [c for lay in layouts for c in lay.chunks]
-        blobs = await self.storage.get(chunks) if chunks else []
+        blobs = await self._blobs(chunks) if chunks else []
         out, k = [], 0
         for lay in layouts:
             n = len(lay.chunks)
@@ -65,7 +74,7 @@ class DataPath:
         return out
 
     async def read_chunks(self, chunks: Sequence[Chunk]) -> list[memoryview]:
-        return await self.storage.get(chunks) if chunks else []
+        return await self._blobs(chunks) if chunks else []
 
     # ---- writes
     def placement(self, ino: int, parent: int, index: int, total: int) -> tuple[int, ...]:

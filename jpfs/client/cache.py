@@ -1,0 +1,602 @@
+"""The client's blob cache: memory and disk, each an LRU bounded in bytes, checksummed.
+
+Blobs are immutable and named by random 128-bit ids, so the cache is keyed by blob id and never
+needs invalidating: a changed file points at new blob ids. Storage reads are verified by the
+storage client; a blob read back from the disk cache is verified here against the xxh3-64 that its
+chunk record carries, so a corrupt cache file is detected, deleted and fetched again.
+
+The disk cache is a directory of blob files (``blobs/ab/<32 hex>``: a header with the blob's
+length and checksum, then its bytes), written behind reads by one task (in a worker thread, in
+batches) and reused after a remount: the index is rebuilt from the files, oldest first. Space is
+reserved before a file is written, so neither cache ever holds more than its bound.
+
+Prefetched blobs are tagged until a reader uses them: a use counts as a prefetch hit, an eviction
+of a still-unused blob as wasted bytes. Concurrent requests for one blob share one fetch.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import struct
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import trio
+import xxhash
+
+from ..errors import error
+from ..types import Chunk
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"JPFSBLB1"
+HEADER = struct.Struct("<8sQQ")
+"""Disk cache file header: magic, blob length, xxh3-64 of the blob."""
+
+WRITE_QUEUE_BYTES = 64 << 20
+"""Blobs waiting for the disk writer; beyond this, new blobs are not written (it is a cache)."""
+
+WRITE_BATCH_BYTES = 16 << 20
+
+Fetch = Callable[[Sequence[Chunk]], Awaitable[list[memoryview]]]
+"""Fetches whole blobs from storage, verified (``StorageClient.get``)."""
+
+
+@dataclass
+class CacheStats:
+    """Counters; bytes are blob bytes."""
+
+    mem_hits: int = 0
+    mem_hit_bytes: int = 0
+    disk_hits: int = 0
+    disk_hit_bytes: int = 0
+    misses: int = 0
+    miss_bytes: int = 0
+    joined: int = 0
+    """Requests that waited for a fetch already in flight instead of starting another."""
+    prefetched: int = 0
+    prefetched_bytes: int = 0
+    prefetch_hits: int = 0
+    prefetch_hit_bytes: int = 0
+    prefetch_wasted: int = 0
+    prefetch_wasted_bytes: int = 0
+    prefetch_cancelled: int = 0
+    mem_evictions: int = 0
+    mem_evicted_bytes: int = 0
+    disk_evictions: int = 0
+    disk_evicted_bytes: int = 0
+    disk_writes: int = 0
+    disk_write_bytes: int = 0
+    disk_write_dropped: int = 0
+    disk_corrupt: int = 0
+    disk_errors: int = 0
+
+
+class _Cancelled(Exception):
+    """A prefetch was cancelled before its blob arrived: whoever waited fetches it itself."""
+
+
+class _InFlight:
+    __slots__ = ("event", "view", "error", "prefetch", "waiters")
+
+    def __init__(self, prefetch: bool):
+        self.event = trio.Event()
+        self.view: memoryview | None = None
+        self.error: BaseException | None = None
+        self.prefetch = prefetch
+        self.waiters = 0
+
+
+def blob_path(root: Path, blob: bytes) -> Path:
+    h = blob.hex()
+    return root / "blobs" / h[:2] / h
+
+
+class BlobCache:
+    """Blobs by id in memory (``memory_bytes``) and on disk (``disk_bytes`` under ``disk_dir``).
+
+    Call ``await open(nursery)`` before use (it locks and indexes the disk cache and starts the
+    writer) and ``close()`` at the end. All methods run on the owner's trio loop.
+    """
+
+    def __init__(self, memory_bytes: int, disk_dir: str | os.PathLike | None = None,
+                 disk_bytes: int = 0, *, write_queue_bytes: int = WRITE_QUEUE_BYTES):
+        self.memory_bytes = max(0, int(memory_bytes))
+        self.disk_dir = Path(disk_dir) if disk_dir is not None and disk_bytes > 0 else None
+        self.disk_bytes = max(0, int(disk_bytes)) if self.disk_dir else 0
+        self.write_queue_bytes = write_queue_bytes
+        self.stats = CacheStats()
+        self._mem: OrderedDict[bytes, memoryview] = OrderedDict()
+        self._mem_used = 0
+        self._unused: dict[bytes, int] = {}  # prefetched, not yet read: blob -> bytes
+        self._unused_bytes = 0
+        self._inflight: dict[bytes, _InFlight] = {}
+        self._disk: OrderedDict[bytes, int] = OrderedDict()  # blob -> file bytes, LRU first
+        self._disk_used = 0  # bytes of indexed files plus space reserved for writes under way
+        self._wq: deque[tuple[bytes, memoryview]] = deque()
+        self._wq_blobs: dict[bytes, memoryview] = {}
+        self._wq_bytes = 0
+        self._wq_ready = trio.Event()
+        self._lock_fd: int | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self, nursery: trio.Nursery) -> None:
+        """Lock and index the disk cache (reused from an earlier mount) and start its writer."""
+        if self.disk_dir is None:
+            return
+        self._lock_fd = await trio.to_thread.run_sync(_lock_dir, self.disk_dir)
+        files, stale = await trio.to_thread.run_sync(_scan, self.disk_dir)
+        for blob, size in files:
+            self._disk[blob] = size
+            self._disk_used += size
+        victims = self._reserve(0)
+        if stale or victims:
+            await trio.to_thread.run_sync(_delete, self.disk_dir, victims, stale)
+        log.info("disk cache %s: %d blobs, %.1f MiB of %.1f MiB", self.disk_dir, len(self._disk),
+                 self._disk_used / 2**20, self.disk_bytes / 2**20)
+        nursery.start_soon(self._writer)
+
+    def close(self) -> None:
+        self._closed = True
+        self._wq_ready.set()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def memory_used(self) -> int:
+        return self._mem_used
+
+    @property
+    def disk_used(self) -> int:
+        return self._disk_used
+
+    @property
+    def prefetched_unused_bytes(self) -> int:
+        return self._unused_bytes
+
+    def has(self, blob: bytes) -> bool:
+        """In memory, on disk, or on its way."""
+        return blob in self._mem or blob in self._inflight or blob in self._disk \
+            or blob in self._wq_blobs
+
+    def in_memory(self, blob: bytes) -> bool:
+        return blob in self._mem
+
+    def needs(self, blob: bytes) -> bool:
+        """Not in memory and not on its way there (it may be on disk)."""
+        return blob not in self._mem and blob not in self._inflight and blob not in self._wq_blobs
+
+    def peek(self, chunk: Chunk) -> memoryview | None:
+        """The blob if it is in memory (a read: counted, and it becomes most recently used)."""
+        view = self._mem.get(chunk.blob)
+        if view is not None:
+            self._mem.move_to_end(chunk.blob)
+            self._hit(chunk.blob, len(view))
+        return view
+
+    def waiting_on(self, blobs: Sequence[bytes]) -> bool:
+        """Whether a reader waits for any of these blobs (a prefetch of them is still wanted)."""
+        return any(f.waiters for b in blobs if (f := self._inflight.get(b)) is not None)
+
+    # ------------------------------------------------------------------ reads
+
+    async def get(self, chunks: Sequence[Chunk], fetch: Fetch,
+                  sources: set[str] | None = None) -> list[memoryview]:
+        """Whole blobs of ``chunks``, in order: from memory, disk, a fetch in flight, or ``fetch``
+        (one call for all misses); read-only views. ``sources`` collects where they came from:
+        "memory", "prefetched", "disk", "joined" (a demand fetch in flight), "fetched"."""
+        src = sources if sources is not None else set()
+        out: list[memoryview | None] = [None] * len(chunks)
+        waits: list[tuple[int, _InFlight]] = []
+        on_disk: list[int] = []
+        missing: list[int] = []
+        first: dict[bytes, int] = {}
+        dups: list[tuple[int, int]] = []
+        for i, c in enumerate(chunks):
+            b = c.blob
+            if b in first:
+                dups.append((i, first[b]))
+                continue
+            first[b] = i
+            view = self._mem.get(b)
+            if view is not None:
+                self._mem.move_to_end(b)
+                src.add(self._hit(b, len(view)))
+                out[i] = view
+                continue
+            f = self._inflight.get(b)
+            if f is not None:
+                f.waiters += 1
+                waits.append((i, f))
+                self.stats.joined += 1
+            elif b in self._wq_blobs:
+                view = self._wq_blobs[b]
+                self._insert(b, view, prefetch=False, write=False)
+                self.stats.mem_hits += 1
+                self.stats.mem_hit_bytes += len(view)
+                src.add("memory")
+                out[i] = view
+            elif b in self._disk:
+                on_disk.append(i)
+            else:
+                missing.append(i)
+        if on_disk:
+            bad = await self._load(chunks, on_disk, out, prefetch=False)
+            if len(bad) < len(on_disk):
+                src.add("disk")
+            missing += bad
+        if missing:
+            src.add("fetched")
+            await self._fetch(chunks, missing, out, fetch, prefetch=False)
+        for i, f in waits:
+            out[i] = await self._wait(chunks[i], f, fetch, src)
+        for i, j in dups:
+            out[i] = out[j]
+        return out  # type: ignore[return-value]
+
+    async def prefetch(self, chunks: Sequence[Chunk], fetch: Fetch) -> int:
+        """Bring blobs into memory ahead of their readers (one ``fetch`` for all that are not
+        cached or on their way); returns the bytes fetched or loaded. Cancelling it leaves
+        nothing half-done: readers that joined its fetch fetch for themselves."""
+        todo: list[int] = []
+        on_disk: list[int] = []
+        seen: set[bytes] = set()
+        for i, c in enumerate(chunks):
+            b = c.blob
+            if b in seen or b in self._mem or b in self._inflight or b in self._wq_blobs:
+                continue
+            seen.add(b)
+            if c.blob_len > self.memory_bytes:
+                continue
+            (on_disk if b in self._disk else todo).append(i)
+        out: list[memoryview | None] = [None] * len(chunks)
+        if on_disk:
+            todo += await self._load(chunks, on_disk, out, prefetch=True)
+        if todo:
+            await self._fetch(chunks, todo, out, fetch, prefetch=True)
+        return sum(len(v) for v in out if v is not None)
+
+    async def _wait(self, chunk: Chunk, f: _InFlight, fetch: Fetch, src: set[str]
+                    ) -> memoryview:
+        try:
+            await f.event.wait()
+        finally:
+            f.waiters -= 1
+        if f.view is not None:
+            if f.prefetch:
+                src.add(self._hit(chunk.blob, len(f.view)))
+            else:
+                src.add("joined")
+            return f.view
+        if isinstance(f.error, _Cancelled):
+            (view,) = await self.get([chunk], fetch, src)
+            return view
+        raise f.error  # type: ignore[misc]
+
+    async def _fetch(self, chunks: Sequence[Chunk], idx: list[int], out: list,
+                     fetch: Fetch, *, prefetch: bool) -> None:
+        flights = {}
+        for i in idx:
+            f = _InFlight(prefetch)
+            self._inflight[chunks[i].blob] = f
+            flights[i] = f
+        want = [chunks[i] for i in idx]
+        try:
+            views = await fetch(want)
+        except BaseException as e:
+            for i, f in flights.items():
+                self._inflight.pop(chunks[i].blob, None)
+                f.error = _Cancelled() if isinstance(e, trio.Cancelled) else e
+                f.event.set()
+            if prefetch and isinstance(e, trio.Cancelled):
+                self.stats.prefetch_cancelled += len(idx)
+            raise
+        st = self.stats
+        for i, view in zip(idx, views, strict=True):
+            view = view.toreadonly()
+            b = chunks[i].blob
+            self._inflight.pop(b, None)
+            self._insert(b, view, prefetch=prefetch)
+            f = flights[i]
+            f.view = view
+            f.event.set()
+            out[i] = view
+            if prefetch:
+                st.prefetched += 1
+                st.prefetched_bytes += len(view)
+            else:
+                st.misses += 1
+                st.miss_bytes += len(view)
+
+    async def _load(self, chunks: Sequence[Chunk], idx: list[int], out: list, *,
+                    prefetch: bool) -> list[int]:
+        """Read blobs from the disk cache into memory; returns the indexes that were not there
+        (or were corrupt: those files are deleted)."""
+        flights = {}
+        for i in idx:
+            f = _InFlight(prefetch)
+            self._inflight[chunks[i].blob] = f
+            flights[i] = f
+            self._disk.move_to_end(chunks[i].blob)
+        want = [chunks[i] for i in idx]
+        got: list = [None] * len(idx)
+        try:
+            got = await trio.to_thread.run_sync(_read_files, self.disk_dir, want)
+        except BaseException as e:
+            for i, f in flights.items():
+                self._inflight.pop(chunks[i].blob, None)
+                f.error = _Cancelled()
+                f.event.set()
+            if not isinstance(e, Exception):
+                raise
+            log.warning("disk cache read failed: %s", e)
+            self.stats.disk_errors += 1
+            return list(idx)
+        missing = []
+        for i, res in zip(idx, got, strict=True):
+            b = chunks[i].blob
+            self._inflight.pop(b, None)
+            f = flights[i]
+            if isinstance(res, memoryview):
+                view = res.toreadonly()
+                self._insert(b, view, prefetch=prefetch, write=False)
+                self.stats.disk_hits += 1
+                self.stats.disk_hit_bytes += len(view)
+                f.view = view
+                out[i] = view
+            else:
+                if res == "corrupt":
+                    self.stats.disk_corrupt += 1
+                    log.warning("disk cache file of blob %s is corrupt: deleted, fetching it "
+                                "again", b.hex())
+                self._drop_disk(b)
+                f.error = _Cancelled()
+                missing.append(i)
+            f.event.set()
+        return missing
+
+    # ------------------------------------------------------------------ memory LRU
+
+    def _hit(self, blob: bytes, n: int) -> str:
+        st = self.stats
+        m = self._unused.pop(blob, None)
+        if m is not None:
+            self._unused_bytes -= m
+            st.prefetch_hits += 1
+            st.prefetch_hit_bytes += n
+            return "prefetched"
+        st.mem_hits += 1
+        st.mem_hit_bytes += n
+        return "memory"
+
+    def _insert(self, blob: bytes, view: memoryview, *, prefetch: bool, write: bool = True
+                ) -> None:
+        n = len(view)
+        if n <= self.memory_bytes and blob not in self._mem:
+            while self._mem_used + n > self.memory_bytes and self._mem:
+                old, oldv = self._mem.popitem(last=False)
+                self._mem_used -= len(oldv)
+                self.stats.mem_evictions += 1
+                self.stats.mem_evicted_bytes += len(oldv)
+                m = self._unused.pop(old, None)
+                if m is not None:
+                    self._unused_bytes -= m
+                    self.stats.prefetch_wasted += 1
+                    self.stats.prefetch_wasted_bytes += len(oldv)
+            self._mem[blob] = view
+            self._mem_used += n
+            if prefetch:
+                self._unused[blob] = n
+                self._unused_bytes += n
+        elif prefetch and blob not in self._mem:
+            self.stats.prefetch_wasted += 1
+            self.stats.prefetch_wasted_bytes += n
+        if write and self.disk_dir is not None and blob not in self._disk:
+            self._queue_write(blob, view)
+
+    # ------------------------------------------------------------------ disk LRU
+
+    def _queue_write(self, blob: bytes, view: memoryview) -> None:
+        n = HEADER.size + len(view)
+        if n > self.disk_bytes or blob in self._wq_blobs:
+            return
+        if self._wq_bytes + len(view) > self.write_queue_bytes:
+            self.stats.disk_write_dropped += 1
+            return
+        self._wq.append((blob, view))
+        self._wq_blobs[blob] = view
+        self._wq_bytes += len(view)
+        self._wq_ready.set()
+
+    def _reserve(self, n: int) -> list[bytes]:
+        """Evict LRU disk entries until ``n`` more bytes fit; returns the victims."""
+        victims = []
+        while self._disk_used + n > self.disk_bytes and self._disk:
+            blob, size = self._disk.popitem(last=False)
+            self._disk_used -= size
+            victims.append(blob)
+            self.stats.disk_evictions += 1
+            self.stats.disk_evicted_bytes += size
+        return victims
+
+    def _drop_disk(self, blob: bytes) -> None:
+        size = self._disk.pop(blob, None)
+        if size is not None:
+            self._disk_used -= size
+
+    async def _writer(self) -> None:
+        """Write queued blobs to disk in batches, evicting old files first to make room."""
+        root = self.disk_dir
+        assert root is not None
+        while not self._closed:
+            await self._wq_ready.wait()
+            self._wq_ready = trio.Event()
+            while self._wq and not self._closed:
+                taken: list[tuple[bytes, memoryview]] = []
+                size = 0
+                while self._wq and size < WRITE_BATCH_BYTES:
+                    blob, view = self._wq.popleft()
+                    taken.append((blob, view))
+                    size += HEADER.size + len(view)
+                batch = [(b, v) for b, v in taken if b not in self._disk]
+                need = sum(HEADER.size + len(v) for _, v in batch)
+                victims = self._reserve(need)
+                reserved = need
+                self._disk_used += reserved
+                try:
+                    written = await trio.to_thread.run_sync(_write_files, root, batch, victims)
+                except OSError as e:
+                    log.warning("disk cache write failed: %s", e)
+                    self.stats.disk_errors += 1
+                    written = []
+                finally:
+                    self._disk_used -= reserved
+                    for blob, view in taken:
+                        if self._wq_blobs.get(blob) is view:
+                            del self._wq_blobs[blob]
+                            self._wq_bytes -= len(view)
+                for blob, n in written:
+                    if blob not in self._disk:
+                        self._disk[blob] = n
+                        self._disk_used += n
+                        self.stats.disk_writes += 1
+                        self.stats.disk_write_bytes += n
+
+    def as_dict(self) -> dict:
+        d = asdict(self.stats)
+        d.update(memory_bytes=self.memory_bytes, memory_used=self._mem_used,
+                 memory_blobs=len(self._mem), disk_bytes=self.disk_bytes,
+                 disk_used=self._disk_used, disk_blobs=len(self._disk),
+                 disk_dir=str(self.disk_dir) if self.disk_dir else None,
+                 prefetched_unused_bytes=self.prefetched_unused_bytes,
+                 write_queue_bytes=self._wq_bytes)
+        return d
+
+
+# ---- worker-thread helpers (no shared state: arguments in, results out) -------------------------
+
+def _lock_dir(root: Path) -> int:
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise error(errno.EBUSY, f"cache directory {root} is in use by another mount; give "
+                    "this one its own --cache-dir") from None
+    return fd
+
+
+def _scan(root: Path) -> tuple[list[tuple[bytes, int]], list[Path]]:
+    """(blob, file size) of every cache file, oldest first; and leftovers to delete."""
+    found: list[tuple[float, bytes, int]] = []
+    stale: list[Path] = []
+    base = root / "blobs"
+    for sub in os.scandir(base):
+        if not sub.is_dir(follow_symlinks=False):
+            continue
+        for e in os.scandir(sub.path):
+            name = e.name
+            try:
+                blob = bytes.fromhex(name) if len(name) == 32 else None
+            except ValueError:
+                blob = None
+            if blob is None or name[:2] != sub.name:
+                stale.append(Path(e.path))
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_size < HEADER.size:
+                stale.append(Path(e.path))
+                continue
+            found.append((st.st_mtime, blob, st.st_size))
+    found.sort()
+    return [(b, n) for _, b, n in found], stale
+
+
+def _delete(root: Path, blobs: list[bytes], paths: list[Path]) -> None:
+    for p in [blob_path(root, b) for b in blobs] + paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def _write_files(root: Path, batch: list[tuple[bytes, memoryview]], victims: list[bytes]
+                 ) -> list[tuple[bytes, int]]:
+    """Delete ``victims``, then write each blob to a temporary name and rename it in place."""
+    _delete(root, victims, [])
+    h = xxhash.xxh3_64_intdigest
+    done = []
+    for blob, view in batch:
+        path = blob_path(root, blob)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(HEADER.pack(MAGIC, len(view), h(view)))
+                f.write(view)
+            os.replace(tmp, path)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            break
+        done.append((blob, HEADER.size + len(view)))
+    return done
+
+
+def _read_files(root: Path, chunks: list[Chunk]) -> list[memoryview | str]:
+    """Each blob from its cache file, verified against the chunk record's length and xxh:
+    a view, or "missing" / "corrupt"."""
+    h = xxhash.xxh3_64_intdigest
+    out: list[memoryview | str] = []
+    for c in chunks:
+        path = blob_path(root, c.blob)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(HEADER.size)
+                buf = bytearray(c.blob_len)
+                n = f.readinto(buf)
+                extra = f.read(1)
+        except FileNotFoundError:
+            out.append("missing")
+            continue
+        except OSError:
+            out.append("corrupt")
+            continue
+        ok = len(head) == HEADER.size and n == c.blob_len and not extra
+        if ok:
+            magic, length, xxh = HEADER.unpack(head)
+            ok = magic == MAGIC and length == c.blob_len and xxh == c.xxh and h(buf) == c.xxh
+        if not ok:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            out.append("corrupt")
+            continue
+        try:
+            os.utime(path)  # recency survives a remount
+        except OSError:
+            pass
+        out.append(memoryview(buf))
+    return out
+
+
+__all__ = ["BlobCache", "CacheStats", "blob_path"]

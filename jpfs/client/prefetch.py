@@ -1,0 +1,826 @@
+"""Prefetch: fetch what readers will open next, driven by evidence, bounded and counted.
+
+A training loop reads millions of small files; each one fetched only when opened costs a metadata
+and a storage round trip while the reader waits. The prefetcher watches opens and reads and
+fetches ahead, in batches (one ``batch_layout`` per shard and one storage call per node for many
+files), into the blob cache:
+
+- a forward scan of a directory (in name order, also with a stride, per reading thread) fetches
+  the next entries; the window starts small and doubles while it keeps being right;
+- co-access learned across directories: when opening ``A/x_42.parquet`` is followed by opening
+  ``B/cam/x_42.mp4`` (the same number in the name), a rule "A/x_N -> B/cam/x_N" is counted; once
+  seen twice, opening a file of shape A fetches its partners. Nothing about LeRobot is built in;
+- hints: paths a reader announces (``hint``) are fetched in order, ahead of it;
+- sequential reads of a large file read ahead several chunks at once (striped: several nodes).
+
+Everything is bounded: bytes in flight, and prefetched-but-unused bytes as a share of the memory
+cache. A scan that turns out wrong and a reader that stops being sequential cancel their fetches
+in flight (unless a reader already waits for them); a co-access rule whose predictions go unused
+is dropped. The blob cache counts hits and wasted bytes; this module counts what it fetched, why,
+and what it cancelled.
+
+The prefetcher also keeps directory listings (readdirplus, one call per thousand entries) for the
+directories being read: they give positions for scans, resolve predicted and hinted paths without
+a lookup per component, and let the mount answer lookups from memory.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from contextlib import aclosing
+from dataclasses import asdict, dataclass
+
+import trio
+
+from ..errors import JPFSError, error
+from ..types import ROOT_INO, Attr, Chunk, Layout
+from .cache import BlobCache, Fetch
+from .meta import MetaClient
+
+log = logging.getLogger(__name__)
+
+_DIGITS = re.compile(r"\d+")
+
+
+@dataclass
+class PrefetchConfig:
+    """Limits and switches. Sizes are bytes."""
+
+    enabled: bool = True
+    small_file: int = 4 << 20
+    """Files up to this size are fetched whole (on open, and when predicted)."""
+    inflight_bytes: int = 64 << 20
+    """Bytes of prefetch fetches in flight at once."""
+    cache_share: float = 0.5
+    """Prefetched-but-unused bytes stay below this share of the memory cache."""
+    scan_start: int = 4
+    scan_max: int = 64
+    """A confirmed directory scan fetches this many entries ahead at most (files)."""
+    max_stride: int = 16
+    coaccess_min: int = 2
+    """Pairings seen this often become rules."""
+    coaccess_window: int = 8
+    """Opens per reading thread that a later open may be paired with."""
+    readahead_max: int = 8
+    """Chunks a sequential reader of a large file is read ahead at most."""
+    listing_entries: int = 500_000
+    """Directory entries kept in listings, over all directories."""
+    listing_page: int = 1000
+    batch_files: int = 256
+    batch_bytes: int = 32 << 20
+
+
+@dataclass
+class PrefetchStats:
+    listings: int = 0
+    listing_entries: int = 0
+    scan_streams: int = 0
+    scan_misses: int = 0
+    scan_files: int = 0
+    coaccess_pairs: int = 0
+    coaccess_rules: int = 0
+    coaccess_rules_dropped: int = 0
+    coaccess_predictions: int = 0
+    coaccess_hits: int = 0
+    coaccess_files: int = 0
+    hint_paths: int = 0
+    hint_files: int = 0
+    hint_opened: int = 0
+    hint_errors: int = 0
+    readahead_chunks: int = 0
+    batches: int = 0
+    batch_files: int = 0
+    batch_bytes: int = 0
+    batches_cancelled: int = 0
+    batch_errors: int = 0
+    skipped_budget: int = 0
+    skipped_cached: int = 0
+
+
+# ---- directory listings -------------------------------------------------------------------------
+
+class Listing:
+    """One directory's entries in name order (as readdir returns them), with attributes."""
+
+    __slots__ = ("ino", "names", "attrs", "pos", "fetched", "complete")
+
+    def __init__(self, ino: int, names: list[bytes], attrs: list[Attr], complete: bool):
+        self.ino = ino
+        self.names = names
+        self.attrs = attrs
+        self.pos = {n: i for i, n in enumerate(names)}
+        self.fetched = time.monotonic()
+        self.complete = complete
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+class Listings:
+    """Listings of recently read directories, bounded in entries (LRU by directory)."""
+
+    def __init__(self, meta: MetaClient, max_entries: int, page: int = 1000,
+                 stats: PrefetchStats | None = None):
+        self.meta = meta
+        self.max_entries = max_entries
+        self.page = page
+        self.stats = stats or PrefetchStats()
+        self._dirs: OrderedDict[int, Listing] = OrderedDict()
+        self._entries = 0
+        self._fetching: dict[int, trio.Event] = {}
+
+    def get(self, ino: int, max_age: float = float("inf")) -> Listing | None:
+        lst = self._dirs.get(ino)
+        if lst is None:
+            return None
+        if time.monotonic() - lst.fetched > max_age:
+            return None
+        self._dirs.move_to_end(ino)
+        return lst
+
+    def entry(self, parent: int, name: bytes, max_age: float) -> Attr | None | bool:
+        """The entry's attributes; False when a complete fresh listing says it does not exist;
+        None when unknown."""
+        lst = self.get(parent, max_age)
+        if lst is None:
+            return None
+        i = lst.pos.get(name)
+        if i is None:
+            return False if lst.complete else None
+        return lst.attrs[i]
+
+    def drop(self, ino: int) -> None:
+        lst = self._dirs.pop(ino, None)
+        if lst is not None:
+            self._entries -= len(lst)
+
+    def clear(self) -> None:
+        self._dirs.clear()
+        self._entries = 0
+
+    async def fetch(self, ino: int, max_age: float = float("inf")) -> Listing:
+        """The listing, fetched if missing or older than ``max_age`` (one fetch at a time per
+        directory; concurrent callers share it)."""
+        while True:
+            lst = self.get(ino, max_age)
+            if lst is not None:
+                return lst
+            ev = self._fetching.get(ino)
+            if ev is None:
+                break
+            await ev.wait()
+            if ino in self._dirs:
+                max_age = float("inf")  # the fetch we waited for is fresh enough
+        ev = self._fetching[ino] = trio.Event()
+        try:
+            names: list[bytes] = []
+            attrs: list[Attr] = []
+            complete = True
+            async with aclosing(self.meta.readdir(ino, plus=True, page=self.page)) as it:
+                async for e in it:
+                    if e.attr is None:
+                        continue
+                    if len(names) >= self.max_entries:
+                        complete = False
+                        break
+                    names.append(e.name)
+                    attrs.append(e.attr)
+            lst = Listing(ino, names, attrs, complete)
+            self.drop(ino)
+            self._dirs[ino] = lst
+            self._entries += len(lst)
+            while self._entries > self.max_entries and len(self._dirs) > 1:
+                _, old = self._dirs.popitem(last=False)
+                self._entries -= len(old)
+            self.stats.listings += 1
+            self.stats.listing_entries += len(lst)
+            return lst
+        finally:
+            del self._fetching[ino]
+            ev.set()
+
+
+# ---- the prefetcher ----------------------------------------------------------------------------
+
+class _Batch:
+    """Prefetch fetches in flight for one reason (a scan, a hint run, a file's readahead)."""
+
+    __slots__ = ("scopes", "blobs")
+
+    def __init__(self) -> None:
+        self.scopes: list[tuple[trio.CancelScope, list[bytes]]] = []
+
+
+class _Scan:
+    __slots__ = ("last", "last_name", "stride", "run", "ahead", "window", "batch")
+
+    def __init__(self, start: int):
+        self.last: int | None = None
+        self.last_name: bytes | None = None
+        self.stride = 0
+        self.run = 0
+        self.ahead = -1
+        self.window = start
+        self.batch = _Batch()
+
+
+class _Seq:
+    __slots__ = ("next", "run", "ahead", "window", "batch")
+
+    def __init__(self) -> None:
+        self.next = -1
+        self.run = 0
+        self.ahead = -1
+        self.window = 2
+        self.batch = _Batch()
+
+
+@dataclass
+class _Rule:
+    parts: tuple
+    seen: int = 0
+    predicted: int = 0
+    hits: int = 0
+    misses: int = 0
+    dropped: bool = False
+
+
+@dataclass
+class _Opened:
+    path: str
+    shape: str
+    runs: list[str]
+    base_run: int
+    """Index in ``runs`` of the last number in the file name (-1 when it has none)."""
+
+
+def shape_of(path: str) -> _Opened:
+    """A path's shape (numbers replaced by ``\\0``) and its numbers."""
+    runs = _DIGITS.findall(path)
+    shape = _DIGITS.sub("\0", path)
+    base = path.rsplit("/", 1)[-1]
+    nb = len(_DIGITS.findall(base))
+    return _Opened(path, shape, runs, len(runs) - 1 if nb else -1)
+
+
+def pairing(a: _Opened, b: _Opened) -> tuple | None:
+    """The rule that makes ``b``'s path from ``a``'s numbers: a tuple of literal strings and
+    indexes into ``a``'s numbers. None unless the number in ``b``'s file name comes from ``a``
+    (that is the evidence that they belong together)."""
+    if b.base_run < 0 or a.shape == b.shape:
+        return None
+    parts: list = []
+    pos = 0
+    mapped_base = False
+    for k, m in enumerate(_DIGITS.finditer(b.path)):
+        run = m.group()
+        j = _match(a.runs, run, k)
+        if j is None:
+            continue
+        if k == b.base_run:
+            mapped_base = True
+        parts.append(b.path[pos:m.start()])
+        parts.append(j)
+        pos = m.end()
+    if not mapped_base:
+        return None
+    parts.append(b.path[pos:])
+    return tuple(parts)
+
+
+def _match(runs: list[str], run: str, k: int) -> int | None:
+    """Index of ``run`` among ``runs`` (the same position preferred, else the last one)."""
+    if k < len(runs) and runs[k] == run:
+        return k
+    for j in range(len(runs) - 1, -1, -1):
+        if runs[j] == run:
+            return j
+    return None
+
+
+def apply_rule(parts: tuple, runs: list[str]) -> str | None:
+    out = []
+    for p in parts:
+        if isinstance(p, int):
+            if p >= len(runs):
+                return None
+            out.append(runs[p])
+        else:
+            out.append(p)
+    return "".join(out)
+
+
+class Prefetcher:
+    """Watches opens and reads, and fetches ahead into ``cache``.
+
+    Args:
+        meta: metadata calls (listings, layouts).
+        fetch: the storage read (``StorageClient.get``).
+        cache: where prefetched blobs go.
+        config: limits and switches.
+        kernel_has: ``(ino, version) -> bool``, whether the reader's side already holds that
+            version of the file (the mount's page cache); such files are not fetched again.
+    """
+
+    def __init__(self, meta: MetaClient, fetch: Fetch, cache: BlobCache,
+                 config: PrefetchConfig | None = None,
+                 kernel_has: Callable[[int, int], bool] | None = None):
+        self.meta = meta
+        self.fetch = fetch
+        self.cache = cache
+        self.config = config or PrefetchConfig()
+        self.kernel_has = kernel_has or (lambda ino, version: False)
+        self.stats = PrefetchStats()
+        self.listings = Listings(meta, self.config.listing_entries, self.config.listing_page,
+                                 self.stats)
+        self._nursery: trio.Nursery | None = None
+        self._inflight = 0
+        self._layouts: OrderedDict[int, Layout] = OrderedDict()
+        self._scans: OrderedDict[tuple[int, int], _Scan] = OrderedDict()
+        self._seqs: dict[object, _Seq] = {}
+        self._recent: OrderedDict[int, deque[_Opened]] = OrderedDict()
+        self._rules: dict[str, dict[tuple, _Rule]] = {}
+        self._predicted: OrderedDict[int, _Rule] = OrderedDict()
+        self._hints: deque[tuple[int, Attr]] = deque()
+        self._hinted: dict[int, int] = {}
+        self._hint_batch = _Batch()
+        self._hint_wake = trio.Event()
+        self.hint_errors: deque[str] = deque(maxlen=20)
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run prefetch tasks until cancelled (start it with ``nursery.start``)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._hint_worker)
+            task_status.started()
+            await trio.sleep_forever()
+
+    # ------------------------------------------------------------------ what the mount asks
+
+    def layout(self, ino: int) -> Layout | None:
+        """A layout fetched by prefetch (it is taken: the mount keeps its own from then on)."""
+        return self._layouts.pop(ino, None)
+
+    def _keep_layout(self, lay: Layout) -> None:
+        self._layouts[lay.attr.ino] = lay
+        self._layouts.move_to_end(lay.attr.ino)
+        while len(self._layouts) > 65536:
+            self._layouts.popitem(last=False)
+
+    def forget_dir(self, ino: int) -> None:
+        """A directory changed: its listing is stale."""
+        self.listings.drop(ino)
+
+    # ------------------------------------------------------------------ observations
+
+    def opened(self, stream: int, ino: int, parent: int, name: bytes, path: str, attr: Attr
+               ) -> None:
+        """A reader (``stream``: its thread id) opened ``path`` (file ``ino`` in ``parent``)."""
+        if not self.config.enabled:
+            return
+        if self._hinted and self._hinted.pop(ino, None) is not None:
+            self.stats.hint_opened += 1
+            self._hint_wake.set()
+        rule = self._predicted.pop(ino, None)
+        if rule is not None:
+            rule.hits += 1
+            self.stats.coaccess_hits += 1
+        self._scan(stream, parent, name)
+        self._coaccess(stream, path)
+
+    def read(self, key: object, layout: Layout, offset: int, size: int) -> None:
+        """A read of a large file through handle ``key``: read ahead while it is sequential."""
+        if not self.config.enabled:
+            return
+        st = self._seqs.get(key)
+        if st is None:
+            st = self._seqs[key] = _Seq()
+        cs = layout.chunk_size
+        if offset != st.next:
+            if st.run:
+                self._cancel(st.batch)
+            st.run = 0
+            st.window = 2
+            st.ahead = offset // cs
+        else:
+            st.run += 1
+        st.next = offset + size
+        if st.run < 1 and offset != 0:
+            return
+        idx = offset // cs
+        last = (layout.attr.size - 1) // cs if layout.attr.size else -1
+        if st.ahead > idx + st.window // 2:
+            return
+        if st.ahead > idx:
+            st.window = min(self.config.readahead_max, st.window * 2)
+        first = max(st.ahead, idx) + 1
+        end = min(last, idx + st.window)
+        if first > end:
+            return
+        by_index = {c.index: c for c in layout.chunks}
+        chunks = [by_index[i] for i in range(first, end + 1) if i in by_index]
+        st.ahead = end
+        if chunks:
+            self.stats.readahead_chunks += len(chunks)
+            self._launch(st.batch, chunks=chunks)
+
+    def closed(self, key: object) -> None:
+        st = self._seqs.pop(key, None)
+        if st is not None:
+            self._cancel(st.batch)
+
+    # ------------------------------------------------------------------ directory scans
+
+    def _scan(self, stream: int, parent: int, name: bytes) -> None:
+        key = (stream, parent)
+        st = self._scans.get(key)
+        if st is None:
+            st = self._scans[key] = _Scan(self.config.scan_start)
+            while len(self._scans) > 4096:
+                _, old = self._scans.popitem(last=False)
+                self._cancel(old.batch)
+        else:
+            self._scans.move_to_end(key)
+        lst = self.listings.get(parent)
+        if lst is None:
+            if st.last_name is None:
+                self._spawn(self._fetch_listing, parent)
+            st.last_name = name
+            return
+        pos = lst.pos.get(name)
+        if pos is None:
+            st.last_name, st.last = None, None
+            return
+        if st.last is None and st.last_name is not None:
+            st.last = lst.pos.get(st.last_name)
+        prev, st.last, st.last_name = st.last, pos, name
+        if prev is None:
+            return
+        s = pos - prev
+        cfg = self.config
+        if s > 0 and s == st.stride:
+            st.run += 1
+        elif 0 < s <= cfg.max_stride:
+            if st.stride:
+                self._cancel(st.batch)
+            st.stride, st.run, st.window, st.ahead = s, 1, cfg.scan_start, pos
+            self.stats.scan_streams += 1
+        else:
+            if st.stride:
+                self.stats.scan_misses += 1
+                self._cancel(st.batch)
+            st.stride, st.run, st.window, st.ahead = 0, 0, cfg.scan_start, pos
+            return
+        if not (st.run >= 2 or (s == 1 and st.run >= 1)):
+            return
+        if st.ahead >= pos and st.run > 2:
+            st.window = min(cfg.scan_max, st.window * 2)
+        stride = st.stride
+        have = max(0, (st.ahead - pos) // stride)
+        if have > st.window // 2:
+            return
+        start = max(st.ahead, pos) + stride
+        end = min(len(lst) - 1, pos + stride * st.window)
+        where = [i for i in range(start, end + 1, stride) if lst.attrs[i].is_reg]
+        done = self._launch(st.batch, attrs=[lst.attrs[i] for i in where])
+        if done:
+            self.stats.scan_files += done
+            st.ahead = where[done - 1]
+        elif not where:
+            st.ahead = max(st.ahead, end)
+
+    async def _fetch_listing(self, ino: int) -> None:
+        try:
+            await self.listings.fetch(ino)
+        except JPFSError as e:
+            log.debug("listing of directory %d failed: %s", ino, e.strerror)
+
+    # ------------------------------------------------------------------ co-access
+
+    def _coaccess(self, stream: int, path: str) -> None:
+        cfg = self.config
+        cur = shape_of(path)
+        recent = self._recent.get(stream)
+        if recent is None:
+            recent = self._recent[stream] = deque(maxlen=cfg.coaccess_window)
+            while len(self._recent) > 1024:
+                self._recent.popitem(last=False)
+        else:
+            self._recent.move_to_end(stream)
+        # learn: which earlier opens of this thread name the same number as this one?
+        seen_rules = set()
+        for prev in recent:
+            parts = pairing(prev, cur)
+            if parts is None or (prev.shape, parts) in seen_rules:
+                continue
+            seen_rules.add((prev.shape, parts))
+            rules = self._rules.setdefault(prev.shape, {})
+            rule = rules.get(parts)
+            if rule is None:
+                if len(rules) >= 64 or len(self._rules) > 4096:
+                    continue
+                rule = rules[parts] = _Rule(parts)
+            rule.seen += 1
+            self.stats.coaccess_pairs += 1
+            if rule.seen == cfg.coaccess_min:
+                self.stats.coaccess_rules += 1
+        recent.appendleft(cur)
+        # predict: this file's partners by the rules learned for its shape
+        rules = self._rules.get(cur.shape)
+        if not rules:
+            return
+        targets = []
+        for rule in rules.values():
+            if rule.dropped or rule.seen < cfg.coaccess_min:
+                continue
+            p = apply_rule(rule.parts, cur.runs)
+            if p is not None and p != path:
+                targets.append((p, rule))
+        if targets:
+            self.stats.coaccess_predictions += len(targets)
+            self._spawn(self._predict, targets)
+
+    async def _predict(self, targets: list[tuple[str, _Rule]]) -> None:
+        found = []
+        for path, rule in targets:
+            try:
+                got = await self.resolve(path)
+            except JPFSError:
+                got = None
+            if got is None or not got[2].is_reg:
+                self._miss(rule)
+                continue
+            attr = got[2]
+            if attr.ino in self._predicted or self.kernel_has(attr.ino, attr.version):
+                continue
+            rule.predicted += 1
+            self._predicted[attr.ino] = rule
+            while len(self._predicted) > 4096:
+                _, old = self._predicted.popitem(last=False)
+                self._miss(old)
+            found.append(attr)
+        if found:
+            self.stats.coaccess_files += len(found)
+            self._launch(None, attrs=found)
+
+    def _miss(self, rule: _Rule) -> None:
+        rule.misses += 1
+        if not rule.dropped and rule.misses >= 8 and rule.misses > rule.hits:
+            rule.dropped = True
+            self.stats.coaccess_rules_dropped += 1
+            log.info("co-access rule %r dropped: %d hits, %d misses", rule.parts, rule.hits,
+                     rule.misses)
+
+    def rules(self) -> list[dict]:
+        """Learned co-access rules (for stats)."""
+        out = []
+        for shape, rules in self._rules.items():
+            for r in rules.values():
+                if r.seen >= self.config.coaccess_min:
+                    out.append({"from": shape.replace("\0", "#"),
+                                "to": "".join(p if isinstance(p, str) else f"{{{p}}}"
+                                              for p in r.parts),
+                                "seen": r.seen, "predicted": r.predicted, "hits": r.hits,
+                                "misses": r.misses, "dropped": r.dropped})
+        return out[:100]
+
+    # ------------------------------------------------------------------ hints
+
+    async def hint(self, paths: Sequence[str]) -> int:
+        """Fetch these files, in this order, ahead of their reader. Raises ENOENT/EINVAL naming
+        the first path that is not a regular file (then nothing is queued)."""
+        if not paths:
+            return 0
+        got = await self.resolve_many(paths)
+        items = []
+        for p, r in zip(paths, got, strict=True):
+            if r is None:
+                self.stats.hint_errors += 1
+                raise error(errno.ENOENT, f"hint: no such file: {p}", p)
+            if not r[2].is_reg:
+                self.stats.hint_errors += 1
+                raise error(errno.EINVAL, f"hint: not a regular file: {p}", p)
+            items.append((r[2].ino, r[2]))
+        self.stats.hint_paths += len(items)
+        if self.config.enabled:
+            self._hints.extend(items)
+            self._hint_wake.set()
+        return len(items)
+
+    async def _hint_worker(self) -> None:
+        cfg = self.config
+        while True:
+            await self._hint_wake.wait()
+            self._hint_wake = trio.Event()
+            while self._hints:
+                room = self._room()
+                if room <= 0:
+                    break
+                picks: list[Attr] = []
+                size = 0
+                while self._hints and len(picks) < cfg.batch_files:
+                    ino, attr = self._hints[0]
+                    n = min(attr.size, cfg.small_file)
+                    if picks and (size + n > room or size + n > cfg.batch_bytes):
+                        break
+                    self._hints.popleft()
+                    if self.kernel_has(ino, attr.version):
+                        self.stats.skipped_cached += 1
+                        continue
+                    picks.append(attr)
+                    size += n
+                    self._hinted[ino] = n
+                    if len(self._hinted) > 1 << 20:
+                        del self._hinted[next(iter(self._hinted))]
+                if picks:
+                    self.stats.hint_files += len(picks)
+                    await self._batch(self._hint_batch, attrs=picks, reserved=0)
+
+    # ------------------------------------------------------------------ path resolution
+
+    async def resolve(self, path: str) -> tuple[int, bytes, Attr] | None:
+        """(parent, name, attributes) of a path from the root, through listings (symlinks are
+        not followed); None if it does not exist."""
+        (got,) = await self.resolve_many([path])
+        return got
+
+    async def resolve_many(self, paths: Sequence[str]) -> list[tuple[int, bytes, Attr] | None]:
+        out: list = [None] * len(paths)
+        dirs: dict[str, int | None] = {"": ROOT_INO}
+        for i, p in enumerate(paths):
+            head, _, name = p.strip("/").rpartition("/")
+            if not name:
+                continue
+            parent = dirs.get(head, -1)
+            if parent == -1:
+                parent = dirs[head] = await self._resolve_dir(head)
+            if parent is None:
+                continue
+            attr = await self._entry(parent, os.fsencode(name))
+            if attr is not None:
+                out[i] = (parent, os.fsencode(name), attr)
+        return out
+
+    async def _resolve_dir(self, head: str) -> int | None:
+        ino = ROOT_INO
+        for comp in head.split("/") if head else []:
+            if comp in ("", "."):
+                continue
+            attr = await self._entry(ino, os.fsencode(comp))
+            if attr is None or not attr.is_dir:
+                return None
+            ino = attr.ino
+        return ino
+
+    async def _entry(self, parent: int, name: bytes) -> Attr | None:
+        lst = await self.listings.fetch(parent)
+        i = lst.pos.get(name)
+        if i is not None:
+            return lst.attrs[i]
+        if lst.complete:
+            return None
+        try:
+            return await self.meta.lookup(parent, name)
+        except JPFSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                return None
+            raise
+
+    # ------------------------------------------------------------------ fetching
+
+    def _room(self) -> int:
+        """Bytes prefetch may add now: the in-flight bound and the cache-share bound."""
+        cfg = self.config
+        share = int(self.cache.memory_bytes * cfg.cache_share)
+        return min(cfg.inflight_bytes - self._inflight,
+                   share - self.cache.prefetched_unused_bytes - self._inflight)
+
+    def _spawn(self, fn, *args) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
+
+    def _launch(self, batch: _Batch | None, *, attrs: list[Attr] | None = None,
+                chunks: list[Chunk] | None = None) -> int:
+        """Start fetching files (whole when small, else their first chunk) or chunks, as many
+        from the front as the budget allows (their bytes are reserved now); returns how many
+        were taken care of (fetched, or not needed)."""
+        if self._nursery is None:
+            return 0
+        room = self._room()
+        small = self.config.small_file
+        done = size = 0
+        if attrs is not None:
+            keep = []
+            for a in attrs:
+                if self.kernel_has(a.ino, a.version):
+                    self.stats.skipped_cached += 1
+                    done += 1
+                    continue
+                n = min(a.size, small)
+                if size + n > room:
+                    self.stats.skipped_budget += 1
+                    break
+                keep.append(a)
+                size += n
+                done += 1
+            attrs = keep
+            if not keep:
+                return done
+        else:
+            assert chunks is not None
+            keep_c = []
+            for c in chunks:
+                if not self.cache.needs(c.blob):
+                    done += 1
+                    continue
+                if size + c.blob_len > room:
+                    self.stats.skipped_budget += 1
+                    break
+                keep_c.append(c)
+                size += c.blob_len
+                done += 1
+            chunks = keep_c
+            if not keep_c:
+                return done
+        self._inflight += size
+        self._nursery.start_soon(self._run_batch, batch, attrs, chunks, size)
+        return done
+
+    async def _run_batch(self, batch, attrs, chunks, reserved) -> None:
+        await self._batch(batch, attrs=attrs, chunks=chunks, reserved=reserved)
+
+    async def _batch(self, batch: _Batch | None, *, attrs: list[Attr] | None = None,
+                     chunks: list[Chunk] | None = None, reserved: int) -> None:
+        """Fetch layouts (for ``attrs``) then blobs, in one call per shard and per node."""
+        scope = trio.CancelScope()
+        entry: tuple[trio.CancelScope, list[bytes]] = (scope, [])
+        if batch is not None:
+            batch.scopes.append(entry)
+        extra = 0
+        try:
+            with scope:
+                if attrs is not None:
+                    inos = [a.ino for a in attrs]
+                    layouts = await self.meta.batch_layout(inos)
+                    chunks = []
+                    small = self.config.small_file
+                    for lay in layouts:
+                        if lay is None:
+                            continue
+                        self._keep_layout(lay)
+                        if lay.attr.size <= small:
+                            chunks.extend(lay.chunks)
+                        else:
+                            chunks.extend(c for c in lay.chunks if c.index == 0)
+                assert chunks is not None
+                chunks = [c for c in chunks if self.cache.needs(c.blob)]
+                entry[1].extend(c.blob for c in chunks)
+                if not chunks:
+                    return
+                if not reserved:
+                    extra = sum(c.blob_len for c in chunks)
+                    self._inflight += extra
+                n = await self.cache.prefetch(chunks, self.fetch)
+                self.stats.batches += 1
+                self.stats.batch_files += len(attrs) if attrs is not None else len(chunks)
+                self.stats.batch_bytes += n
+            if scope.cancelled_caught:
+                self.stats.batches_cancelled += 1
+        except JPFSError as e:
+            self.stats.batch_errors += 1
+            log.debug("prefetch failed: %s", e.strerror)
+        finally:
+            self._inflight -= reserved + extra
+            if batch is not None:
+                try:
+                    batch.scopes.remove(entry)
+                except ValueError:
+                    pass
+
+    def _cancel(self, batch: _Batch) -> None:
+        """The reason for these fetches proved wrong: cancel those no reader waits for."""
+        for scope, blobs in list(batch.scopes):
+            if not self.cache.waiting_on(blobs):
+                scope.cancel()
+
+    def as_dict(self) -> dict:
+        d = asdict(self.stats)
+        d.update(enabled=self.config.enabled, inflight_bytes=self._inflight,
+                 hints_queued=len(self._hints), hinted_unopened=len(self._hinted),
+                 listing_dirs=len(self.listings._dirs),
+                 listing_entries_kept=self.listings._entries, rules=self.rules())
+        return d
+
+
+__all__ = ["Listing", "Listings", "PrefetchConfig", "PrefetchStats", "Prefetcher", "apply_rule",
+           "pairing", "shape_of"]
