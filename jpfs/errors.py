@@ -86,6 +86,8 @@ def from_name(name: str, message: str | None = None) -> JPFSError:
         return ProtocolError(message or "protocol error")
     if err == _errno.EACCES and message and message.startswith("authentication"):
         return AuthError(message)
+    if err == _errno.ETIMEDOUT:
+        return DeadlineError(message or "deadline exceeded")
     return error(err, message)
 
 

@@ -129,6 +129,7 @@ async def test_errors_carry_errno(pool):
 
 
 async def test_deadline(pool):
+    # whichever side notices first (the client's deadline or the server's copy of it)
     with pytest.raises(DeadlineError):
         await pool.call(0, METHODS["nap"], [5], timeout=0.2)
     assert await pool.call(0, METHODS["nap"], [0.01]) == 0.01
