@@ -254,6 +254,8 @@ class _Rule:
 @dataclass
 class _Opened:
     path: str
+    body: str
+    """The path without its file extension (numbers in ``.mp4`` are not numbers)."""
     shape: str
     runs: list[str]
     base_run: int
@@ -262,11 +264,14 @@ class _Opened:
 
 def shape_of(path: str) -> _Opened:
     """A path's shape (numbers replaced by ``\\0``) and its numbers."""
-    runs = _DIGITS.findall(path)
-    shape = _DIGITS.sub("\0", path)
     base = path.rsplit("/", 1)[-1]
-    nb = len(_DIGITS.findall(base))
-    return _Opened(path, shape, runs, len(runs) - 1 if nb else -1)
+    stem, dot, ext = base.rpartition(".")
+    cut = len(ext) + 1 if dot and stem and len(ext) <= 8 else 0
+    body = path[:len(path) - cut]
+    runs = _DIGITS.findall(body)
+    shape = _DIGITS.sub("\0", body) + path[len(body):]
+    nb = len(_DIGITS.findall(base[:len(base) - cut]))
+    return _Opened(path, body, shape, runs, len(runs) - 1 if nb else -1)
 
 
 def pairing(a: _Opened, b: _Opened) -> tuple | None:
@@ -278,7 +283,7 @@ def pairing(a: _Opened, b: _Opened) -> tuple | None:
     parts: list = []
     pos = 0
     mapped_base = False
-    for k, m in enumerate(_DIGITS.finditer(b.path)):
+    for k, m in enumerate(_DIGITS.finditer(b.body)):
         run = m.group()
         j = _match(a.runs, run, k)
         if j is None:
@@ -481,7 +486,7 @@ class Prefetcher:
                 self._cancel(st.batch)
             st.stride, st.run, st.window, st.ahead = 0, 0, cfg.scan_start, pos
             return
-        if not (st.run >= 2 or (s == 1 and st.run >= 1)):
+        if st.run < 2:  # three opens at one stride before anything is fetched
             return
         if st.ahead >= pos and st.run > 2:
             st.window = min(cfg.scan_max, st.window * 2)

@@ -483,9 +483,8 @@ class Operations(pyfuse3.Operations):
         try:
             blobs = await self.cache.get(layout.chunks, self.fetch, sources)
         except JPFSError as e:
-            log.warning("fetching %s at open failed (its reads will retry): %s",
-                        self._name(h.node), e.strerror)
-            return "deferred"
+            log.warning("cannot read %s: %s", self._name(h.node), e.strerror)
+            raise
         h.data = assemble(layout, blobs)
         return _outcome(sources)
 

@@ -24,7 +24,7 @@ OPEN_OUTCOMES = ("kernel", "prefetched", "memory", "disk", "fetched", "joined", 
                  "empty", "write")
 """How an open was served: the kernel keeps its cached pages; the bytes were prefetched, in the
 memory or disk cache, fetched on demand, joined a fetch in flight, left for the reads (a large
-file, or a failed fetch); an empty file; a write open."""
+file); an empty file; a write open."""
 
 
 class MountStats:

@@ -1,0 +1,152 @@
+"""The mount's blob cache: bounds under a larger workload, reuse after a remount, corrupt cache
+files, shared fetches, and a mount that rides out a storage node restart."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+from fuse_support import mounted, requires_fuse
+
+import jpfs
+from jpfs import localcluster
+from jpfs.client.cache import HEADER, BlobCache, blob_path
+from jpfs.client.transfer import import_tree
+
+CHUNK = 1 << 20
+N = 300
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cachecluster")
+    localcluster.up(d, meta_shards=1, storage_nodes=2, chunk_size=CHUNK, sync=False)
+    src = tmp_path_factory.mktemp("cachesrc")
+    rng = random.Random(9)
+    for sub in ("d", "e"):
+        (src / sub).mkdir()
+        for i in range(N):
+            (src / sub / f"f{i:04d}").write_bytes(rng.randbytes(rng.randrange(10000, 20000)))
+    with jpfs.connect(d) as c:
+        c.run(import_tree, src, "/")
+    yield d, src
+    localcluster.down(d, timeout=5)
+
+
+def _read(p: Path) -> bytes:
+    with open(p, "rb") as f:
+        return f.read()
+
+
+def _disk_bytes(cache_dir: Path) -> int:
+    return sum(e.stat().st_size for e in (cache_dir / "blobs").rglob("*") if e.is_file())
+
+
+@requires_fuse
+def test_bounds_hold_under_a_workload_larger_than_the_cache(cluster, tmp_path):
+    c, src = cluster
+    names = sorted(os.listdir(src / "d"))
+    random.Random(1).shuffle(names)
+    mem, disk = 1 << 20, 3 << 20  # the files hold ~4.5 MiB
+    with mounted(c, tmp_path / "m", "--read-only", "--memory-cache", str(mem),
+                 "--cache-size", str(disk)) as m:
+        for k, n in enumerate(names):
+            assert _read(m / f"d/{n}") == (src / "d" / n).read_bytes()
+            if k % 25 == 0:
+                s = m.stats()["cache"]
+                assert s["memory_used"] <= mem and s["disk_used"] <= disk, s
+                assert _disk_bytes(m.cache_dir) <= disk
+        s = m.wait_for(lambda s: s["cache"]["write_queue_bytes"] == 0, what="writes drained")
+        cache = s["cache"]
+        assert cache["mem_evictions"] > 0 and cache["disk_evictions"] > 0
+        assert cache["memory_used"] <= mem and cache["disk_used"] <= disk
+        assert _disk_bytes(m.cache_dir) == cache["disk_used"] <= disk
+
+
+@requires_fuse
+def test_remount_reuses_the_disk_cache_and_catches_corrupt_files(cluster, tmp_path):
+    c, src = cluster
+    names = sorted(os.listdir(src / "e"))[:60]
+    cache_dir = tmp_path / "cache"
+    opts = ("--read-only", "--no-prefetch")
+    with mounted(c, tmp_path / "m1", *opts, cache_dir=cache_dir) as m:
+        for n in names:
+            _read(m / f"e/{n}")
+        m.wait_for(lambda s: s["cache"]["disk_blobs"] == 60, what="60 blobs on disk")
+    with jpfs.connect(c) as client:
+        blobs = [client.layout(f"/e/{n}").chunks[0].blob for n in names[:2]]
+    bad = blob_path(cache_dir, blobs[0])
+    raw = bytearray(bad.read_bytes())
+    raw[HEADER.size + 100] ^= 0xFF  # a flipped bit in the payload
+    bad.write_bytes(raw)
+    short = blob_path(cache_dir, blobs[1])
+    short.write_bytes(short.read_bytes()[:-10])  # a torn write
+    with mounted(c, tmp_path / "m2", *opts, cache_dir=cache_dir) as m:
+        for n in names:
+            assert _read(m / f"e/{n}") == (src / "e" / n).read_bytes()
+        s = m.stats()
+        assert s["cache"]["disk_hits"] == 58 and s["cache"]["disk_corrupt"] == 2
+        assert s["cache"]["misses"] == 2  # refetched from storage
+        assert s["fuse"]["opens"]["disk"] == 58
+
+
+async def test_concurrent_reads_of_one_blob_share_one_fetch(cluster):
+    c, _ = cluster
+    async with jpfs.aconnect(c) as client:
+        layout = await client.layout("/d/f0000")
+        cache = BlobCache(1 << 20)
+        fetches = []
+
+        async def fetch(chunks):
+            fetches.append(len(chunks))
+            return await client.storage.get(chunks)
+
+        views = []
+
+        async def reader() -> None:
+            views.append(await cache.get(layout.chunks, fetch))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(reader)
+        assert fetches == [1] and all(bytes(v[0]) == bytes(views[0][0]) for v in views)
+        assert cache.stats.joined == 4 and cache.stats.misses == 1
+        with pytest.raises(TypeError):
+            views[0][0][0] = 1  # cached bytes are read-only
+
+
+@requires_fuse
+@pytest.mark.slow
+def test_mount_rides_out_a_storage_node_restart(cluster, tmp_path):
+    c, src = cluster
+    with jpfs.connect(c) as client:
+        node_of = {n: client.layout(f"/e/{n}").chunks[0].nodes[0]
+                   for n in sorted(os.listdir(src / "e"))[200:]}
+    victim = next(iter(node_of.values()))  # a directory's small files share their nodes
+    on_victim = [n for n, x in node_of.items() if x == victim]
+    with mounted(c, tmp_path / "m", "--read-only", "--no-prefetch") as m:
+        assert _read(m / f"e/{on_victim[0]}") == (src / "e" / on_victim[0]).read_bytes()
+        # down, then back while a read waits for it: the read succeeds
+        localcluster.stop(c, "storage", victim)
+        restart = threading.Timer(1.0, localcluster.start, (c, "storage", victim),
+                                  {"sync": False})
+        restart.start()
+        try:
+            assert _read(m / f"e/{on_victim[1]}") == (src / "e" / on_victim[1]).read_bytes()
+        finally:
+            restart.join()
+        # down for longer than the retry window: EIO, and the mount recovers after
+        localcluster.kill(c, "storage", victim)
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as e:
+            _read(m / f"e/{on_victim[2]}")
+        assert e.value.errno == errno.EIO and time.monotonic() - t0 < 30
+        localcluster.start(c, "storage", victim, sync=False)
+        assert _read(m / f"e/{on_victim[2]}") == (src / "e" / on_victim[2]).read_bytes()
+        assert _read(m / f"e/{on_victim[3]}") == (src / "e" / on_victim[3]).read_bytes()

@@ -1,0 +1,177 @@
+"""Prefetch on a real mount: directory scans (in order, strided), random order (bounded waste),
+co-access learned across directories, hints, large sequential reads, and --no-prefetch."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from fuse_support import mounted, requires_fuse
+
+import jpfs
+from jpfs import localcluster
+from jpfs.client.transfer import import_tree
+
+pytestmark = [requires_fuse, pytest.mark.fuse]
+
+CHUNK = 1 << 20
+N_SCAN = 500
+EPISODES = 24
+CAMERAS = ("observation.images.top", "observation.images.wrist_1")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pfcluster")
+    localcluster.up(d, meta_shards=2, storage_nodes=2, chunk_size=CHUNK, sync=False)
+    src = tmp_path_factory.mktemp("pfsrc")
+    rng = random.Random(5)
+    (src / "scan").mkdir()
+    for i in range(N_SCAN):
+        (src / "scan" / f"sample_{i:05d}.bin").write_bytes(rng.randbytes(rng.randrange(8000,
+                                                                                    24000)))
+    # LeRobot-shaped, with our own names: nothing in the prefetcher knows them
+    for i in range(EPISODES):
+        p = src / "ds" / "data" / "chunk-000" / f"episode_{i:06d}.parquet"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(rng.randbytes(30000))
+        for cam in CAMERAS:
+            v = src / "ds" / "videos" / "chunk-000" / cam / f"episode_{i:06d}.mp4"
+            v.parent.mkdir(parents=True, exist_ok=True)
+            v.write_bytes(rng.randbytes(60000))
+    (src / "big.bin").write_bytes(rng.randbytes(24 * CHUNK))
+    with jpfs.connect(d) as c:
+        c.run(import_tree, src, "/")
+    yield d, src
+    localcluster.down(d, timeout=5)
+
+
+def _read(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _opens(m) -> dict:
+    return m.stats()["fuse"]["opens"]
+
+
+def _delta(a: dict, b: dict) -> dict:
+    return {k: b[k] - a[k] for k in b}
+
+
+def _served_ahead(d: dict) -> int:
+    """Opens whose bytes were there before the reader asked."""
+    return d["prefetched"] + d["memory"] + d["kernel"]
+
+
+def test_in_order_scan_hits(cluster, tmp_path):
+    c, src = cluster
+    names = sorted(os.listdir(src / "scan"))
+    with mounted(c, tmp_path / "m", "--read-only") as m:
+        for n in names[:10]:
+            _read(m / f"scan/{n}")
+        before = _opens(m)
+        for n in names[10:]:
+            assert _read(m / f"scan/{n}") == (src / "scan" / n).read_bytes()
+        d = _delta(before, _opens(m))
+        assert _served_ahead(d) >= 0.9 * (N_SCAN - 10), d
+        s = m.stats()
+        assert s["prefetch"]["batches"] < (N_SCAN - 10) / 4  # batched: many files per call
+        assert s["prefetch"]["scan_misses"] == 0
+
+
+def test_strided_scan_hits(cluster, tmp_path):
+    c, src = cluster
+    names = sorted(os.listdir(src / "scan"))[::3]
+    with mounted(c, tmp_path / "m", "--read-only") as m:
+        for n in names[:6]:
+            _read(m / f"scan/{n}")
+        before = _opens(m)
+        for n in names[6:]:
+            _read(m / f"scan/{n}")
+        d = _delta(before, _opens(m))
+        assert _served_ahead(d) >= 0.85 * (len(names) - 6), d
+
+
+def test_random_order_wastes_a_bounded_number_of_bytes(cluster, tmp_path):
+    c, src = cluster
+    names = sorted(os.listdir(src / "scan"))
+    rng = random.Random(11)
+    picks = rng.sample(names, 200)  # a random subset: anything prefetched but unread is waste
+    with mounted(c, tmp_path / "m", "--read-only") as m:
+        for n in picks:
+            assert _read(m / f"scan/{n}") == (src / "scan" / n).read_bytes()
+        cache = m.stats()["cache"]
+        wasted = cache["prefetched_bytes"] - cache["prefetch_hit_bytes"]
+        assert wasted <= 16 * 24000, cache  # at most a few small windows of false starts
+
+
+def test_coaccess_is_learned_then_hits(cluster, tmp_path):
+    c, src = cluster
+    order = list(range(EPISODES))
+    random.Random(3).shuffle(order)
+    with mounted(c, tmp_path / "m", "--read-only") as m:
+        base = m / "ds"
+
+        def episode(i: int) -> None:
+            _read(base / f"data/chunk-000/episode_{i:06d}.parquet")
+            for cam in CAMERAS:
+                _read(base / f"videos/chunk-000/{cam}/episode_{i:06d}.mp4")
+
+        for i in order[:4]:
+            episode(i)
+        before = _opens(m)
+        for i in order[4:]:
+            episode(i)
+        d = _delta(before, _opens(m))
+        videos = len(CAMERAS) * (EPISODES - 4)
+        assert d["prefetched"] >= 0.9 * videos, d
+        rules = m.stats()["prefetch"]["rules"]
+        assert any(r["from"].startswith("/ds/data/chunk-#/episode_#") and r["hits"] > 0
+                   for r in rules), rules
+
+
+def test_hinted_paths_are_fetched_before_they_are_opened(cluster, tmp_path):
+    c, src = cluster
+    names = sorted(os.listdir(src / "scan"))
+    rng = random.Random(7)
+    picks = rng.sample(names, 100)
+    with mounted(c, tmp_path / "m", "--read-only") as m:
+        m.hint([str(m / f"scan/{n}") for n in picks[:50]] + [f"scan/{n}" for n in picks[50:]])
+        m.wait_for(lambda s: s["prefetch"]["hint_files"] == 100
+                   and s["prefetch"]["inflight_bytes"] == 0, what="hinted files fetched")
+        before = _opens(m)
+        for n in picks:
+            assert _read(m / f"scan/{n}") == (src / "scan" / n).read_bytes()
+        d = _delta(before, _opens(m))
+        assert d["prefetched"] == 100, d
+        assert m.stats()["prefetch"]["hint_opened"] == 100
+
+
+def test_large_sequential_reads_read_ahead(cluster, tmp_path):
+    c, src = cluster
+    want = (src / "big.bin").read_bytes()
+    with mounted(c, tmp_path / "m", "--read-only", "--memory-cache", "64M") as m:
+        got = bytearray()
+        with open(m / "big.bin", "rb", buffering=0) as f:
+            while piece := f.read(1 << 20):
+                got += piece
+        assert got == want
+        s = m.stats()
+        assert s["prefetch"]["readahead_chunks"] >= 16
+        assert s["cache"]["prefetch_hits"] >= 16, s["cache"]  # most chunks were there in time
+
+
+def test_no_prefetch_turns_it_all_off(cluster, tmp_path):
+    c, src = cluster
+    names = sorted(os.listdir(src / "scan"))[:100]
+    with mounted(c, tmp_path / "m", "--read-only", "--no-prefetch") as m:
+        for n in names:
+            _read(m / f"scan/{n}")
+        s = m.stats()
+        assert s["fuse"]["opens"]["fetched"] == 100
+        assert s["cache"]["prefetched"] == 0 and s["prefetch"]["listings"] == 0
+        m.hint([f"scan/{names[0]}"])  # hints are still checked, but not fetched
+        assert m.stats()["prefetch"]["hint_files"] == 0
