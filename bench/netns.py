@@ -2,19 +2,21 @@
 round-trip delay and a rate limit, so the cost of network latency (and what prefetch hides of
 it) shows on a laptop.
 
-Host ``k`` is namespace ``jpfsb-<pid>-<k>`` joined to this namespace by a veth pair with the
-private addresses ``10.231.<s*16+k>.1`` (this side) and ``.2`` (the namespace side), where ``s``
-is a slot no other run on this machine uses. Nothing else is ever addressed: daemons listen on
-their namespace address, clients dial it (or a relay on this side of the veth), and no routes or
-forwarding are set up.
+Host ``k`` is namespace ``jpfsb-<pid>-<k>``, joined by a veth pair to a bridge in this
+namespace; the bridge has ``10.231.<s>.1`` and host ``k`` has ``10.231.<s>.<k+2>`` (a private /24
+of a slot ``s`` no other run on this machine uses). One L2 segment: this namespace reaches every
+host and hosts reach each other (metadata shards talk to each other) with no routes, no
+forwarding, nothing else addressed.
 
 - Rate: ``tbf`` on both ends of each veth (``--rate 10gbit``).
-- Delay: ``netem`` on both ends (half the RTT each way) where the kernel has it. Kernels built
-  without ``sch_netem`` (this project's VMs) get a relay instead: one process per host on this
-  side of the veth that forwards every TCP stream to the daemon, holding each piece for half the
-  RTT in each direction (threads sleeping to a deadline: ~50-100 us late, reported by measuring
-  the RPC round trip). The relay sits in the path at RTT 0 too, so a zero-latency baseline
-  pays the same copies and differs only in the delay.
+- Delay: ``netem`` on both ends of each veth (half the RTT each way) where the kernel has it; a
+  host then reaches another host in two veth hops (twice the RTT). Kernels built without
+  ``sch_netem`` (this project's VMs) get a relay instead: one process per host, listening on the
+  bridge address, that forwards every TCP stream to the daemon, holding each piece for half the
+  RTT in each direction (threads sleeping to a deadline: some 0.1 ms late under load, which is
+  why the RPC round trip is measured and reported). Clients and the other servers dial the
+  relay. It sits in the path at RTT 0 too, so a zero-latency baseline pays the same copies and
+  differs only in the delay.
 
 Everything is removed on exit, on exceptions, on SIGINT and SIGTERM, and the leftovers of a run
 that was killed (namespaces, veths, relays and daemons of a process that no longer exists) are
@@ -41,12 +43,13 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PREFIX = "jpfsb"
-"""Namespaces are ``jpfsb-<owner pid>-<host>``; root-side veths ``jb<owner pid>h<host>``."""
+"""Namespaces are ``jpfsb-<owner pid>-<host>``; veth ends here ``jb<owner pid>h<host>``, the
+bridge ``jb<owner pid>br``."""
 SUBNET = "10.231"
-MAX_HOSTS = 16
-MAX_SLOTS = 16
+MAX_HOSTS = 64
+MAX_SLOTS = 64
 _NS_RE = re.compile(rf"^{PREFIX}-(\d+)-(\d+)$")
-_VETH_RE = re.compile(r"^jb(\d+)h(\d+)$")
+_VETH_RE = re.compile(r"^jb(\d+)(?:h\d+|br)$")
 RELAY_MODULE = "jpfs_bench.netns"
 CMD_TIMEOUT = 20.0
 
@@ -215,8 +218,8 @@ class Host:
     index: int
     ns: str
     veth: str
-    outer: str  # this side of the veth
-    inner: str  # the namespace side: where daemons listen
+    outer: str  # the bridge's address in this namespace (where relays listen)
+    inner: str  # the host's address in its namespace (where daemons listen)
 
 
 class SimHosts:
@@ -242,6 +245,8 @@ class SimHosts:
         self.delay_file: Path | None = None
         self._old_handlers: dict[int, object] = {}
         self._made_ns: list[str] = []
+        self._made_links: list[str] = []
+        self.bridge = ""
 
     # ---- lifecycle
     def __enter__(self) -> SimHosts:
@@ -274,15 +279,20 @@ class SimHosts:
             raise RuntimeError(reason)
         slot = self._free_slot()
         pid = os.getpid()
+        self.bridge = f"jb{pid}br"
+        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+        self._made_links.append(self.bridge)
+        _run(["ip", "addr", "add", f"{SUBNET}.{slot}.1/24", "dev", self.bridge])
+        _run(["ip", "link", "set", self.bridge, "up"])
         for k in range(self.k):
-            third = slot * MAX_HOSTS + k
-            h = Host(k, f"{PREFIX}-{pid}-{k}", f"jb{pid}h{k}", f"{SUBNET}.{third}.1",
-                     f"{SUBNET}.{third}.2")
+            h = Host(k, f"{PREFIX}-{pid}-{k}", f"jb{pid}h{k}", f"{SUBNET}.{slot}.1",
+                     f"{SUBNET}.{slot}.{k + 2}")
             _run(["ip", "netns", "add", h.ns])
             self._made_ns.append(h.ns)
             _run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0",
                   "netns", h.ns])
-            _run(["ip", "addr", "add", f"{h.outer}/24", "dev", h.veth])
+            self._made_links.append(h.veth)
+            _run(["ip", "link", "set", h.veth, "master", self.bridge])
             _run(["ip", "link", "set", h.veth, "up"])
             self._ns(h, "ip", "addr", "add", f"{h.inner}/24", "dev", "eth0")
             self._ns(h, "ip", "link", "set", "eth0", "up")
@@ -308,10 +318,11 @@ class SimHosts:
         for ns in self._made_ns:
             _kill(ns_pids(ns))
             _run(["ip", "netns", "del", ns], check=False)
-        for h in self.hosts:
-            if h.veth in links():
-                _run(["ip", "link", "del", h.veth], check=False)
-        self._made_ns, self.hosts = [], []
+        have = links()
+        for name in self._made_links:
+            if name in have:
+                _run(["ip", "link", "del", name], check=False)
+        self._made_ns, self._made_links, self.hosts = [], [], []
         if self.delay_file:
             self.delay_file.unlink(missing_ok=True)
             self.delay_file = None
@@ -326,8 +337,7 @@ class SimHosts:
     def _free_slot(self) -> int:
         used = _run(["ip", "-o", "addr", "show"], check=False).stdout
         for s in range(MAX_SLOTS):
-            thirds = range(s * MAX_HOSTS, s * MAX_HOSTS + self.k)
-            if not any(f" {SUBNET}.{t}." in used for t in thirds):
+            if f" {SUBNET}.{s}." not in used:
                 return s
         raise RuntimeError(f"all {MAX_SLOTS} address slots of {SUBNET}.0.0/16 are in use")
 
@@ -376,8 +386,9 @@ class SimHosts:
         return f"{self.hosts[host].inner}:{port}"
 
     def start_relays(self, endpoints: Sequence[tuple[int, int]], work: Path) -> None:
-        """With the relay method: one relay per host forwarding ``outer:port`` to
-        ``inner:port`` for each (host, port); no-op with netem."""
+        """With the relay method: one relay per host forwarding ``bridge address:port`` to
+        ``host address:port`` for each (host, port) (ports are unique across hosts); no-op
+        with netem."""
         if self.method != "relay":
             return
         self.delay_file = work / f"relay-delay-{os.getpid()}"
@@ -402,8 +413,8 @@ class SimHosts:
                 _wait_port(h.outer, p, self.relays[-1])
 
     def client_address(self, host: int, port: int) -> str:
-        """What clients dial for a daemon on ``host``: the daemon itself (netem) or the relay
-        on this side of its veth."""
+        """What clients (and other servers) dial for a daemon on ``host``: the daemon itself
+        (netem) or its relay on the bridge address."""
         h = self.hosts[host]
         return f"{h.outer if self.method == 'relay' else h.inner}:{port}"
 
