@@ -47,7 +47,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .readers import Dataset, epoch_order, percentile, proc_cpu, run_readers, scan_dataset, share
+from .readers import (
+    Dataset,
+    epoch_order,
+    page_cache_drops,
+    percentile,
+    proc_cpu,
+    run_readers,
+    scan_dataset,
+    share,
+)
 
 log = logging.getLogger(__name__)
 
@@ -588,6 +597,7 @@ def run_epoch(setup: Setup, via: str, epoch: int, rtt: float | None) -> dict:
                          "method": cache["method"] + "; remote servers' caches not dropped"}
         if via.startswith("fuse"):
             marks["fuse"] = setup.mounts.stats(via)
+        marks["drops"] = page_cache_drops()
         marks["server_cpu"] = sum(proc_cpu(p) for p in servers)
         marks["mount_cpu"] = proc_cpu(mount_pid) if mount_pid else 0.0
         ranks.barrier()
@@ -599,6 +609,7 @@ def run_epoch(setup: Setup, via: str, epoch: int, rtt: float | None) -> dict:
                           progress=lambda f, b: bar.update(f))
     finally:
         bar.close()
+    disturbed = page_cache_drops() != marks.get("drops")
     server_cpu = sum(proc_cpu(p) for p in servers) - marks.get("server_cpu", 0.0)
     mount_cpu = (proc_cpu(mount_pid) - marks.get("mount_cpu", 0.0)) if mount_pid else 0.0
     pf = prefetch_summary(marks.get("fuse", {}), setup.mounts.stats(via)) \
@@ -615,6 +626,7 @@ def run_epoch(setup: Setup, via: str, epoch: int, rtt: float | None) -> dict:
         "errors": [e for r in res for e in r["errors"]][:20],
         "n_errors": sum(r["n_errors"] for r in res),
         "timed_out": any(r["timed_out"] for r in res), "cache": cache, "prefetch": pf,
+        "disturbed": disturbed,
     }
     every = ranks.gather(mine)
     if ranks.rank != 0:
@@ -654,6 +666,7 @@ def _combine(every: list[dict], via: str, epoch: int, rtt: float | None, cold: b
         "errors": [e for r in every for e in r["errors"]][:20],
         "n_errors": sum(r["n_errors"] for r in every),
         "timed_out": any(r["timed_out"] for r in every),
+        "page_cache_dropped_by_others": any(r["disturbed"] for r in every),
     }
 
 
@@ -820,6 +833,8 @@ def report(result: dict) -> None:
     for r in rows:
         vs = r.get("vs_local")
         state = "cold" if r["cold"] else ("warm" if r["epoch"] > 1 else "not cold")
+        if r["page_cache_dropped_by_others"]:
+            state += "*"
         row = [r["via"], f"{r['epoch']} {state}",
                f"{r['GBps']:.2f}", fmt_rate(r["files_per_s"]),
                "-" if not vs or vs["GBps"] is None else f"{vs['GBps']:.2f}x",
@@ -835,6 +850,9 @@ def report(result: dict) -> None:
                 f"process(es); load {result['load_avg']}")
     notes = sorted({r["cache"] for r in rows if r["epoch"] == 1})
     print("epoch 1 caches: " + "; ".join(notes))
+    if any(r["page_cache_dropped_by_others"] for r in rows):
+        print("* another process dropped the page cache during this measurement (shared "
+              "machine): its figure is not what its label says")
     t = {k: v for k, v in result["targets"].items() if v is not None}
     if t:
         print("ratios:")

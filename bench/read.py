@@ -15,7 +15,8 @@ Ways of reading (one process; the native ones keep --inflight calls in flight):
   into           the same round trips spelled out (stat_many, batch_layout, storage.get into
                  reused buffers): the read path without an allocation per file;
   open           client.open(path) + readinto a reused 4 MiB buffer (large file);
-  chunks         the large file's chunks, 8 per storage call, into a reused buffer.
+  chunks         the large file's chunks, 8 per storage call (--inflight at once), into
+                 reused buffers.
 
 The baseline of the server-side targets is a loopback stream of the large file with
 ``socket.sendfile`` into ``recv_into`` of 1 MiB, measured in every round. Warm figures are
@@ -41,6 +42,7 @@ from .readers import (
     Counters,
     Dataset,
     epoch_order,
+    page_cache_drops,
     proc_cpu,
     read_local,
     read_native,
@@ -146,11 +148,13 @@ def _sendfile_round(path: Path, port: int, server_pid: int) -> dict:
 
     size = path.stat().st_size
     sc = proc_cpu(server_pid)
+    drops = page_cache_drops()
     secs, cc = baseline(path, port)
     sc = proc_cpu(server_pid) - sc
     return {"GBps": size / secs / 1e9, "files_per_s": None, "seconds": secs, "bytes": size,
             "files": 1, "client_cpu_s_per_GB": cc / size * 1e9,
-            "server_cpu_s_per_GB": sc / size * 1e9}
+            "server_cpu_s_per_GB": sc / size * 1e9,
+            "page_cache_dropped_by_others": page_cache_drops() != drops}
 
 
 # ---------------------------------------------------------------------- workloads
@@ -190,15 +194,18 @@ async def _measure(client, name: str, sets: dict, args, daemon_pids: list[int]) 
     sizes = [ds.unit_sizes(u) for u in units]
     nfiles, nbytes = sum(map(len, units)), sum(map(sum, sizes))
     srv = sum(proc_cpu(p) for p in daemon_pids)
+    drops = page_cache_drops()
     if how == "local":
         c = await trio.to_thread.run_sync(lambda: read_local(ds.root, units, sizes))
     else:
         per_file = max(1.0, nfiles / max(1, len(units)))
         batch = max(1, round(args.batch / per_file)) if which == "small" else 1
         c = await read_native(client, sets["jpfs_" + which], units, sizes,
-                              inflight=args.inflight if which == "small" else 1, api=how,
+                              inflight=1 if how == "open" else args.inflight, api=how,
                               batch=batch)
-    return _row(c, sum(proc_cpu(p) for p in daemon_pids) - srv, nfiles, nbytes)
+    row = _row(c, sum(proc_cpu(p) for p in daemon_pids) - srv, nfiles, nbytes)
+    row["page_cache_dropped_by_others"] = page_cache_drops() != drops
+    return row
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -295,6 +302,8 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
                     for n in [c for c in COLD if c in names]:
                         how = drop_caches()
                         row = await _measure(client, n, sets, args, daemons)
+                        # someone else's drop after ours leaves it cold: no disturbance
+                        row["page_cache_dropped_by_others"] = False
                         cold[n] = {**row, "cache": how["method"], "cold": how["cold"]}
                         bar.update()
             return {"warm": {k: _median(v) for k, v in out.items()}, "cold": cold}
@@ -319,11 +328,17 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
 
 
 def _median(rows: list[dict]) -> dict:
-    out = {}
+    """Medians over rounds, of the rounds no other process disturbed when there are any."""
+    clean = [r for r in rows if not r.get("page_cache_dropped_by_others")]
+    use = clean or rows
+    out: dict = {}
     for k in rows[0]:
-        vals = [r[k] for r in rows if r[k] is not None]
+        if k == "page_cache_dropped_by_others":
+            continue
+        vals = [r[k] for r in use if r[k] is not None]
         out[k] = statistics.median(vals) if vals else None
-    out["rounds"] = len(rows)
+    out["rounds"] = len(use)
+    out["page_cache_dropped_by_others"] = not clean
     return out
 
 
@@ -366,7 +381,10 @@ def report(result: dict) -> None:
     rows = []
     for state in ("warm", "cold"):
         for name, r in result[state].items():
-            rows.append([name, state if state == "warm" or r.get("cold") else "not cold",
+            label = state if state == "warm" or r.get("cold") else "not cold"
+            if r.get("page_cache_dropped_by_others"):
+                label += "*"
+            rows.append([name, label,
                          f(r["GBps"]), "-" if r["files_per_s"] is None
                          else fmt_rate(r["files_per_s"]),
                          f(r.get("vs_local_GBps"), ".2f", "x"),
@@ -380,6 +398,9 @@ def report(result: dict) -> None:
                 f"{result['large_bytes'] / MiB:.0f} MiB large file; batch {result['batch']} "
                 f"files, {result['inflight']} in flight; warm = median of {result['rounds']}; "
                 f"load {result['load_avg']}")
+    if any(r.get("page_cache_dropped_by_others") for r in result["warm"].values()):
+        print("* every round of this workload had the page cache dropped by another process "
+              "(shared machine): not a warm figure")
     cold = {r.get("cache") for r in result["cold"].values()}
     if cold:
         print("cold: " + "; ".join(sorted(c for c in cold if c)))

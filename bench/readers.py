@@ -147,6 +147,19 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def page_cache_drops() -> int:
+    """How many times anyone on this machine dropped the page cache (``/proc/vmstat``): a
+    change during a warm measurement means another process made it (partly) cold."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("drop_pagecache "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-quantile (0..1) by nearest rank; None for no values."""
     if not values:
@@ -276,8 +289,9 @@ async def read_native(client, root: str, units: Sequence[Sequence[str]],
         ``storage.get(chunks, into=...)``) into buffers reused call after call: what the read
         path costs without allocating per file.
       - ``open``: ``client.open(path)`` and ``readinto`` a reused 4 MiB buffer (large files).
-      - ``chunks``: the file's layout, then ``storage.get`` of WINDOW chunks at a time into a
-        reused buffer (large files: what ``open`` could cost without its copy).
+      - ``chunks``: the file's layout, then ``storage.get`` of WINDOW chunks per call into
+        reused buffers, ``inflight`` calls at once, one file at a time (large files: what
+        ``open`` could cost without its copy).
     """
     import trio
 
@@ -288,6 +302,7 @@ async def read_native(client, root: str, units: Sequence[Sequence[str]],
 
     async def worker() -> None:
         arena = bytearray(0)
+        arenas = [bytearray(0) for _ in range(max(1, inflight))]
         big = memoryview(bytearray(4 * MiB)) if api == "open" else None
         for ks in it:
             if time.monotonic() > deadline:
@@ -305,10 +320,7 @@ async def read_native(client, root: str, units: Sequence[Sequence[str]],
                 elif api == "open":
                     got = [await _read_open(client, p, big) for p in paths]
                 elif api == "chunks":
-                    got = []
-                    for p in paths:
-                        n, arena = await _read_chunks(client, p, arena)
-                        got.append(n)
+                    got = [await _read_chunks(client, p, arenas) for p in paths]
                 else:
                     raise ValueError(f"unknown api {api!r}")
             except OSError as e:
@@ -326,7 +338,8 @@ async def read_native(client, root: str, units: Sequence[Sequence[str]],
 
     c.start, cpu = time.monotonic(), cpu_seconds()
     async with trio.open_nursery() as nursery:
-        for _ in range(max(1, inflight)):
+        # chunks: one file at a time, ``inflight`` windows of it at once
+        for _ in range(1 if api == "chunks" else max(1, inflight)):
             nursery.start_soon(worker)
     c.end, c.cpu_s = time.monotonic(), cpu_seconds() - cpu
     if tick:
@@ -366,22 +379,32 @@ WINDOW = 8
 """Chunks per storage call for the ``chunks`` api (spread over the nodes)."""
 
 
-async def _read_chunks(client, path: str, arena: bytearray) -> tuple[int, bytearray]:
+async def _read_chunks(client, path: str, arenas: list[bytearray]) -> int:
+    """The file's chunks, WINDOW per storage call, one call in flight per arena."""
+    import trio
+
     lay = await client.layout(path)
     chunks = sorted(lay.chunks, key=lambda c: c.index)
-    for k in range(0, len(chunks), WINDOW):
-        part = chunks[k:k + WINDOW]
-        need = sum(c.blob_len for c in part)
-        if len(arena) < need:
-            arena = bytearray(need)
-        view = memoryview(arena)
-        bufs, off = [], 0
-        for c in part:
-            bufs.append(view[off:off + c.blob_len])
-            off += c.blob_len
-        await client.storage.get(part, into=bufs)
-        del bufs, view
-    return lay.attr.size, arena
+    windows = iter(range(0, len(chunks), WINDOW))
+
+    async def one(slot: int) -> None:
+        for k in windows:
+            part = chunks[k:k + WINDOW]
+            need = sum(c.blob_len for c in part)
+            if len(arenas[slot]) < need:
+                arenas[slot] = bytearray(need)
+            view = memoryview(arenas[slot])
+            bufs, off = [], 0
+            for c in part:
+                bufs.append(view[off:off + c.blob_len])
+                off += c.blob_len
+            await client.storage.get(part, into=bufs)
+            del bufs, view
+
+    async with trio.open_nursery() as nursery:
+        for slot in range(len(arenas)):
+            nursery.start_soon(one, slot)
+    return lay.attr.size
 
 
 async def _read_open(client, path: str, buf: memoryview) -> int:
