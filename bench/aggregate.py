@@ -453,6 +453,7 @@ class Setup:
             start_cluster(self.hosts, d, meta_shards=args.meta_shards, storage_nodes=nodes)
         else:
             self.stack.callback(_down, d)
+            _loopback_addresses(d)
             localcluster.up(d, meta_shards=args.meta_shards, storage_nodes=nodes, sync=False)
         self.cluster_dir = d
         self.daemon_pids = [x.pid for x in _status(d) if x.pid]
@@ -510,6 +511,29 @@ def _down(d: Path) -> None:
 
     if (d / "cluster.toml").exists():
         localcluster.down(d, timeout=10)
+
+
+def _loopback_addresses(d: Path) -> None:
+    """A kept cluster that last ran on simulated hosts moves back to loopback ports."""
+    import dataclasses
+
+    from jpfs import config
+
+    path = d / "cluster.toml"
+    if not path.exists():
+        return
+    c = config.load(path)
+    if all(s.host_port[0].startswith("127.") for s in c.meta + c.storage):
+        return
+
+    def free() -> int:
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            return sk.getsockname()[1]
+
+    moved = {role: tuple(config.Server(f"127.0.0.1:{free()}", srv.data) for srv in servers)
+             for role, servers in (("meta", c.meta), ("storage", c.storage))}
+    config.write(dataclasses.replace(c, **moved), path)
 
 
 def _reset_addresses(d: Path) -> None:
