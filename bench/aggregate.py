@@ -122,6 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="episode order, reshuffled per epoch (default shuffled)")
     g.add_argument("--epochs", type=int, default=2,
                    help="epochs per via: the first cold, the rest warm (default 2)")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="repeat everything and report the median round of each figure (default "
+                        "1; 3 steadies a shared machine)")
     g.add_argument("--inflight", type=int, default=4,
                    help="native: episodes in flight per process (default 4)")
     g.add_argument("--batch", type=int, default=1,
@@ -727,8 +730,9 @@ def _ranks() -> Iterator[Ranks]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.clients < 1 or args.epochs < 1 or args.inflight < 1 or args.threads < 1:
-        raise SystemExit("--clients, --epochs, --inflight and --threads must be at least 1")
+    if min(args.clients, args.epochs, args.inflight, args.threads, args.rounds, args.batch) < 1:
+        raise SystemExit("--clients, --epochs, --rounds, --inflight, --batch and --threads must "
+                         "be at least 1")
     settings = _settings(args)
     with _ranks() as ranks, Setup(args, ranks) as setup:
         ds = setup.dataset
@@ -738,26 +742,30 @@ def run(args: argparse.Namespace) -> dict:
                   f"{args.order} order; {args.epochs} epoch(s) per via (first cold); "
                   f"native {args.inflight} episode(s) in flight x {args.batch} per call, "
                   f"local/FUSE {args.threads} thread(s); load {_load()}", flush=True)
-        rows: list[dict] = []
+        raw: list[dict] = []
         network: list[dict] = []
-        for rtt in settings:
-            if rtt is not None and setup.hosts is not None:
-                setup.hosts.set_rtt(rtt)
-                if ranks.rank == 0:
-                    m = measure_rtt(setup.cluster_file)
-                    network.append({"rtt_ms": rtt * 1e3, "measured_rpc_ms": m})
-                    print(f"RTT {rtt * 1e3:g} ms ({setup.hosts.method}): metadata RPC round "
-                          f"trip p50 {m['p50_ms']:.3f} ms, p99 {m['p99_ms']:.3f} ms", flush=True)
-            for epoch in range(1, args.epochs + 1):
-                for via in args.via:
-                    if via == "local" and rtt:
-                        continue  # local reads cross no network: measured once
-                    row = run_epoch(setup, via, epoch, rtt)
+        for rnd in range(1, args.rounds + 1):
+            for rtt in settings:
+                if rtt is not None and setup.hosts is not None:
+                    setup.hosts.set_rtt(rtt)
                     if ranks.rank == 0:
-                        rows.append(row)
-                        _check(row)
+                        m = measure_rtt(setup.cluster_file)
+                        network.append({"round": rnd, "rtt_ms": rtt * 1e3,
+                                        "measured_rpc_ms": m})
+                        print(f"RTT {rtt * 1e3:g} ms ({setup.hosts.method}): metadata RPC "
+                              f"round trip p50 {m['p50_ms']:.3f} ms, p99 {m['p99_ms']:.3f} ms",
+                              flush=True)
+                for epoch in range(1, args.epochs + 1):
+                    for via in args.via:
+                        if via == "local" and rtt:
+                            continue  # local reads cross no network: measured once
+                        row = run_epoch(setup, via, epoch, rtt)
+                        if ranks.rank == 0:
+                            _check(row)
+                            raw.append({**row, "round": rnd})
         if ranks.rank != 0:
             return {"rank": ranks.rank}
+        rows = merge_rounds(raw)
         _ratios(rows)
         result = {
             "benchmark": "aggregate",
@@ -765,7 +773,8 @@ def run(args: argparse.Namespace) -> dict:
                         "bytes": ds.bytes},
             "hosts_world": ranks.world, "clients_per_host": args.clients,
             "readers": ranks.world * args.clients, "order": args.order,
-            "epochs": args.epochs, "via": args.via, "inflight": args.inflight,
+            "epochs": args.epochs, "rounds": args.rounds, "via": args.via,
+            "inflight": args.inflight,
             "batch": args.batch, "threads": args.threads,
             "cluster": {"file": setup.cluster_file, "local_servers": setup.local_servers,
                         "import": setup.import_stats} if setup.cluster_file else None,
@@ -779,6 +788,23 @@ def run(args: argparse.Namespace) -> dict:
             result["plot"] = args.plot
             print(f"chart: {args.plot}")
         return result
+
+
+def merge_rounds(raw: list[dict]) -> list[dict]:
+    """One row per (via, epoch, RTT): the round with the median GB/s (so its latencies and CPU
+    figures belong together), with every round's GB/s and files/s alongside."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in raw:
+        groups.setdefault((r["via"], r["epoch"], r["rtt_ms"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        mid = sorted(rs, key=lambda r: r["GBps"])[len(rs) // 2]
+        out.append({**mid, "rounds": len(rs),
+                    "GBps_rounds": [r["GBps"] for r in rs],
+                    "files_per_s_rounds": [r["files_per_s"] for r in rs],
+                    "page_cache_dropped_by_others": any(r["page_cache_dropped_by_others"]
+                                                        for r in rs)})
+    return out
 
 
 def _check(row: dict) -> None:
@@ -869,9 +895,10 @@ def report(result: dict) -> None:
             row.insert(1, "-" if r["rtt_ms"] is None else f"{r['rtt_ms']:g}ms")
         table.append(row)
     print()
+    rounds = f"; median of {result['rounds']} rounds" if result["rounds"] > 1 else ""
     print_table(headers, table, title=f"aggregate reads: {result['dataset']['files']} files, "
                 f"{result['dataset']['bytes'] / 1e9:.2f} GB, {result['readers']} reader "
-                f"process(es); load {result['load_avg']}")
+                f"process(es){rounds}; load {result['load_avg']}")
     notes = sorted({r["cache"] for r in rows if r["epoch"] == 1})
     print("epoch 1 caches: " + "; ".join(notes))
     if any(r["page_cache_dropped_by_others"] for r in rows):

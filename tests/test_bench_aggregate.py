@@ -19,10 +19,11 @@ from jpfs_bench.readers import epoch_order, scan_dataset, share
 ROW_FIELDS = {"via", "epoch", "rtt_ms", "cold", "cache", "files", "bytes", "expected_files",
               "expected_bytes", "seconds", "GBps", "files_per_s", "latency_ms",
               "client_cpu_s_per_GB", "server_cpu_s_per_GB", "prefetch_hit_rate", "fuse_opens",
-              "fuse_requests_per_file", "errors", "n_errors", "timed_out", "vs_local"}
+              "fuse_requests_per_file", "errors", "n_errors", "timed_out", "vs_local", "rounds",
+              "GBps_rounds", "files_per_s_rounds", "page_cache_dropped_by_others"}
 TOP_FIELDS = {"benchmark", "dataset", "hosts_world", "clients_per_host", "readers", "order",
-              "epochs", "via", "inflight", "batch", "threads", "cluster", "network", "load_avg",
-              "results", "targets"}
+              "epochs", "rounds", "via", "inflight", "batch", "threads", "cluster", "network",
+              "load_avg", "results", "targets"}
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +107,14 @@ def test_aggregate_local_native_exact_and_complete(dataset, tmp_path):
     files, nbytes = truth(dataset)
     png = tmp_path / "agg.png"
     res = cli("aggregate", "--dataset", str(dataset), "--via", "local,native", "--clients", "2",
-              "--epochs", "2", "--no-drop", "--no-progress", "--work", str(tmp_path / "w"),
-              "--plot", str(png))
+              "--epochs", "2", "--rounds", "2", "--no-drop", "--no-progress",
+              "--work", str(tmp_path / "w"), "--plot", str(png))
     check_rows(res, files, nbytes)
     assert [(r["via"], r["epoch"]) for r in res["results"]] == [
         ("local", 1), ("native", 1), ("local", 2), ("native", 2)]
     assert res["readers"] == 2 and res["hosts_world"] == 1
+    assert all(r["rounds"] == 2 and len(r["GBps_rounds"]) == 2 for r in res["results"])
+    assert all(r["GBps"] in r["GBps_rounds"] for r in res["results"])
     assert res["dataset"] == {"root": str(dataset), "files": files, "episodes": 6,
                               "bytes": nbytes}
     assert res["results"][0]["cold"] is False  # --no-drop: epoch 1 is reported as not cold
