@@ -963,7 +963,8 @@ def plot(result: dict, path: str) -> None:
     axes[0].legend(fontsize=8)
     ds = result["dataset"]
     fig.suptitle(f"jpfs bench aggregate: {ds['files']} files, {ds['bytes'] / 1e9:.2f} GB, "
-                 f"{result['readers']} readers (ratios: vs local, same epoch)", fontsize=10)
+                 f"{result['readers']} readers; ratios vs local, same epoch; load "
+                 f"{result['load_avg'][0]:g} on {os.cpu_count()} CPUs", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
