@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import struct
 from collections import OrderedDict, deque
@@ -36,7 +37,14 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"JPFSBLB1"
 HEADER = struct.Struct("<8sQQ")
-"""Disk cache file header: magic, blob length, xxh3-64 of the blob."""
+"""Disk cache file header: magic, blob length, xxh3-64 of the blob; then the blob, then zeros
+up to a multiple of ``ALIGN`` (the files are written with O_DIRECT)."""
+ALIGN = 4096
+
+
+def file_size(blob_len: int) -> int:
+    """Bytes a blob's cache file takes (what the disk bound counts)."""
+    return (HEADER.size + blob_len + ALIGN - 1) // ALIGN * ALIGN
 
 WRITE_QUEUE_BYTES = 64 << 20
 """Blobs waiting for the disk writer; beyond this, new blobs are not written (it is a cache)."""
@@ -74,6 +82,9 @@ class CacheStats:
     disk_write_bytes: int = 0
     disk_write_dropped: int = 0
     disk_corrupt: int = 0
+    """Cache files whose bytes failed their checksum when read (deleted, fetched again)."""
+    disk_stale: int = 0
+    """Files found unusable when the cache was opened (torn writes, strays): deleted."""
     disk_errors: int = 0
 
 
@@ -118,7 +129,7 @@ class BlobCache:
         self._inflight: dict[bytes, _InFlight] = {}
         self._disk: OrderedDict[bytes, int] = OrderedDict()  # blob -> file bytes, LRU first
         self._disk_used = 0  # bytes of indexed files plus space reserved for writes under way
-        self._wq: deque[tuple[bytes, memoryview]] = deque()
+        self._wq: deque[tuple[bytes, int, memoryview]] = deque()
         self._wq_blobs: dict[bytes, memoryview] = {}
         self._wq_bytes = 0
         self._wq_ready = trio.Event()
@@ -137,6 +148,7 @@ class BlobCache:
             self._disk[blob] = size
             self._disk_used += size
         victims = self._reserve(0)
+        self.stats.disk_stale += len(stale)
         if stale or victims:
             await trio.to_thread.run_sync(_delete, self.disk_dir, victims, stale)
         log.info("disk cache %s: %d blobs, %.1f MiB of %.1f MiB", self.disk_dir, len(self._disk),
@@ -184,6 +196,19 @@ class BlobCache:
             self._hit(chunk.blob, len(view))
         return view
 
+    def delivered(self, blobs: Sequence[bytes]) -> None:
+        """These blobs now live where their reader reads them (the kernel's page cache): drop
+        them from memory at once. Memory that is freed and allocated again is cheap; memory
+        the cache keeps growing into costs a page fault per page (PERF.md), and the pages
+        would be held twice."""
+        for b in blobs:
+            view = self._mem.pop(b, None)
+            if view is not None:
+                self._mem_used -= len(view)
+                m = self._unused.pop(b, None)
+                if m is not None:
+                    self._unused_bytes -= m
+
     def waiting_on(self, blobs: Sequence[bytes]) -> bool:
         """Whether a reader waits for any of these blobs (a prefetch of them is still wanted)."""
         return any(f.waiters for b in blobs if (f := self._inflight.get(b)) is not None)
@@ -221,7 +246,7 @@ class BlobCache:
                 self.stats.joined += 1
             elif b in self._wq_blobs:
                 view = self._wq_blobs[b]
-                self._insert(b, view, prefetch=False, write=False)
+                self._insert(b, c.xxh, view, prefetch=False, write=False)
                 self.stats.mem_hits += 1
                 self.stats.mem_hit_bytes += len(view)
                 src.add("memory")
@@ -306,7 +331,7 @@ class BlobCache:
             view = view.toreadonly()
             b = chunks[i].blob
             self._inflight.pop(b, None)
-            self._insert(b, view, prefetch=prefetch)
+            self._insert(b, chunks[i].xxh, view, prefetch=prefetch)
             f = flights[i]
             f.view = view
             f.event.set()
@@ -349,7 +374,7 @@ class BlobCache:
             f = flights[i]
             if isinstance(res, memoryview):
                 view = res.toreadonly()
-                self._insert(b, view, prefetch=prefetch, write=False)
+                self._insert(b, chunks[i].xxh, view, prefetch=prefetch, write=False)
                 self.stats.disk_hits += 1
                 self.stats.disk_hit_bytes += len(view)
                 f.view = view
@@ -379,8 +404,8 @@ class BlobCache:
         st.mem_hit_bytes += n
         return "memory"
 
-    def _insert(self, blob: bytes, view: memoryview, *, prefetch: bool, write: bool = True
-                ) -> None:
+    def _insert(self, blob: bytes, xxh: int, view: memoryview, *, prefetch: bool,
+                write: bool = True) -> None:
         n = len(view)
         if n <= self.memory_bytes and blob not in self._mem:
             while self._mem_used + n > self.memory_bytes and self._mem:
@@ -402,18 +427,18 @@ class BlobCache:
             self.stats.prefetch_wasted += 1
             self.stats.prefetch_wasted_bytes += n
         if write and self.disk_dir is not None and blob not in self._disk:
-            self._queue_write(blob, view)
+            self._queue_write(blob, xxh, view)
 
     # ------------------------------------------------------------------ disk LRU
 
-    def _queue_write(self, blob: bytes, view: memoryview) -> None:
-        n = HEADER.size + len(view)
+    def _queue_write(self, blob: bytes, xxh: int, view: memoryview) -> None:
+        n = file_size(len(view))
         if n > self.disk_bytes or blob in self._wq_blobs:
             return
         if self._wq_bytes + len(view) > self.write_queue_bytes:
             self.stats.disk_write_dropped += 1
             return
-        self._wq.append((blob, view))
+        self._wq.append((blob, xxh, view))
         self._wq_blobs[blob] = view
         self._wq_bytes += len(view)
         self._wq_ready.set()
@@ -438,30 +463,31 @@ class BlobCache:
         """Write queued blobs to disk in batches, evicting old files first to make room."""
         root = self.disk_dir
         assert root is not None
+        staging = _Staging()
         while not self._closed:
             await self._wq_ready.wait()
             self._wq_ready = trio.Event()
             while self._wq and not self._closed:
-                taken: list[tuple[bytes, memoryview]] = []
+                taken: list[tuple[bytes, int, memoryview]] = []
                 size = 0
                 while self._wq and size < WRITE_BATCH_BYTES:
-                    blob, view = self._wq.popleft()
-                    taken.append((blob, view))
-                    size += HEADER.size + len(view)
-                batch = [(b, v) for b, v in taken if b not in self._disk]
-                need = sum(HEADER.size + len(v) for _, v in batch)
+                    item = self._wq.popleft()
+                    taken.append(item)
+                    size += file_size(len(item[2]))
+                batch = [t for t in taken if t[0] not in self._disk]
+                need = sum(file_size(len(v)) for _, _, v in batch)
                 victims = self._reserve(need)
-                reserved = need
-                self._disk_used += reserved
+                self._disk_used += need
                 try:
-                    written = await trio.to_thread.run_sync(_write_files, root, batch, victims)
+                    written = await trio.to_thread.run_sync(_write_files, root, batch, victims,
+                                                            staging)
                 except OSError as e:
                     log.warning("disk cache write failed: %s", e)
                     self.stats.disk_errors += 1
                     written = []
                 finally:
-                    self._disk_used -= reserved
-                    for blob, view in taken:
+                    self._disk_used -= need
+                    for blob, _, view in taken:
                         if self._wq_blobs.get(blob) is view:
                             del self._wq_blobs[blob]
                             self._wq_bytes -= len(view)
@@ -518,7 +544,7 @@ def _scan(root: Path) -> tuple[list[tuple[bytes, int]], list[Path]]:
                 st = e.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if st.st_size < HEADER.size:
+            if st.st_size < HEADER.size or st.st_size % ALIGN:
                 stale.append(Path(e.path))
                 continue
             found.append((st.st_mtime, blob, st.st_size))
@@ -534,31 +560,70 @@ def _delete(root: Path, blobs: list[bytes], paths: list[Path]) -> None:
             pass
 
 
-def _write_files(root: Path, batch: list[tuple[bytes, memoryview]], victims: list[bytes]
-                 ) -> list[tuple[bytes, int]]:
-    """Delete ``victims``, then write each blob to a temporary name and rename it in place."""
+class _Staging:
+    """An aligned buffer for O_DIRECT writes, used by one writer thread at a time."""
+
+    def __init__(self) -> None:
+        self.buf: mmap.mmap | None = None
+        self.direct = hasattr(os, "O_DIRECT")
+
+    def get(self, n: int) -> mmap.mmap:
+        if self.buf is None or len(self.buf) < n:
+            if self.buf is not None:
+                self.buf.close()
+            self.buf = mmap.mmap(-1, max(n, 1 << 20))
+        return self.buf
+
+
+def _write_files(root: Path, batch: list[tuple[bytes, int, memoryview]], victims: list[bytes],
+                 staging: _Staging) -> list[tuple[bytes, int]]:
+    """Delete ``victims``, then write each blob to a temporary name and rename it in place.
+
+    O_DIRECT where the filesystem allows it: the cache's pages then do not crowd the page
+    cache (which holds what readers read) and cost no page allocations."""
     _delete(root, victims, [])
-    h = xxhash.xxh3_64_intdigest
     done = []
-    for blob, view in batch:
+    for blob, xxh, view in batch:
         path = blob_path(root, blob)
         tmp = path.with_name(path.name + ".tmp")
+        n = file_size(len(view))
         try:
             path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(HEADER.pack(MAGIC, len(view), h(view)))
-                f.write(view)
+            _write_one(tmp, xxh, view, n, staging)
             os.replace(tmp, path)
         except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+            if e.errno != errno.ENOSPC:
+                raise
             break
-        done.append((blob, HEADER.size + len(view)))
+        done.append((blob, n))
     return done
+
+
+def _write_one(path: Path, xxh: int, view: memoryview, n: int, staging: _Staging) -> None:
+    buf = staging.get(n)
+    HEADER.pack_into(buf, 0, MAGIC, len(view), xxh)
+    end = HEADER.size + len(view)
+    buf[HEADER.size:end] = view
+    buf[end:n] = bytes(n - end)
+    if staging.direct:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            staging.direct = False  # tmpfs and friends: buffered it is
+        else:
+            try:
+                os.write(fd, memoryview(buf)[:n])
+            finally:
+                os.close(fd)
+            return
+    with open(path, "wb") as f:
+        f.write(memoryview(buf)[:n])
 
 
 def _read_files(root: Path, chunks: list[Chunk]) -> list[memoryview | str]:
@@ -573,14 +638,15 @@ def _read_files(root: Path, chunks: list[Chunk]) -> list[memoryview | str]:
                 head = f.read(HEADER.size)
                 buf = bytearray(c.blob_len)
                 n = f.readinto(buf)
-                extra = f.read(1)
+                extra = len(f.read(ALIGN + 1))
         except FileNotFoundError:
             out.append("missing")
             continue
         except OSError:
             out.append("corrupt")
             continue
-        ok = len(head) == HEADER.size and n == c.blob_len and not extra
+        ok = len(head) == HEADER.size and n == c.blob_len and \
+            HEADER.size + n + extra == file_size(c.blob_len)
         if ok:
             magic, length, xxh = HEADER.unpack(head)
             ok = magic == MAGIC and length == c.blob_len and xxh == c.xxh and h(buf) == c.xxh

@@ -72,6 +72,14 @@ class PrefetchConfig:
     listing_entries: int = 500_000
     """Directory entries kept in listings, over all directories."""
     listing_page: int = 1000
+    layouts: bool = False
+    """Fetch the layouts of a listed directory's files with its listing (one batch call per
+    shard): opens then need no metadata call. For mounts whose files do not change."""
+    sweep_after: int = 12
+    """A directory with this many distinct files opened, mostly out of name order (an epoch in
+    shuffled order), is fetched whole if it fits within the cache share."""
+    sweep_disorder: float = 0.25
+    """Share of those opens that went backwards in name order, for a sweep."""
     batch_files: int = 256
     batch_bytes: int = 32 << 20
 
@@ -94,6 +102,10 @@ class PrefetchStats:
     hint_opened: int = 0
     hint_errors: int = 0
     readahead_chunks: int = 0
+    sweeps: int = 0
+    sweep_files: int = 0
+    sweep_bytes: int = 0
+    layouts: int = 0
     batches: int = 0
     batch_files: int = 0
     batch_bytes: int = 0
@@ -108,7 +120,7 @@ class PrefetchStats:
 class Listing:
     """One directory's entries in name order (as readdir returns them), with attributes."""
 
-    __slots__ = ("ino", "names", "attrs", "pos", "fetched", "complete")
+    __slots__ = ("ino", "names", "attrs", "pos", "fetched", "complete", "layouts")
 
     def __init__(self, ino: int, names: list[bytes], attrs: list[Attr], complete: bool):
         self.ino = ino
@@ -117,6 +129,7 @@ class Listing:
         self.pos = {n: i for i, n in enumerate(names)}
         self.fetched = time.monotonic()
         self.complete = complete
+        self.layouts = False
 
     def __len__(self) -> int:
         return len(self.names)
@@ -228,6 +241,18 @@ class _Scan:
         self.ahead = -1
         self.window = start
         self.batch = _Batch()
+
+
+class _Sweep:
+    """Opens seen in one directory (any reader): how many distinct, how many went backwards."""
+
+    __slots__ = ("opened", "last", "back", "done")
+
+    def __init__(self) -> None:
+        self.opened: set[bytes] = set()
+        self.last = -1
+        self.back = 0
+        self.done = False
 
 
 class _Seq:
@@ -348,6 +373,8 @@ class Prefetcher:
         self._inflight = 0
         self._layouts: OrderedDict[int, Layout] = OrderedDict()
         self._scans: OrderedDict[tuple[int, int], _Scan] = OrderedDict()
+        self._sweeps: OrderedDict[int, _Sweep] = OrderedDict()
+        self._progress = trio.Event()
         self._seqs: dict[object, _Seq] = {}
         self._recent: OrderedDict[int, deque[_Opened]] = OrderedDict()
         self._rules: dict[str, dict[tuple, _Rule]] = {}
@@ -401,7 +428,9 @@ class Prefetcher:
             rule.hits += 1
             self.stats.coaccess_hits += 1
         self._scan(stream, parent, name)
+        self._sweep(parent, name)
         self._coaccess(stream, path)
+        self._notify()
 
     def read(self, key: object, layout: Layout, offset: int, size: int) -> None:
         """A read of a large file through handle ``key``: read ahead while it is sequential."""
@@ -506,9 +535,92 @@ class Prefetcher:
 
     async def _fetch_listing(self, ino: int) -> None:
         try:
-            await self.listings.fetch(ino)
+            await self._listing(ino)
         except JPFSError as e:
             log.debug("listing of directory %d failed: %s", ino, e.strerror)
+
+    async def _listing(self, ino: int) -> Listing:
+        """A directory's listing (fetched if needed), and its files' layouts with it."""
+        lst = await self.listings.fetch(ino)
+        if self.config.layouts and not lst.layouts:
+            lst.layouts = True
+            self._spawn(self._fetch_layouts, lst)
+        return lst
+
+    async def _fetch_layouts(self, lst: Listing) -> None:
+        inos = [a.ino for a in lst.attrs if a.is_reg]
+        for k in range(0, len(inos), 1000):
+            try:
+                got = await self.meta.batch_layout(inos[k:k + 1000])
+            except JPFSError as e:
+                log.debug("layouts of directory %d failed: %s", lst.ino, e.strerror)
+                return
+            for lay in got:
+                if lay is not None and lay.attr.ino not in self._layouts:
+                    self._keep_layout(lay)
+                    self.stats.layouts += 1
+
+    # ------------------------------------------------------------------ directory sweeps
+
+    def _sweep(self, parent: int, name: bytes) -> None:
+        cfg = self.config
+        sw = self._sweeps.get(parent)
+        if sw is None:
+            sw = self._sweeps[parent] = _Sweep()
+            while len(self._sweeps) > 4096:
+                self._sweeps.popitem(last=False)
+        if sw.done:
+            return
+        lst = self.listings.get(parent)
+        if lst is None or not lst.complete:
+            return
+        pos = lst.pos.get(name)
+        if pos is None or name in sw.opened:
+            return
+        sw.opened.add(name)
+        if pos < sw.last:
+            sw.back += 1
+        sw.last = pos
+        n = len(sw.opened)
+        if n < cfg.sweep_after or sw.back < n * cfg.sweep_disorder:
+            return
+        sw.done = True  # decided once per directory
+        small = cfg.small_file
+        todo = [a for i, a in enumerate(lst.attrs) if a.is_reg and 0 < a.size <= small
+                and lst.names[i] not in sw.opened and not self.kernel_has(a.ino, a.version)]
+        total = sum(a.size for a in todo)
+        share = self.cache.memory_bytes * cfg.cache_share
+        if not todo or total > share - self.cache.prefetched_unused_bytes - self._inflight:
+            return
+        self.stats.sweeps += 1
+        self.stats.sweep_files += len(todo)
+        self.stats.sweep_bytes += total
+        log.debug("sweeping directory %d: %d files, %d bytes", parent, len(todo), total)
+        self._spawn(self._run_sweep, todo)
+
+    async def _run_sweep(self, todo: list[Attr]) -> None:
+        """Fetch the files in name order (their order in the storage volumes), a batch at a
+        time, while there is room."""
+        cfg = self.config
+        k = 0
+        while k < len(todo):
+            picks, size = [], 0
+            while k < len(todo) and len(picks) < cfg.batch_files and \
+                    (not picks or size + todo[k].size <= cfg.batch_bytes):
+                a = todo[k]
+                k += 1
+                if not self.kernel_has(a.ino, a.version):
+                    picks.append(a)
+                    size += a.size
+            if not picks:
+                continue
+            while self._room() < size:
+                with trio.move_on_after(30) as idle:
+                    await self._progress.wait()
+                if idle.cancelled_caught:
+                    return  # nothing read or fetched for a while: the sweep is not wanted
+            self._inflight += size
+            await self._batch(None, attrs=picks, reserved=size)
 
     # ------------------------------------------------------------------ co-access
 
@@ -688,7 +800,7 @@ class Prefetcher:
         return ino
 
     async def _entry(self, parent: int, name: bytes) -> Attr | None:
-        lst = await self.listings.fetch(parent)
+        lst = await self._listing(parent)
         i = lst.pos.get(name)
         if i is not None:
             return lst.attrs[i]
@@ -702,6 +814,11 @@ class Prefetcher:
             raise
 
     # ------------------------------------------------------------------ fetching
+
+    def _notify(self) -> None:
+        """Wake tasks waiting for room (a batch ended, a reader opened something)."""
+        ev, self._progress = self._progress, trio.Event()
+        ev.set()
 
     def _room(self) -> int:
         """Bytes prefetch may add now: the in-flight bound and the cache-share bound."""
@@ -775,8 +892,13 @@ class Prefetcher:
         try:
             with scope:
                 if attrs is not None:
-                    inos = [a.ino for a in attrs]
-                    layouts = await self.meta.batch_layout(inos)
+                    known = self._layouts
+                    layouts = [known.get(a.ino) for a in attrs]
+                    missing = [a.ino for a, lay in zip(attrs, layouts, strict=True)
+                               if lay is None]
+                    if missing:
+                        got = iter(await self.meta.batch_layout(missing))
+                        layouts = [lay if lay is not None else next(got) for lay in layouts]
                     chunks = []
                     small = self.config.small_file
                     for lay in layouts:
@@ -806,6 +928,7 @@ class Prefetcher:
             log.debug("prefetch failed: %s", e.strerror)
         finally:
             self._inflight -= reserved + extra
+            self._notify()
             if batch is not None:
                 try:
                     batch.scopes.remove(entry)

@@ -218,7 +218,8 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
             await cache.open(nursery)
             client.data.cache = cache
             pf = Prefetcher(client.meta, client.storage.get, cache,
-                            PrefetchConfig(enabled=opts.prefetch, small_file=small))
+                            PrefetchConfig(enabled=opts.prefetch, small_file=small,
+                                           layouts=opts.read_only))
             await nursery.start(pf.run)
             root = await client.meta.getattr(ROOT_INO)
             ops = Operations(client, cache, pf, FuseConfig(

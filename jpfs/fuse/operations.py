@@ -463,6 +463,7 @@ class Operations(pyfuse3.Operations):
                     else:
                         keep = True
                         self.stats.notify_store_bytes += len(h.data)
+                        self.cache.delivered([c.blob for c in layout.chunks])
             else:
                 outcome = "deferred"
         except BaseException:

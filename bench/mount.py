@@ -1,0 +1,373 @@
+"""``jpfs bench mount``: a LeRobot-shaped tree read whole through a FUSE mount, against the local
+filesystem in the same run.
+
+The dataset (generated, or --dataset) is imported into a fresh local cluster and read episode by
+episode (its parquet, then every camera's mp4, each file whole), by R reader threads that take
+every R-th episode of the epoch's order (as DataLoader workers do), for two epochs:
+
+  epoch 1  cold: page cache dropped (the local tree, the servers' volumes, everything), a fresh
+           mount with empty memory and disk caches;
+  epoch 2  warm: the same files again (reshuffled when the order is shuffled).
+
+The same files in the same order are read
+
+  local            from the local copy (the baseline);
+  fuse             through `jpfs mount --read-only` (dataset mode), prefetch on;
+  fuse-noprefetch  the same mount with --no-prefetch;
+  fuse-rw          a read-write mount (opens revalidate, FLUSH is answered): what unchanged
+                   training code gets without --read-only (only with --via fuse-rw).
+
+Reported per order, readers and via: files/s and MB/s of each epoch and their ratio to local in
+the same epoch, FUSE requests per file opened (the mount's own counters: the cost that bounds a
+pyfuse3 mount, see PERF.md), how opens were served (prefetched, kernel page cache, fetched), and
+the mount daemon's CPU per file. The targets of the mount issue are checked at the end.
+
+examples:
+  jpfs bench mount                                  # 400 episodes x (1 parquet + 2 mp4s)
+  jpfs bench mount --episodes 1000 --cameras 3 --readers 1,8 --orders shuffled,name
+  jpfs bench mount --via local,fuse,fuse-noprefetch,fuse-rw --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+HELP = "FUSE mount files/s and FUSE requests per file, cold and warm, prefetch on/off, vs local"
+DESCRIPTION = __doc__
+VIAS = ("local", "fuse", "fuse-noprefetch", "fuse-rw")
+
+
+def _list(kind, choices=None):
+    def parse(text: str) -> list:
+        out = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        if not out or (choices and any(x not in choices for x in out)):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of "
+                                             f"{', '.join(choices) if choices else kind.__name__}")
+        return list(dict.fromkeys(out))
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from jpfs.config import parse_size
+
+    p.add_argument("--dataset", metavar="DIR", help="a local LeRobot v2.1 dataset (default: "
+                   "generate one)")
+    p.add_argument("--episodes", type=int, default=400, help="generated episodes (default 400)")
+    p.add_argument("--cameras", type=int, default=2, help="cameras (default 2)")
+    p.add_argument("--frames", type=int, default=300,
+                   help="frames per episode (parquet size; default 300)")
+    p.add_argument("--video-bytes", type=parse_size, default="512K",
+                   help="size of each stand-in mp4 (default 512K)")
+    p.add_argument("--seed", type=int, default=0, help="dataset and shuffle seed")
+    p.add_argument("--readers", type=_list(int), default=[1, 8],
+                   help="reader threads, comma-separated (default 1,8)")
+    p.add_argument("--orders", type=_list(str, ("shuffled", "name")),
+                   default=["shuffled", "name"], help="episode orders (default shuffled,name)")
+    p.add_argument("--via", type=_list(str, VIAS), default=["local", "fuse", "fuse-noprefetch"],
+                   help="what to read through (default local,fuse,fuse-noprefetch)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs per figure; the median is reported (default 1)")
+    p.add_argument("--no-drop-caches", action="store_true",
+                   help="do not drop the page cache before epoch 1 (then only the mount is "
+                   "cold; the local tree and the servers' volumes stay in memory)")
+    p.add_argument("--dir", help="work folder, kept afterwards (default: a temporary one)")
+
+
+# ---- reading ----------------------------------------------------------------------------------
+
+def _read_units(root: str, units: list[tuple[str, ...]], sizes: dict[str, int], largest: int,
+                barrier: threading.Barrier, out: dict) -> None:
+    buf = bytearray(largest + 1)
+    mv = memoryview(buf)
+    files = nbytes = 0
+    errors: list[str] = []
+    barrier.wait()
+    start = time.perf_counter()
+    for unit in units:
+        for rel in unit:
+            want = sizes[rel]
+            try:
+                with open(os.path.join(root, rel), "rb", buffering=0) as f:
+                    got = 0
+                    while got <= want:
+                        n = f.readinto(mv[got:want + 1])
+                        if not n:
+                            break
+                        got += n
+            except OSError as e:
+                errors.append(f"{rel}: {e}")
+                continue
+            if got != want:
+                errors.append(f"{rel}: read {got} bytes, expected {want}")
+            files += 1
+            nbytes += got
+    out.update(files=files, bytes=nbytes, start=start, end=time.perf_counter(), errors=errors)
+
+
+def read_epoch(root: str, ds, order: list[int], readers: int) -> dict:
+    """All units in ``order``, split round-robin over ``readers`` threads."""
+    from .readers import share
+
+    units = [ds.units[i] for i in order]
+    results = [{} for _ in range(readers)]
+    barrier = threading.Barrier(readers)
+    threads = [threading.Thread(target=_read_units, args=(
+        root, [units[j] for j in share(range(len(units)), k, readers)], ds.sizes, ds.largest,
+        barrier, results[k])) for k in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [e for r in results for e in r["errors"]]
+    if errors:
+        raise RuntimeError(f"{len(errors)} read errors, first: {errors[0]}")
+    seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
+    files = sum(r["files"] for r in results)
+    nbytes = sum(r["bytes"] for r in results)
+    return {"files": files, "bytes": nbytes, "seconds": seconds, "files_s": files / seconds,
+            "MBps": nbytes / seconds / 1e6}
+
+
+# ---- mounts -----------------------------------------------------------------------------------
+
+class Mount:
+    def __init__(self, cluster_file: str, work: Path, via: str, generation: int):
+        from jpfs.fuse import mount as fm
+
+        self.mp = work / f"mnt-{via}"
+        self.mp.mkdir(parents=True, exist_ok=True)
+        self.cache = work / f"cache-{via}-{generation}"
+        opts = fm.MountOptions(mountpoint=str(self.mp), cluster=cluster_file,
+                               cache_dir=str(self.cache), prefetch=via != "fuse-noprefetch",
+                               read_only=via != "fuse-rw",
+                               log_file=str(work / f"mount-{via}.log"))
+        self.pid = fm.start_background(opts)
+
+    def stats(self) -> dict:
+        return json.loads((self.mp / ".jpfs" / "stats").read_text())
+
+    def close(self) -> None:
+        from jpfs.fuse import mount as fm
+
+        try:
+            fm.unmount(str(self.mp))
+        except OSError as e:
+            log.warning("unmounting %s: %s; forcing", self.mp, e)
+            with contextlib.suppress(OSError):
+                fm.unmount(str(self.mp), lazy=True, force=True)
+        shutil.rmtree(self.cache, ignore_errors=True)
+
+
+def _fuse_delta(before: dict, after: dict, files: int, cpu: float) -> dict:
+    fb, fa = before["fuse"], after["fuse"]
+    opens = {k: fa["opens"][k] - fb["opens"][k] for k in fa["opens"]}
+    reqs = {k: fa["requests"][k] - fb["requests"][k] for k in fa["requests"]}
+    needed = sum(v for k, v in opens.items() if k not in ("kernel", "empty", "write"))
+    return {
+        "requests_per_file": (fa["requests_total"] - fb["requests_total"]) / files,
+        "requests": {k: v for k, v in reqs.items() if v},
+        "opens": {k: v for k, v in opens.items() if v},
+        "prefetch_hit_rate": opens.get("prefetched", 0) / needed if needed else None,
+        "mount_cpu_us_per_file": cpu / files * 1e6,
+    }
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+def _measure(via: str, order_name: str, readers: int, ds, local_root: str, cluster_file: str,
+             work: Path, args, generation: int) -> list[dict]:
+    from .aggregate import drop_caches
+    from .readers import epoch_order, proc_cpu
+
+    mount = None
+    try:
+        if via.startswith("fuse"):
+            mount = Mount(cluster_file, work, via, generation)
+            root = str(mount.mp) + "/dataset"
+        else:
+            root = local_root
+        cold = {"method": "skipped", "cold": False} if args.no_drop_caches else drop_caches()
+        out = []
+        for epoch in (1, 2):
+            order = epoch_order(len(ds.units), order_name, args.seed, epoch)
+            before = mount.stats() if mount else None
+            cpu0 = proc_cpu(mount.pid) if mount else 0.0
+            r = read_epoch(root, ds, order, readers)
+            r.update(via=via, order=order_name, readers=readers, epoch=epoch,
+                     cold=cold["cold"] if epoch == 1 else False)
+            if mount:
+                r.update(_fuse_delta(before, mount.stats(), r["files"],
+                                     proc_cpu(mount.pid) - cpu0))
+            out.append(r)
+        return out
+    finally:
+        if mount:
+            mount.close()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from jpfs.client.transfer import import_tree
+    from jpfs.fuse.mount import mount_entry
+
+    from .harness import temporary_cluster
+    from .readers import scan_dataset
+
+    if any(v.startswith("fuse") for v in args.via) and (os.geteuid() != 0 or
+                                                        not os.path.exists("/dev/fuse")):
+        raise SystemExit("jpfs bench mount: FUSE mounts need root and /dev/fuse")
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="jpfs-bench-mount-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        local_root = args.dataset or str(work / "dataset")
+        if not args.dataset and not (Path(local_root) / "meta").is_dir():
+            from jpfs.lerobot.generate import generate
+
+            print(f"generating {args.episodes} episodes x ({args.cameras} cameras) ...",
+                  flush=True)
+            generate(local_root, episodes=args.episodes, cameras=args.cameras,
+                     frames_per_episode=args.frames, video="stub",
+                     video_bytes=args.video_bytes, format="v2.1", seed=args.seed,
+                     progress=False)
+        ds = scan_dataset(local_root)
+        print(f"dataset: {ds.files} files in {len(ds.units)} episodes, "
+              f"{ds.bytes / 1e6:.0f} MB", flush=True)
+        with temporary_cluster(2, 2, directory=str(work / "cluster"), keep=bool(args.dir),
+                               sync=False) as cdir:
+            cluster_file = str(cdir / "cluster.toml")
+            if any(v.startswith("fuse") for v in args.via):
+                import jpfs
+
+                with jpfs.connect(cluster_file) as c:
+                    c.run(import_tree, local_root, "/dataset")
+            runs: list[dict] = []
+            generation = 0
+            for order in args.orders:
+                for readers in args.readers:
+                    for via in args.via:
+                        reps = []
+                        for _ in range(max(1, args.repeat)):
+                            generation += 1
+                            reps.append(_measure(via, order, readers, ds, local_root,
+                                                 cluster_file, work, args, generation))
+                        runs += _median(reps)
+                        _progress(runs[-2:])
+        for v in args.via:
+            if v.startswith("fuse") and mount_entry(str(work / f"mnt-{v}")):
+                raise RuntimeError(f"{work}/mnt-{v} is still mounted")
+        result = {"dataset": {"files": ds.files, "episodes": len(ds.units), "bytes": ds.bytes,
+                              "root": local_root},
+                  "runs": runs, "summary": summarize(runs, args)}
+        report(result, args)
+        return result
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _median(reps: list[list[dict]]) -> list[dict]:
+    """Per epoch, the run with the median files/s."""
+    out = []
+    for epoch_runs in zip(*reps, strict=True):
+        ranked = sorted(epoch_runs, key=lambda r: r["files_s"])
+        pick = dict(ranked[len(ranked) // 2])
+        if len(ranked) > 1:
+            pick["files_s_all"] = [round(r["files_s"]) for r in epoch_runs]
+        out.append(pick)
+    return out
+
+
+def _progress(rows: list[dict]) -> None:
+    for r in rows:
+        extra = f", {r['requests_per_file']:.2f} req/file" if "requests_per_file" in r else ""
+        print(f"  {r['order']:8s} {r['readers']} reader(s) {r['via']:16s} epoch {r['epoch']}: "
+              f"{r['files_s']:8.0f} files/s{extra}", flush=True)
+
+
+def _get(runs, via, order, readers, epoch) -> dict | None:
+    for r in runs:
+        if (r["via"], r["order"], r["readers"], r["epoch"]) == (via, order, readers, epoch):
+            return r
+    return None
+
+
+def summarize(runs: list[dict], args) -> dict:
+    """The issue's targets, each with its measured ratio (None where not measured)."""
+    out: dict[str, Any] = {}
+    targets = []
+
+    def ratio(a, b):
+        return a["files_s"] / b["files_s"] if a and b else None
+
+    for order in args.orders:
+        for readers in args.readers:
+            fuse2 = _get(runs, "fuse", order, readers, 2)
+            local2 = _get(runs, "local", order, readers, 2)
+            fuse1 = _get(runs, "fuse", order, readers, 1)
+            local1 = _get(runs, "local", order, readers, 1)
+            none1 = _get(runs, "fuse-noprefetch", order, readers, 1)
+            key = f"{order}_{readers}r"
+            if fuse2:
+                targets.append((f"{key}: epoch 2 FUSE requests per open", "<=", 2.0,
+                                fuse2["requests_per_file"]))
+            want = 0.3 if readers == 1 else 0.6
+            targets.append((f"{key}: epoch 2 files/s vs local", ">=", want,
+                            ratio(fuse2, local2)))
+            targets.append((f"{key}: epoch 1 files/s prefetch vs local cold", ">=", 1.0,
+                            ratio(fuse1, local1)))
+            targets.append((f"{key}: epoch 1 files/s prefetch vs no prefetch", ">=", 2.0,
+                            ratio(fuse1, none1)))
+    out["targets"] = [{"what": w, "goal": f"{op} {goal}", "value": v,
+                       "met": None if v is None else (v <= goal if op == "<=" else v >= goal)}
+                      for w, op, goal, v in targets]
+    return out
+
+
+def report(result: dict, args) -> None:
+    from .harness import fmt_rate, fmt_ratio, print_table
+
+    runs = result["runs"]
+    for order in args.orders:
+        for readers in args.readers:
+            rows = []
+            for via in args.via:
+                for epoch in (1, 2):
+                    r = _get(runs, via, order, readers, epoch)
+                    base = _get(runs, "local", order, readers, epoch)
+                    if r is None:
+                        continue
+                    rows.append([
+                        via, f"{epoch} ({'cold' if r['cold'] else 'warm'})"
+                        if epoch == 1 else "2 (warm)",
+                        fmt_rate(r["files_s"]), f"{r['MBps']:.0f}",
+                        fmt_ratio(r["files_s"] / base["files_s"] if base else None),
+                        f"{r['requests_per_file']:.2f}" if "requests_per_file" in r else "-",
+                        f"{r['prefetch_hit_rate']:.0%}" if r.get("prefetch_hit_rate")
+                        is not None else "-",
+                        f"{r['mount_cpu_us_per_file']:.0f}" if "mount_cpu_us_per_file" in r
+                        else "-",
+                    ])
+            print_table(["via", "epoch", "files/s", "MB/s", "vs local", "FUSE req/file",
+                         "prefetched", "mount CPU us/file"], rows,
+                        title=f"{order} order, {readers} reader thread(s), "
+                        f"{result['dataset']['files']} files per epoch")
+    rows = [[t["what"], t["goal"], "-" if t["value"] is None else f"{t['value']:.2f}",
+             {True: "yes", False: "NO", None: "-"}[t["met"]]]
+            for t in result["summary"]["targets"]]
+    print_table(["target", "goal", "measured", "met"], rows, title="targets")
+    if any(r.get("files_s_all") for r in runs):
+        print("(medians of", args.repeat, "runs;",
+              "spread:", statistics.mean(max(r["files_s_all"]) / min(r["files_s_all"])
+                                         for r in runs if r.get("files_s_all")), ")")
