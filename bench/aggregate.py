@@ -50,6 +50,7 @@ from typing import Any
 from .readers import (
     Dataset,
     epoch_order,
+    interrupt_on_sigterm,
     page_cache_drops,
     percentile,
     proc_cpu,
@@ -734,7 +735,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("--clients, --epochs, --rounds, --inflight, --batch and --threads must "
                          "be at least 1")
     settings = _settings(args)
-    with _ranks() as ranks, Setup(args, ranks) as setup:
+    with interrupt_on_sigterm(), _ranks() as ranks, Setup(args, ranks) as setup:
         ds = setup.dataset
         if ranks.rank == 0:
             print(f"jpfs bench aggregate: {ds.files} files in {len(ds.units)} episodes, "

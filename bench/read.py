@@ -42,6 +42,7 @@ from .readers import (
     Counters,
     Dataset,
     epoch_order,
+    interrupt_on_sigterm,
     page_cache_drops,
     proc_cpu,
     read_local,
@@ -215,7 +216,8 @@ def run(args: argparse.Namespace) -> dict:
     work = Path(args.work).resolve() if keep else Path(tempfile.mkdtemp(prefix="jpfs-read-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        return _run(args, work)
+        with interrupt_on_sigterm():
+            return _run(args, work)
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)

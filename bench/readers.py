@@ -14,11 +14,13 @@ send progress ticks and finally their counters over a queue.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import re
 import resource
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -107,6 +109,25 @@ def epoch_order(n: int, order: str, seed: int, epoch: int) -> list[int]:
 def share(order: Sequence[int], index: int, total: int) -> list[int]:
     """Reader ``index`` of ``total`` takes every ``total``-th unit of the epoch's order."""
     return list(order[index::total])
+
+
+@contextlib.contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """SIGTERM ends the run the way Ctrl-C does (KeyboardInterrupt), so every ``finally``
+    stops daemons, unmounts and removes namespaces (daemons and mounts run in sessions of
+    their own and would otherwise outlive us)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 # ---------------------------------------------------------------------- counters

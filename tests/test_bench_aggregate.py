@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -198,3 +200,43 @@ def test_read_bench_exact_and_complete(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "vs sendfile" in out and "targets:" in out
     assert not list((tmp_path / "w" / "cluster").glob("*.pid"))
+
+
+@requires_fuse
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_fuse_run_unmounts_and_stops_the_cluster(dataset, tmp_path, sig):
+    work = tmp_path / "w"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jpfs.cli.main", "bench", "aggregate", "--dataset", str(dataset),
+         "--via", "fuse", "--clients", "1", "--epochs", "500", "--no-drop", "--no-progress",
+         "--work", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while str(work) not in Path("/proc/mounts").read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("no mount came up: " + (proc.stderr.read() if proc.poll() is not None
+                                                    else "timeout"))
+            time.sleep(0.1)
+        daemons = [int(p.read_text()) for p in (work / "cluster").glob("*.pid")]
+        assert daemons
+        time.sleep(1.0)
+        proc.send_signal(sig)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert str(work) not in Path("/proc/mounts").read_text()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in daemons) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in daemons)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
