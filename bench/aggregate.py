@@ -383,8 +383,9 @@ class Setup:
         needs_cluster = any(v != "local" for v in args.via)
         if ranks.multi_host and needs_cluster and not args.cluster:
             raise SystemExit("across hosts, pass --cluster FILE (a cluster every host reaches)")
-        if ranks.multi_host and not args.dataset:
-            raise SystemExit("across hosts, pass --dataset DIR (a dataset every host has)")
+        if ranks.multi_host and not args.dataset and "local" in args.via:
+            raise SystemExit("across hosts, --via local needs --dataset DIR (a dataset every "
+                             "host has)")
         # the dataset: rank 0 generates (if asked) and lists it; every rank gets the listing
         listing = None
         if ranks.rank == 0:
@@ -406,6 +407,10 @@ class Setup:
             self._import()
         info = ranks.bcast(info)
         self.cluster_file, self.local_servers = info["file"], info["local"]
+        if args.cluster:  # every host reads its own copy of the cluster file
+            from jpfs import config
+
+            self.cluster_file = str(config.find_cluster_file(args.cluster).resolve())
         if any(v.startswith("fuse") for v in args.via):
             self.mounts = Mounts(self.cluster_file, self.work)
             self.stack.callback(self.mounts.close)
@@ -611,24 +616,28 @@ def run_epoch(setup: Setup, via: str, epoch: int, rtt: float | None) -> dict:
     expect_files = sum(len(u) for s in specs for u in s["units"])
     expect_bytes = sum(sum(z) for s in specs for z in s["sizes"])
     cache: dict = {"method": "none (warm epoch)", "cold": False}
-    servers = setup.daemon_pids if setup.local_servers else []
+    # the daemons' CPU is counted once, by rank 0 (the host that started or attached them)
+    servers = setup.daemon_pids if setup.local_servers and ranks.rank == 0 else []
     marks: dict = {}
 
     def before_go() -> None:
         nonlocal cache
         if cold and args.no_drop:
             cache = {"method": "not dropped (--no-drop)", "cold": False}
+        elif cold and ranks.local_rank != 0:
+            cache = {"method": "dropped by local rank 0", "cold": None}
         elif cold:
             cache = drop_caches(setup.cache_files())
             if setup.cluster_file and not setup.local_servers and via != "local":
                 cache = {**cache, "cold": False,
                          "method": cache["method"] + "; remote servers' caches not dropped"}
+        ranks.barrier()  # every host's drop is done before anyone takes its marks
         if via.startswith("fuse"):
             marks["fuse"] = setup.mounts.stats(via)
         marks["drops"] = page_cache_drops()
         marks["server_cpu"] = sum(proc_cpu(p) for p in servers)
         marks["mount_cpu"] = proc_cpu(mount_pid) if mount_pid else 0.0
-        ranks.barrier()
+        ranks.barrier()  # and everyone starts together
 
     bar = _bar(setup, f"{via} epoch {epoch} ({'cold' if cold else 'warm'})"
                + (f" rtt {rtt * 1e3:g}ms" if rtt else ""), expect_files)
@@ -677,7 +686,7 @@ def _combine(every: list[dict], via: str, epoch: int, rtt: float | None, cold: b
     needed = sum(v for k, v in opens.items() if k not in ("kernel", "empty", "write"))
     return {
         "via": via, "epoch": epoch, "rtt_ms": None if rtt is None else rtt * 1e3,
-        "cold": cold and all(r["cache"]["cold"] for r in every),
+        "cold": cold and all(r["cache"]["cold"] for r in every if r["cache"]["cold"] is not None),
         "cache": every[0]["cache"]["method"],
         "files": files, "bytes": nbytes,
         "expected_files": sum(r["expect_files"] for r in every),
