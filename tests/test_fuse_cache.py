@@ -16,7 +16,7 @@ from fuse_support import mounted, requires_fuse
 
 import jpfs
 from jpfs import localcluster
-from jpfs.client.cache import HEADER, BlobCache, blob_path
+from jpfs.client.cache import RECORD, BlobCache, scan_segment
 from jpfs.client.transfer import import_tree
 
 CHUNK = 1 << 20
@@ -45,7 +45,16 @@ def _read(p: Path) -> bytes:
 
 
 def _disk_bytes(cache_dir: Path) -> int:
-    return sum(e.stat().st_size for e in (cache_dir / "blobs").rglob("*") if e.is_file())
+    return sum(e.stat().st_size for e in (cache_dir / "segments").iterdir())
+
+
+def _locate(cache_dir: Path, blob: bytes) -> tuple[Path, int, int]:
+    """The segment file, record offset and length of a blob in a disk cache."""
+    for seg in sorted((cache_dir / "segments").iterdir()):
+        for b, off, n in scan_segment(seg)[0]:
+            if b == blob:
+                return seg, off, n
+    raise AssertionError(f"blob {blob.hex()} is not in {cache_dir}")
 
 
 @requires_fuse
@@ -82,19 +91,22 @@ def test_remount_reuses_the_disk_cache_and_catches_corrupt_files(cluster, tmp_pa
             _read(m / f"e/{n}")
         m.wait_for(lambda s: s["cache"]["disk_blobs"] == 60, what="60 blobs on disk")
     with jpfs.connect(c) as client:
-        blobs = [client.layout(f"/e/{n}").chunks[0].blob for n in names[:2]]
-    bad = blob_path(cache_dir, blobs[0])
-    raw = bytearray(bad.read_bytes())
-    raw[HEADER.size + 100] ^= 0xFF  # a flipped bit in the payload
-    bad.write_bytes(raw)
-    short = blob_path(cache_dir, blobs[1])
-    short.write_bytes(short.read_bytes()[:-10])  # a torn write
+        first = client.layout(f"/e/{names[0]}").chunks[0].blob
+        last = client.layout(f"/e/{names[-1]}").chunks[0].blob
+    seg, off, _ = _locate(cache_dir, first)
+    with open(seg, "r+b") as f:  # a flipped bit in a payload
+        f.seek(off + RECORD.size + 100)
+        b = f.read(1)
+        f.seek(off + RECORD.size + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    seg, off, _ = _locate(cache_dir, last)  # the last record written: torn by a "crash"
+    os.truncate(seg, off + RECORD.size + 10)
     with mounted(c, tmp_path / "m2", *opts, cache_dir=cache_dir) as m:
         for n in names:
             assert _read(m / f"e/{n}") == (src / "e" / n).read_bytes()
         s = m.stats()
         assert s["cache"]["disk_hits"] == 58 and s["cache"]["disk_corrupt"] == 1
-        assert s["cache"]["disk_stale"] == 1  # the torn file, dropped when the cache opened
+        assert s["cache"]["disk_stale"] == 1  # the torn record, dropped when the cache opened
         assert s["cache"]["misses"] == 2  # both refetched from storage
         assert s["fuse"]["opens"]["disk"] == 58
 

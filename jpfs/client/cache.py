@@ -3,12 +3,16 @@
 Blobs are immutable and named by random 128-bit ids, so the cache is keyed by blob id and never
 needs invalidating: a changed file points at new blob ids. Storage reads are verified by the
 storage client; a blob read back from the disk cache is verified here against the xxh3-64 that its
-chunk record carries, so a corrupt cache file is detected, deleted and fetched again.
+chunk record carries, so a corrupt cache file is detected and the blob fetched again.
 
-The disk cache is a directory of blob files (``blobs/ab/<32 hex>``: a header with the blob's
-length and checksum, then its bytes), written behind reads by one task (in a worker thread, in
-batches) and reused after a remount: the index is rebuilt from the files, oldest first. Space is
-reserved before a file is written, so neither cache ever holds more than its bound.
+The disk cache packs blobs into segment files (``segments/seg-<n>``), appended in batches by one
+writer task in a worker thread (O_DIRECT where the filesystem allows: cached bytes do not crowd
+the page cache). A file per blob would cost an inode allocation per small file and a slow scan of
+millions of files at mount; segments cost neither. Each record is a header (magic, blob id,
+length, checksum) and the blob. Space is reserved before a batch is written, and the oldest
+segment is dropped when a batch does not fit, so the disk cache never holds more than its bound;
+a blob read from the oldest half is written again at the head, which makes the order LRU-like.
+After a remount the index is rebuilt from the segments; a record torn by a crash ends its segment.
 
 Prefetched blobs are tagged until a reader uses them: a use counts as a prefetch hit, an eviction
 of a still-unused blob as wasted bytes. Concurrent requests for one blob share one fetch.
@@ -35,16 +39,12 @@ from ..types import Chunk
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"JPFSBLB1"
-HEADER = struct.Struct("<8sQQ")
-"""Disk cache file header: magic, blob length, xxh3-64 of the blob; then the blob, then zeros
-up to a multiple of ``ALIGN`` (the files are written with O_DIRECT)."""
+MAGIC = b"JPFSBLB2"
+RECORD = struct.Struct("<8s16sQQ")
+"""A disk cache record's header: magic, blob id, blob length, xxh3-64 of the blob."""
 ALIGN = 4096
-
-
-def file_size(blob_len: int) -> int:
-    """Bytes a blob's cache file takes (what the disk bound counts)."""
-    return (HEADER.size + blob_len + ALIGN - 1) // ALIGN * ALIGN
+"""Batches start at multiples of this (O_DIRECT) and are padded with zeros to the next one."""
+SEGMENT_BYTES = 64 << 20
 
 WRITE_QUEUE_BYTES = 64 << 20
 """Blobs waiting for the disk writer; beyond this, new blobs are not written (it is a cache)."""
@@ -53,6 +53,10 @@ WRITE_BATCH_BYTES = 16 << 20
 
 Fetch = Callable[[Sequence[Chunk]], Awaitable[list[memoryview]]]
 """Fetches whole blobs from storage, verified (``StorageClient.get``)."""
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass
@@ -84,7 +88,9 @@ class CacheStats:
     disk_corrupt: int = 0
     """Cache files whose bytes failed their checksum when read (deleted, fetched again)."""
     disk_stale: int = 0
-    """Files found unusable when the cache was opened (torn writes, strays): deleted."""
+    """Records found torn when the cache was opened (a crash while writing): dropped."""
+    disk_rewrites: int = 0
+    """Blobs read from the older half of the segments and written again at the head."""
     disk_errors: int = 0
 
 
@@ -103,9 +109,13 @@ class _InFlight:
         self.waiters = 0
 
 
-def blob_path(root: Path, blob: bytes) -> Path:
-    h = blob.hex()
-    return root / "blobs" / h[:2] / h
+class _Segment:
+    __slots__ = ("seq", "size", "blobs")
+
+    def __init__(self, seq: int, size: int = 0):
+        self.seq = seq
+        self.size = size
+        self.blobs: list[bytes] = []
 
 
 class BlobCache:
@@ -127,8 +137,10 @@ class BlobCache:
         self._unused: dict[bytes, int] = {}  # prefetched, not yet read: blob -> bytes
         self._unused_bytes = 0
         self._inflight: dict[bytes, _InFlight] = {}
-        self._disk: OrderedDict[bytes, int] = OrderedDict()  # blob -> file bytes, LRU first
-        self._disk_used = 0  # bytes of indexed files plus space reserved for writes under way
+        self._disk: dict[bytes, tuple[int, int, int]] = {}  # blob -> (segment, offset, length)
+        self._segs: OrderedDict[int, _Segment] = OrderedDict()  # oldest first
+        self._seg_bytes = min(SEGMENT_BYTES, max(ALIGN, _aligned(self.disk_bytes // 8)))
+        self._disk_used = 0  # bytes of segment files plus space reserved for a write under way
         self._wq: deque[tuple[bytes, int, memoryview]] = deque()
         self._wq_blobs: dict[bytes, memoryview] = {}
         self._wq_bytes = 0
@@ -143,16 +155,20 @@ class BlobCache:
         if self.disk_dir is None:
             return
         self._lock_fd = await trio.to_thread.run_sync(_lock_dir, self.disk_dir)
-        files, stale = await trio.to_thread.run_sync(_scan, self.disk_dir)
-        for blob, size in files:
-            self._disk[blob] = size
+        segs, torn = await trio.to_thread.run_sync(_scan, self.disk_dir)
+        for seq, size, records in segs:
+            seg = self._segs[seq] = _Segment(seq, size)
             self._disk_used += size
+            for blob, off, n in records:
+                self._disk[blob] = (seq, off, n)
+                seg.blobs.append(blob)
+        self.stats.disk_stale += torn
         victims = self._reserve(0)
-        self.stats.disk_stale += len(stale)
-        if stale or victims:
-            await trio.to_thread.run_sync(_delete, self.disk_dir, victims, stale)
-        log.info("disk cache %s: %d blobs, %.1f MiB of %.1f MiB", self.disk_dir, len(self._disk),
-                 self._disk_used / 2**20, self.disk_bytes / 2**20)
+        if victims:
+            await trio.to_thread.run_sync(_delete, self.disk_dir, victims)
+        log.info("disk cache %s: %d blobs in %d segments, %.1f MiB of %.1f MiB", self.disk_dir,
+                 len(self._disk), len(self._segs), self._disk_used / 2**20,
+                 self.disk_bytes / 2**20)
         nursery.start_soon(self._writer)
 
     def close(self) -> None:
@@ -352,11 +368,11 @@ class BlobCache:
             f = _InFlight(prefetch)
             self._inflight[chunks[i].blob] = f
             flights[i] = f
-            self._disk.move_to_end(chunks[i].blob)
-        want = [chunks[i] for i in idx]
+        want = [(chunks[i], self._disk[chunks[i].blob]) for i in idx]
+        old_half = set(list(self._segs)[:len(self._segs) // 2])
         got: list = [None] * len(idx)
         try:
-            got = await trio.to_thread.run_sync(_read_files, self.disk_dir, want)
+            got = await trio.to_thread.run_sync(_read_records, self.disk_dir, want)
         except BaseException as e:
             for i, f in flights.items():
                 self._inflight.pop(chunks[i].blob, None)
@@ -374,7 +390,12 @@ class BlobCache:
             f = flights[i]
             if isinstance(res, memoryview):
                 view = res.toreadonly()
+                loc = self._disk.get(b)
+                again = loc is not None and loc[0] in old_half  # keep it: write it at the head
                 self._insert(b, chunks[i].xxh, view, prefetch=prefetch, write=False)
+                if again:
+                    self._queue_write(b, chunks[i].xxh, view)
+                    self.stats.disk_rewrites += 1
                 self.stats.disk_hits += 1
                 self.stats.disk_hit_bytes += len(view)
                 f.view = view
@@ -382,9 +403,9 @@ class BlobCache:
             else:
                 if res == "corrupt":
                     self.stats.disk_corrupt += 1
-                    log.warning("disk cache file of blob %s is corrupt: deleted, fetching it "
+                    log.warning("the disk cache's copy of blob %s is corrupt: fetching it "
                                 "again", b.hex())
-                self._drop_disk(b)
+                self._disk.pop(b, None)
                 f.error = _Cancelled()
                 missing.append(i)
             f.event.set()
@@ -432,8 +453,7 @@ class BlobCache:
     # ------------------------------------------------------------------ disk LRU
 
     def _queue_write(self, blob: bytes, xxh: int, view: memoryview) -> None:
-        n = file_size(len(view))
-        if n > self.disk_bytes or blob in self._wq_blobs:
+        if RECORD.size + len(view) > self._seg_bytes or blob in self._wq_blobs:
             return
         if self._wq_bytes + len(view) > self.write_queue_bytes:
             self.stats.disk_write_dropped += 1
@@ -443,66 +463,82 @@ class BlobCache:
         self._wq_bytes += len(view)
         self._wq_ready.set()
 
-    def _reserve(self, n: int) -> list[bytes]:
-        """Evict LRU disk entries until ``n`` more bytes fit; returns the victims."""
+    def _reserve(self, n: int, keep: int | None = None) -> list[int]:
+        """Drop the oldest segments until ``n`` more bytes fit; returns the victims."""
         victims = []
-        while self._disk_used + n > self.disk_bytes and self._disk:
-            blob, size = self._disk.popitem(last=False)
-            self._disk_used -= size
-            victims.append(blob)
-            self.stats.disk_evictions += 1
-            self.stats.disk_evicted_bytes += size
+        while self._disk_used + n > self.disk_bytes and self._segs:
+            seq = next(iter(self._segs))
+            if seq == keep and len(self._segs) == 1:
+                break
+            seg = self._segs.pop(seq)
+            self._disk_used -= seg.size
+            victims.append(seq)
+            for b in seg.blobs:
+                loc = self._disk.get(b)
+                if loc is not None and loc[0] == seq:
+                    del self._disk[b]
+                    self.stats.disk_evictions += 1
+                    self.stats.disk_evicted_bytes += loc[2]
         return victims
 
-    def _drop_disk(self, blob: bytes) -> None:
-        size = self._disk.pop(blob, None)
-        if size is not None:
-            self._disk_used -= size
-
     async def _writer(self) -> None:
-        """Write queued blobs to disk in batches, evicting old files first to make room."""
+        """Append queued blobs to the head segment in batches, dropping old segments first to
+        make room, and starting a new segment when the head is full."""
         root = self.disk_dir
         assert root is not None
         staging = _Staging()
+        limit = min(WRITE_BATCH_BYTES, self._seg_bytes)
         while not self._closed:
             await self._wq_ready.wait()
             self._wq_ready = trio.Event()
             while self._wq and not self._closed:
                 taken: list[tuple[bytes, int, memoryview]] = []
                 size = 0
-                while self._wq and size < WRITE_BATCH_BYTES:
+                while self._wq and (not taken or size + RECORD.size + len(self._wq[0][2])
+                                    <= limit):
                     item = self._wq.popleft()
                     taken.append(item)
-                    size += file_size(len(item[2]))
-                batch = [t for t in taken if t[0] not in self._disk]
-                need = sum(file_size(len(v)) for _, _, v in batch)
-                victims = self._reserve(need)
+                    size += RECORD.size + len(item[2])
+                batch = taken
+                need = _aligned(sum(RECORD.size + len(v) for _, _, v in batch))
+                head = next(reversed(self._segs)) if self._segs else None
+                if head is None or self._segs[head].size + need > self._seg_bytes:
+                    head = (head or 0) + 1
+                    self._segs[head] = _Segment(head)
+                victims = self._reserve(need, keep=head)
+                if head not in self._segs:  # dropped to make room: start it again
+                    self._segs[head] = _Segment(head)
+                seg = self._segs[head]
+                offset = seg.size
+                seg.size += need
                 self._disk_used += need
                 try:
-                    written = await trio.to_thread.run_sync(_write_files, root, batch, victims,
-                                                            staging)
+                    placed = await trio.to_thread.run_sync(
+                        _append, root, head, offset, batch, victims, staging)
                 except OSError as e:
                     log.warning("disk cache write failed: %s", e)
                     self.stats.disk_errors += 1
-                    written = []
+                    placed = []
+                    if seg.size == offset + need:  # nothing was appended after it: give back
+                        seg.size = offset
+                        self._disk_used -= need
                 finally:
-                    self._disk_used -= need
                     for blob, _, view in taken:
                         if self._wq_blobs.get(blob) is view:
                             del self._wq_blobs[blob]
                             self._wq_bytes -= len(view)
-                for blob, n in written:
-                    if blob not in self._disk:
-                        self._disk[blob] = n
-                        self._disk_used += n
-                        self.stats.disk_writes += 1
-                        self.stats.disk_write_bytes += n
+                for blob, off, n in placed:
+                    self._disk[blob] = (head, off, n)
+                    seg.blobs.append(blob)
+                    self.stats.disk_writes += 1
+                    self.stats.disk_write_bytes += n
 
     def as_dict(self) -> dict:
         d = asdict(self.stats)
         d.update(memory_bytes=self.memory_bytes, memory_used=self._mem_used,
                  memory_blobs=len(self._mem), disk_bytes=self.disk_bytes,
                  disk_used=self._disk_used, disk_blobs=len(self._disk),
+                 disk_segments=len(self._segs),
                  disk_dir=str(self.disk_dir) if self.disk_dir else None,
                  prefetched_unused_bytes=self.prefetched_unused_bytes,
                  write_queue_bytes=self._wq_bytes)
@@ -511,8 +547,12 @@ class BlobCache:
 
 # ---- worker-thread helpers (no shared state: arguments in, results out) -------------------------
 
+def segment_path(root: Path, seq: int) -> Path:
+    return root / "segments" / f"seg-{seq:012d}"
+
+
 def _lock_dir(root: Path) -> int:
-    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    (root / "segments").mkdir(parents=True, exist_ok=True)
     fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -523,39 +563,46 @@ def _lock_dir(root: Path) -> int:
     return fd
 
 
-def _scan(root: Path) -> tuple[list[tuple[bytes, int]], list[Path]]:
-    """(blob, file size) of every cache file, oldest first; and leftovers to delete."""
-    found: list[tuple[float, bytes, int]] = []
-    stale: list[Path] = []
-    base = root / "blobs"
-    for sub in os.scandir(base):
-        if not sub.is_dir(follow_symlinks=False):
+def scan_segment(path: Path) -> tuple[list[tuple[bytes, int, int]], int, bool]:
+    """The records of one segment file: (blob, offset, length) each; the bytes the file holds;
+    and whether it ends in a torn record."""
+    out: list[tuple[bytes, int, int]] = []
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        pos = 0
+        while pos + RECORD.size <= size:
+            head = os.pread(f.fileno(), RECORD.size, pos)
+            magic, blob, n, _ = RECORD.unpack(head) if len(head) == RECORD.size else (b"",) * 4
+            if magic != MAGIC:
+                nxt = _aligned(pos)
+                if nxt == pos:  # an aligned position without a record: the end
+                    return out, size, any(os.pread(f.fileno(), 64, pos))
+                pos = nxt  # the padding after a batch
+                continue
+            if pos + RECORD.size + n > size:
+                return out, size, True
+            out.append((blob, pos, n))
+            pos += RECORD.size + n
+    return out, size, False
+
+
+def _scan(root: Path) -> tuple[list[tuple[int, int, list]], int]:
+    """Every segment, oldest first: (number, bytes, records); and how many were torn."""
+    segs = []
+    torn = 0
+    for e in sorted(os.scandir(root / "segments"), key=lambda e: e.name):
+        if not e.name.startswith("seg-") or not e.name[4:].isdigit():
             continue
-        for e in os.scandir(sub.path):
-            name = e.name
-            try:
-                blob = bytes.fromhex(name) if len(name) == 32 else None
-            except ValueError:
-                blob = None
-            if blob is None or name[:2] != sub.name:
-                stale.append(Path(e.path))
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if st.st_size < HEADER.size or st.st_size % ALIGN:
-                stale.append(Path(e.path))
-                continue
-            found.append((st.st_mtime, blob, st.st_size))
-    found.sort()
-    return [(b, n) for _, b, n in found], stale
+        records, size, bad = scan_segment(Path(e.path))
+        torn += bad
+        segs.append((int(e.name[4:]), size, records))
+    return segs, torn
 
 
-def _delete(root: Path, blobs: list[bytes], paths: list[Path]) -> None:
-    for p in [blob_path(root, b) for b in blobs] + paths:
+def _delete(root: Path, segs: list[int]) -> None:
+    for seq in segs:
         try:
-            os.unlink(p)
+            os.unlink(segment_path(root, seq))
         except FileNotFoundError:
             pass
 
@@ -575,94 +622,72 @@ class _Staging:
         return self.buf
 
 
-def _write_files(root: Path, batch: list[tuple[bytes, int, memoryview]], victims: list[bytes],
-                 staging: _Staging) -> list[tuple[bytes, int]]:
-    """Delete ``victims``, then write each blob to a temporary name and rename it in place.
-
-    O_DIRECT where the filesystem allows it: the cache's pages then do not crowd the page
-    cache (which holds what readers read) and cost no page allocations."""
-    _delete(root, victims, [])
-    done = []
+def _append(root: Path, seq: int, offset: int, batch: list[tuple[bytes, int, memoryview]],
+            victims: list[int], staging: _Staging) -> list[tuple[bytes, int, int]]:
+    """Delete the ``victims`` segments, then write ``batch`` as records at ``offset`` (aligned)
+    of segment ``seq``, padded to ``ALIGN``; returns (blob, record offset, length) each."""
+    _delete(root, victims)
+    total = _aligned(sum(RECORD.size + len(v) for _, _, v in batch))
+    buf = staging.get(total)
+    placed = []
+    pos = 0
     for blob, xxh, view in batch:
-        path = blob_path(root, blob)
-        tmp = path.with_name(path.name + ".tmp")
-        n = file_size(len(view))
-        try:
-            path.parent.mkdir(exist_ok=True)
-            _write_one(tmp, xxh, view, n, staging)
-            os.replace(tmp, path)
-        except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if e.errno != errno.ENOSPC:
-                raise
-            break
-        done.append((blob, n))
-    return done
-
-
-def _write_one(path: Path, xxh: int, view: memoryview, n: int, staging: _Staging) -> None:
-    buf = staging.get(n)
-    HEADER.pack_into(buf, 0, MAGIC, len(view), xxh)
-    end = HEADER.size + len(view)
-    buf[HEADER.size:end] = view
-    buf[end:n] = bytes(n - end)
+        RECORD.pack_into(buf, pos, MAGIC, blob, len(view), xxh)
+        buf[pos + RECORD.size:pos + RECORD.size + len(view)] = view
+        placed.append((blob, offset + pos, len(view)))
+        pos += RECORD.size + len(view)
+    buf[pos:total] = bytes(total - pos)
+    path = segment_path(root, seq)
+    fd = -1
     if staging.direct:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             staging.direct = False  # tmpfs and friends: buffered it is
-        else:
-            try:
-                os.write(fd, memoryview(buf)[:n])
-            finally:
-                os.close(fd)
-            return
-    with open(path, "wb") as f:
-        f.write(memoryview(buf)[:n])
+    if fd < 0:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, memoryview(buf)[:total], offset)
+    finally:
+        os.close(fd)
+    return placed
 
 
-def _read_files(root: Path, chunks: list[Chunk]) -> list[memoryview | str]:
-    """Each blob from its cache file, verified against the chunk record's length and xxh:
-    a view, or "missing" / "corrupt"."""
+def _read_records(root: Path, want: list[tuple[Chunk, tuple[int, int, int]]]
+                  ) -> list[memoryview | str]:
+    """Each blob from its record, verified against the chunk record's id, length and xxh: a
+    view, or "missing" / "corrupt"."""
     h = xxhash.xxh3_64_intdigest
     out: list[memoryview | str] = []
-    for c in chunks:
-        path = blob_path(root, c.blob)
-        try:
-            with open(path, "rb") as f:
-                head = f.read(HEADER.size)
-                buf = bytearray(c.blob_len)
-                n = f.readinto(buf)
-                extra = len(f.read(ALIGN + 1))
-        except FileNotFoundError:
-            out.append("missing")
-            continue
-        except OSError:
-            out.append("corrupt")
-            continue
-        ok = len(head) == HEADER.size and n == c.blob_len and \
-            HEADER.size + n + extra == file_size(c.blob_len)
-        if ok:
-            magic, length, xxh = HEADER.unpack(head)
-            ok = magic == MAGIC and length == c.blob_len and xxh == c.xxh and h(buf) == c.xxh
-        if not ok:
+    fds: dict[int, int] = {}
+    try:
+        for c, (seq, off, n) in want:
+            fd = fds.get(seq)
+            if fd is None:
+                try:
+                    fd = fds[seq] = os.open(segment_path(root, seq), os.O_RDONLY)
+                except FileNotFoundError:
+                    out.append("missing")
+                    continue
+            buf = bytearray(RECORD.size + n)
             try:
-                os.unlink(path)
+                got = os.preadv(fd, [buf], off)
             except OSError:
-                pass
-            out.append("corrupt")
-            continue
-        try:
-            os.utime(path)  # recency survives a remount
-        except OSError:
-            pass
-        out.append(memoryview(buf))
+                out.append("corrupt")
+                continue
+            ok = got == len(buf) and n == c.blob_len
+            if ok:
+                magic, blob, length, xxh = RECORD.unpack_from(buf)
+                view = memoryview(buf)[RECORD.size:]
+                ok = magic == MAGIC and blob == c.blob and length == n and xxh == c.xxh \
+                    and h(view) == c.xxh
+            out.append(view if ok else "corrupt")
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return out
 
 
-__all__ = ["BlobCache", "CacheStats", "blob_path"]
+__all__ = ["BlobCache", "CacheStats", "scan_segment", "segment_path"]

@@ -636,7 +636,10 @@ class Prefetcher:
             self._recent.move_to_end(stream)
         # learn: which earlier opens of this thread name the same number as this one?
         seen_rules = set()
+        key = cur.runs[cur.base_run] if cur.base_run >= 0 else None
         for prev in recent:
+            if key is None or key not in prev.runs:
+                continue  # the usual case, cheaply: no number in common
             parts = pairing(prev, cur)
             if parts is None or (prev.shape, parts) in seen_rules:
                 continue
@@ -663,32 +666,67 @@ class Prefetcher:
             p = apply_rule(rule.parts, cur.runs)
             if p is not None and p != path:
                 targets.append((p, rule))
-        if targets:
-            self.stats.coaccess_predictions += len(targets)
-            self._spawn(self._predict, targets)
+        if not targets:
+            return
+        self.stats.coaccess_predictions += len(targets)
+        found, later = [], []
+        for p, rule in targets:  # resolved from listings at once when they are all here
+            got = self._resolve_now(p)
+            if got is False:
+                later.append((p, rule))
+            else:
+                self._predicted_file(rule, got[2] if got is not None else None, found)
+        if found:
+            self.stats.coaccess_files += len(found)
+            self._launch(None, attrs=found)
+        if later:
+            self._spawn(self._predict, later)
 
     async def _predict(self, targets: list[tuple[str, _Rule]]) -> None:
-        found = []
+        found: list[Attr] = []
         for path, rule in targets:
             try:
                 got = await self.resolve(path)
             except JPFSError:
                 got = None
-            if got is None or not got[2].is_reg:
-                self._miss(rule)
-                continue
-            attr = got[2]
-            if attr.ino in self._predicted or self.kernel_has(attr.ino, attr.version):
-                continue
-            rule.predicted += 1
-            self._predicted[attr.ino] = rule
-            while len(self._predicted) > 4096:
-                _, old = self._predicted.popitem(last=False)
-                self._miss(old)
-            found.append(attr)
+            self._predicted_file(rule, got[2] if got is not None else None, found)
         if found:
             self.stats.coaccess_files += len(found)
             self._launch(None, attrs=found)
+
+    def _predicted_file(self, rule: _Rule, attr: Attr | None, found: list[Attr]) -> None:
+        if attr is None or not attr.is_reg:
+            self._miss(rule)
+            return
+        if attr.ino in self._predicted or self.kernel_has(attr.ino, attr.version):
+            return
+        rule.predicted += 1
+        self._predicted[attr.ino] = rule
+        while len(self._predicted) > 4096:
+            _, old = self._predicted.popitem(last=False)
+            self._miss(old)
+        found.append(attr)
+
+    def _resolve_now(self, path: str) -> tuple[int, bytes, Attr] | None | bool:
+        """Like ``resolve`` from listings already held; False when one is missing."""
+        ino = ROOT_INO
+        comps = path.strip("/").split("/")
+        last = len(comps) - 1
+        for i, comp in enumerate(comps):
+            lst = self.listings.get(ino)
+            if lst is None:
+                return False
+            name = os.fsencode(comp)
+            k = lst.pos.get(name)
+            if k is None:
+                return None if lst.complete else False
+            attr = lst.attrs[k]
+            if i == last:
+                return ino, name, attr
+            if not attr.is_dir:
+                return None
+            ino = attr.ino
+        return None
 
     def _miss(self, rule: _Rule) -> None:
         rule.misses += 1

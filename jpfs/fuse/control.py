@@ -56,7 +56,7 @@ def parse_hints(text: bytes, mountpoint: str) -> list[str]:
     """Paths inside JPFS (``/a/b``) from complete lines written to ``.jpfs/prefetch``.
 
     Raises EINVAL naming the first bad line: not UTF-8, control characters, too long, outside
-    the mount point, or climbing above the root.
+    the mount point, or naming the root. ``..`` at the root stays at the root, as in the kernel.
     """
     out = []
     mp = mountpoint.rstrip("/")
@@ -82,10 +82,8 @@ def parse_hints(text: bytes, mountpoint: str) -> list[str]:
             p = p[len(mp):] or "/"
         else:
             p = "/" + p
-        norm = posixpath.normpath(p)
-        if norm.startswith("//"):
-            norm = "/" + norm.lstrip("/")
-        if norm == "/" or norm.startswith("/.."):
+        norm = "/" + posixpath.normpath(p).lstrip("/")
+        if norm == "/":
             raise error(errno.EINVAL, f"prefetch hint line {n}: {p!r} does not name a file "
                         "inside the mount")
         out.append(norm)
