@@ -23,6 +23,8 @@ from jpfs import config
 log = logging.getLogger(__name__)
 
 
+GIL_SWITCH_INTERVAL = 0.0002
+
 EXIT_ADDRESS_IN_USE = 98
 """Exit status when the listen address is taken (``jpfs cluster up`` then picks another)."""
 
@@ -82,6 +84,9 @@ def resolve(args: argparse.Namespace, role: str) -> tuple[config.Cluster, Path, 
 
 def run(args: argparse.Namespace, main: Callable[[], Awaitable[None]]) -> None:
     """Run ``main`` under trio until it returns or a SIGTERM/SIGINT arrives."""
+    # Worker threads (commits, fsyncs, hashing) hand results back to a busy event loop; with the
+    # default 5 ms GIL switch interval each hand-back can wait that long.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     pid_file = Path(args.pid_file) if args.pid_file else None
     if pid_file:
         pid_file.write_text(f"{os.getpid()}\n")

@@ -1,10 +1,14 @@
 """One shard's LMDB environment: read views, group-committed writes, and transaction locks.
 
 Writes are functions ``fn(txn, *args)`` queued to a single committer task. The committer takes
-everything queued, runs it in a worker thread inside *one* LMDB write transaction (each operation
-in its own nested transaction, so one failing operation rolls back alone) and commits with one
-fsync: durable metadata writes are fsync-bound, and sharing the fsync is the 10x lever (PERF.md).
-Nothing awaits while a transaction is open.
+everything queued and runs it inside *one* LMDB write transaction (each operation in its own
+nested transaction, so one failing operation rolls back alone), on the event loop: an operation
+takes microseconds, less than a hop to a worker thread. The environment never fsyncs by itself;
+the committer makes the whole group durable with one ``env.sync()`` in a worker thread before any
+of its callers is answered. Durable metadata writes are fsync-bound, and sharing the fsync is the
+10x lever (PERF.md). Nothing awaits while a transaction is open. (Other readers may see a group's
+changes while its fsync is in flight; only a power failure in that window could lose them, and
+none of their writers has been told they succeeded.)
 
 Keys held by a prepared cross-shard transaction are recorded in the ``lock`` database. An
 operation that touches one raises ``Locked``; the caller waits for that transaction to resolve and
@@ -146,8 +150,11 @@ class Store:
         self.path = Path(path)
         self.shard = shard
         self.n_shards = n_shards
-        self.env = lmdb.open(str(path), max_dbs=len(K.DBS) + 2, map_size=map_size, sync=sync,
-                             metasync=sync, max_readers=1024, readahead=False)
+        # Commits never fsync by themselves: the committer runs transactions on the event loop
+        # and then makes a whole group durable with one env.sync() in a worker thread.
+        self.durable = sync
+        self.env = lmdb.open(str(path), max_dbs=len(K.DBS) + 2, map_size=map_size, sync=False,
+                             metasync=False, max_readers=1024, readahead=False)
         self.dbs = {name: self.env.open_db(name.encode()) for name in K.DBS}
         self._check_identity()
         self._send, self._recv = trio.open_memory_channel(math.inf)
@@ -205,7 +212,13 @@ class Store:
                     batch.append(self._recv.receive_nowait())
                 except trio.WouldBlock:
                     break
-            await trio.to_thread.run_sync(self._commit, batch)
+            self._commit(batch)  # microseconds per operation: cheaper than a thread hop
+            if self.durable:
+                try:
+                    await trio.to_thread.run_sync(self.env.sync, True)
+                except lmdb.Error as e:
+                    log.exception("metadata fsync failed")
+                    self._fail_all(batch, error(errno.EIO, f"metadata fsync failed: {e}"))
             for slot in batch:
                 slot.done.set()
 
