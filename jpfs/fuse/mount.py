@@ -198,6 +198,13 @@ def _tune_readahead(mountpoint: str, nbytes: int) -> None:
                  err.strerror)
 
 
+async def _tune_after_init(ops: Operations, mp: str, nbytes: int) -> None:
+    """The kernel sets the mount's read-ahead from its INIT answer: change it after that."""
+    await ops.initialized.wait()
+    await trio.lowlevel.checkpoint()  # the answer was written before this task runs again
+    _tune_readahead(mp, nbytes)
+
+
 async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> None:
     """Mount and serve until unmounted or signalled; ``ready`` is called once the mount is live."""
     cluster = config.load(opts.cluster)
@@ -242,7 +249,7 @@ async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_opti
     pyfuse3.init(ops, mp, fuse_options)
     sf = state_file(mp)
     try:
-        _tune_readahead(mp, opts.read_ahead)
+        nursery.start_soon(_tune_after_init, ops, mp, opts.read_ahead)
         sf.parent.mkdir(parents=True, exist_ok=True)
         sf.write_text(json.dumps({"pid": os.getpid(), "mountpoint": mp,
                                   "cluster": str(ops.client.cluster.path),

@@ -145,7 +145,12 @@ class Operations(pyfuse3.Operations):
         self._attr_age = float("inf") if self.ro else config.attr_timeout
         self._statfs: tuple[float, pyfuse3.StatvfsData | None] = (0.0, None)
         self.registry = registry_for(self.snapshot)
+        self.initialized = trio.Event()
+        """Set when the kernel's INIT has been answered (its settings then apply)."""
         prefetcher.kernel_has = self.inodes.kernel_has
+
+    def init(self) -> None:
+        self.initialized.set()
 
     # ------------------------------------------------------------------ helpers
 
@@ -581,14 +586,22 @@ class Operations(pyfuse3.Operations):
         self.prefetcher.read(fh, layout, off, n)
         first, last = off // cs, (off + n - 1) // cs
         if first == last:
-            return await self._piece(chunks.get(first), off - first * cs, n)
-        out = bytearray(n)
-        pos = 0
-        for i in range(first, last + 1):
-            start = max(off, i * cs) - i * cs
-            take = min(cs - start, n - pos)
-            out[pos:pos + take] = await self._piece(chunks.get(i), start, take)
-            pos += take
+            out = await self._piece(chunks.get(first), off - first * cs, n)
+        else:
+            out = bytearray(n)
+            pos = 0
+            for i in range(first, last + 1):
+                start = max(off, i * cs) - i * cs
+                take = min(cs - start, n - pos)
+                out[pos:pos + take] = await self._piece(chunks.get(i), start, take)
+                pos += take
+        end = off + n
+        if end % cs == 0 or end == fsize:
+            # read to the end of a chunk: the kernel's page cache holds it now (keep_cache),
+            # so the chunk's memory goes back for the next one (see BlobCache.delivered)
+            done = chunks.get(last)
+            if done is not None:
+                self.cache.delivered([done.blob])
         return out
 
     async def _piece(self, c, start: int, n: int):
