@@ -13,7 +13,17 @@ import pytest
 import trio
 
 from jpfs.errors import AuthError, DeadlineError, JPFSError, Unavailable
-from jpfs.rpc import FileSegment, Limits, Method, Pool, Reply, Service, method_table, serve
+from jpfs.rpc import (
+    Defer,
+    FileSegment,
+    Limits,
+    Method,
+    Pool,
+    Reply,
+    Service,
+    method_table,
+    serve,
+)
 from jpfs.rpc import frame as F
 
 SECRET = b"s3cret"
@@ -39,6 +49,13 @@ class Echo:
 
     async def add(self, a, b):
         return a + b
+
+    def add_now(self, a, b):  # answered inline by the server
+        self.calls += 1
+        return a + b
+
+    def nap_now(self, seconds):  # cannot answer without waiting: defers to nap()
+        raise Defer
 
     async def fail(self, name):
         raise JPFSError(getattr(errno, name), f"asked to fail with {name}")
@@ -126,6 +143,17 @@ async def test_errors_carry_errno(pool):
         await pool.call(0, METHODS["crash"], [])
     assert info.value.errno == errno.EIO and "RuntimeError" in info.value.strerror
     assert await pool.call(0, METHODS["add"], [1, 1]) == 2  # still serving
+
+
+async def test_inline_handlers_and_deferral(nursery):
+    impl = Echo()
+    port = await nursery.start(serve, Service("test", METHODS, impl), "127.0.0.1", 0, SECRET)
+    p = Pool(nursery, [f"127.0.0.1:{port}"], SECRET, role="test")
+    assert await p.call(0, METHODS["add"], [40, 2]) == 42 and impl.calls == 1  # inline
+    with pytest.raises(JPFSError) as info:
+        await p.call(0, METHODS["add"], ["x", 2])  # argument checks apply inline too
+    assert info.value.errno == errno.EINVAL
+    assert await p.call(0, METHODS["nap"], [0.01]) == 0.01  # deferred to the async handler
 
 
 async def test_deadline(pool):

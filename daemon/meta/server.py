@@ -21,7 +21,7 @@ from jpfs import config
 from jpfs.errors import JPFSError, error
 from jpfs.placement import new_dir_shard, shard_of
 from jpfs.proto.meta import METHODS, RENAME_EXCHANGE, RENAME_NOREPLACE, check_name
-from jpfs.rpc import Pool, Service, serve
+from jpfs.rpc import Defer, Pool, Service, serve
 from jpfs.types import ROOT_INO, Attr
 
 from . import layout as L
@@ -30,7 +30,7 @@ from . import namespace as ns
 from .coordinator import Coordinator
 from .keys import Inode
 from .ops import NEW
-from .store import Store, Txn
+from .store import Locked, Store, Txn
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,47 @@ class MetaShard:
                 raise error(errno.EINVAL, "inode ids are integers")
             self._mine(ino)
         return await self.store.view(L.batch_layout, inos, self.chunk_size)
+
+    # ---- the same reads answered inline by the RPC server (no task per request); a read
+    # that meets a lock held by a cross-shard transaction is deferred to the async version
+
+    def _now(self, fn, *args):
+        try:
+            return self.store.read(fn, *args)
+        except Locked:
+            raise Defer from None
+
+    def lookup_now(self, parent: int, name: bytes) -> list:
+        return self._now(ns.lookup, self._mine(parent), name)
+
+    def batch_lookup_now(self, parent: int, names: list) -> list:
+        return self._now(ns.batch_lookup, self._mine(parent), names)
+
+    def getattr_now(self, ino: int) -> list:
+        return self._now(ns.getattr_, self._mine(ino))
+
+    def batch_getattr_now(self, inos: list) -> list:
+        for ino in inos:
+            if not isinstance(ino, int):
+                raise error(errno.EINVAL, "inode ids are integers")
+            self._mine(ino)
+        return self._now(ns.batch_getattr, inos)
+
+    def readdir_now(self, parent: int, after: bytes, limit: int, plus: bool) -> list:
+        return self._now(ns.readdir, self._mine(parent), after, limit, plus)
+
+    def readlink_now(self, ino: int) -> bytes:
+        return self._now(ns.readlink, self._mine(ino))
+
+    def get_layout_now(self, ino: int) -> list:
+        return self._now(L.get_layout, self._mine(ino), self.chunk_size)
+
+    def batch_layout_now(self, inos: list) -> list:
+        for ino in inos:
+            if not isinstance(ino, int):
+                raise error(errno.EINVAL, "inode ids are integers")
+            self._mine(ino)
+        return self._now(L.batch_layout, inos, self.chunk_size)
 
     # ---- single-shard changes -------------------------------------------------------------------
 

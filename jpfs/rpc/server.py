@@ -17,7 +17,7 @@ import trio
 from ..errors import JPFSError, ProtocolError, Unavailable, error
 from . import frame as F
 from .auth import HANDSHAKE_TIMEOUT, server_handshake
-from .service import Reply, Service, as_error
+from .service import Defer, Reply, Service, as_error
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,19 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
                 return
             await _send(fs, F.ERROR, F.encode_error(req_id, problem))
             continue
+        now = service.inline.get(spec.name)
+        if now is not None:
+            try:
+                spec.check(args)
+                result = now(*args)
+            except Defer:
+                pass
+            except Exception as e:  # as in _run: every failure becomes an answer
+                await _send(fs, F.ERROR, F.encode_error(req_id, _failure(e, spec, where)))
+                continue
+            else:
+                await _send(fs, F.RESPONSE, [req_id, result])
+                continue
         await slots.acquire()
         nursery.start_soon(_run, fs, where, service, spec, req_id, args, deadline, payload, slots)
 
@@ -165,12 +178,7 @@ async def _run(fs, where, service: Service, spec, req_id, args, deadline, payloa
             if scope.cancelled_caught:
                 raise error(errno.ETIMEDOUT, f"{spec.name}: deadline exceeded on the server")
         except Exception as e:  # every failure becomes an answer; the server lives on
-            err = as_error(e)
-            if err is None:
-                log.exception("%s from %s failed", spec.name, where)
-                err = error(errno.EIO,
-                            f"{spec.name}: internal server error: {type(e).__name__}: {e}")
-            await _send(fs, F.ERROR, F.encode_error(req_id, err))
+            await _send(fs, F.ERROR, F.encode_error(req_id, _failure(e, spec, where)))
             return
         if isinstance(result, Reply):
             try:
@@ -182,6 +190,14 @@ async def _run(fs, where, service: Service, spec, req_id, args, deadline, payloa
             await _send(fs, F.RESPONSE, [req_id, result])
     finally:
         slots.release()
+
+
+def _failure(e: Exception, spec, where: str) -> JPFSError:
+    err = as_error(e)
+    if err is None:
+        log.exception("%s from %s failed", spec.name, where)
+        err = error(errno.EIO, f"{spec.name}: internal server error: {type(e).__name__}: {e}")
+    return err
 
 
 async def _send(fs: F.FrameSocket, kind: int, body, payload=()) -> None:
