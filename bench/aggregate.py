@@ -3,7 +3,7 @@
 C client processes (per host) each read their share of the episodes whole (the parquet and every
 camera mp4), in shuffled or name order, for E epochs: the first cold (caches dropped: the page
 cache, so the servers' volumes and the local tree, and the clients' caches emptied), the rest
-warm. The same units in the same order are read
+warm, back to back. The same units in the same order are read
 
   local      from the dataset's local copy with open/readinto: the baseline;
   native     through the native client (read_many per episode, --inflight at once per process);
@@ -360,6 +360,8 @@ class Setup:
         self.jpfs_root = ""
         self.mounts: Mounts | None = None
         self.import_stats: dict | None = None
+        self.drops_mark = 0
+        """Page-cache drops counted when the last epoch ended."""
 
     def __enter__(self) -> Setup:
         try:
@@ -634,7 +636,8 @@ def run_epoch(setup: Setup, via: str, epoch: int, rtt: float | None) -> dict:
         ranks.barrier()  # every host's drop is done before anyone takes its marks
         if via.startswith("fuse"):
             marks["fuse"] = setup.mounts.stats(via)
-        marks["drops"] = page_cache_drops()
+        # a warm epoch counts drops since the previous epoch ended (it warmed the caches)
+        marks["drops"] = page_cache_drops() if cold else setup.drops_mark
         marks["server_cpu"] = sum(proc_cpu(p) for p in servers)
         marks["mount_cpu"] = proc_cpu(mount_pid) if mount_pid else 0.0
         ranks.barrier()  # and everyone starts together
@@ -646,7 +649,8 @@ def run_epoch(setup: Setup, via: str, epoch: int, rtt: float | None) -> dict:
                           progress=lambda f, b: bar.update(f))
     finally:
         bar.close()
-    disturbed = page_cache_drops() != marks.get("drops")
+    setup.drops_mark = page_cache_drops()
+    disturbed = setup.drops_mark != marks.get("drops")
     server_cpu = sum(proc_cpu(p) for p in servers) - marks.get("server_cpu", 0.0)
     mount_cpu = (proc_cpu(mount_pid) - marks.get("mount_cpu", 0.0)) if mount_pid else 0.0
     pf = prefetch_summary(marks.get("fuse", {}), setup.mounts.stats(via)) \
@@ -765,10 +769,12 @@ def run(args: argparse.Namespace) -> dict:
                         print(f"RTT {rtt * 1e3:g} ms ({setup.hosts.method}): metadata RPC "
                               f"round trip p50 {m['p50_ms']:.3f} ms, p99 {m['p99_ms']:.3f} ms",
                               flush=True)
-                for epoch in range(1, args.epochs + 1):
-                    for via in args.via:
-                        if via == "local" and rtt:
-                            continue  # local reads cross no network: measured once
+                # one via's epochs back to back: a warm epoch follows the epoch that warmed
+                # it, with no other via's cache drop in between
+                for via in args.via:
+                    if via == "local" and rtt:
+                        continue  # local reads cross no network: measured once
+                    for epoch in range(1, args.epochs + 1):
                         row = run_epoch(setup, via, epoch, rtt)
                         if ranks.rank == 0:
                             _check(row)

@@ -113,7 +113,7 @@ def test_aggregate_local_native_exact_and_complete(dataset, tmp_path):
               "--work", str(tmp_path / "w"), "--plot", str(png))
     check_rows(res, files, nbytes)
     assert [(r["via"], r["epoch"]) for r in res["results"]] == [
-        ("local", 1), ("native", 1), ("local", 2), ("native", 2)]
+        ("local", 1), ("local", 2), ("native", 1), ("native", 2)]  # warm after its own cold
     assert res["readers"] == 2 and res["hosts_world"] == 1
     assert all(r["rounds"] == 2 and len(r["GBps_rounds"]) == 2 for r in res["results"])
     assert all(r["GBps"] in r["GBps_rounds"] for r in res["results"])
