@@ -964,7 +964,8 @@ def plot(result: dict, path: str) -> None:
                 xs.append(i + (j - (len(vias) - 1) / 2) * width)
                 ys.append(r[key])
                 vs = r.get("vs_local")
-                tags.append(f"{vs[key]:.2f}x" if vs and vs.get(key) else "")
+                tags.append((f"{vs[key]:.2f}x" if vs and vs.get(key) else "")
+                            + ("*" if r.get("page_cache_dropped_by_others") else ""))
             bars = ax.bar(xs, ys, width, label=via)
             for b, tag in zip(bars, tags, strict=True):
                 if tag:
@@ -981,7 +982,10 @@ def plot(result: dict, path: str) -> None:
     fig.suptitle(f"jpfs bench aggregate: {ds['files']} files, {ds['bytes'] / 1e9:.2f} GB, "
                  f"{result['readers']} readers; ratios vs local, same epoch; load "
                  f"{result['load_avg'][0]:g} on {os.cpu_count()} CPUs", fontsize=10)
-    fig.tight_layout()
+    if any(r.get("page_cache_dropped_by_others") for r in rows):
+        fig.text(0.01, 0.01, "* another process dropped the page cache during this measurement",
+                 fontsize=7)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
