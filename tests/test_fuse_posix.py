@@ -9,8 +9,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -374,7 +376,13 @@ def test_two_mounts_see_each_others_changes(cluster, tmp_path):
 def test_read_only_mount(cluster, tmp_path):
     with jpfs.connect(cluster) as c:
         c.write_bytes("/ro-data", b"frozen")
-    with mounted(cluster, tmp_path / "ro", "--read-only") as m:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mounted(cluster, tmp_path / "ro", "--read-only", "--metrics",
+                 f"127.0.0.1:{port}") as m:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert b'jpfs_fuse_requests_total{op="lookup"}' in r.read()
         assert (m.path / "ro-data").read_bytes() == b"frozen"
         assert _errno(os.open, m.path / "ro-data", os.O_WRONLY) == errno.EROFS
         assert _errno(os.mkdir, m.path / "newdir") == errno.EROFS
