@@ -7,8 +7,9 @@ Every client computes placement itself, so no lookup service sits on the hot pat
   parent's shard (``create`` is one local transaction); a new directory goes to the shard chosen by
   hashing (parent, name), so big trees spread over all shards.
 - File bytes are stored in chunks. A small file (one chunk) goes to the storage nodes chosen by its
-  *parent directory*, so a directory's files are packed next to each other on the same volumes and
-  one batched read serves many of them. Chunk ``i`` of a large file goes to node ``(h(ino) + i)``,
+  *parent directory* and the run of files it was written with, so neighbours are packed next to
+  each other on the same volumes and one batched read serves many of them, while a big directory
+  still spreads over every node. Chunk ``i`` of a large file goes to node ``(h(ino) + i)``,
   striping the file over all nodes. Replicas are the next nodes round the ring.
 
 The chosen nodes are recorded with each chunk, so data never moves when a cluster grows.
@@ -61,15 +62,18 @@ def _ring(start: int, n_nodes: int, replicas: int) -> tuple[int, ...]:
 
 
 def chunk_nodes(
-    ino: int, parent: int, index: int, n_chunks: int, n_nodes: int, replicas: int
+    ino: int, parent: int, index: int, n_chunks: int, n_nodes: int, replicas: int,
+    group: int = 0,
 ) -> tuple[int, ...]:
     """The storage nodes (primary first) for chunk ``index`` of a file with ``n_chunks`` chunks.
 
-    One-chunk files follow their parent directory so a directory packs together; chunks of larger
-    files stripe over the nodes starting at a per-file offset.
+    One-chunk files follow their parent directory and ``group``, a run of neighbouring files
+    written together (an import batch): a run packs back to back on one node, and the runs of a
+    big directory spread over all nodes. Chunks of larger files stripe over the nodes starting at
+    a per-file offset.
     """
     if n_chunks <= 1 and index == 0:
-        start = _h64(b"dir", parent) % n_nodes
+        start = _h64(b"dir", parent, group) % n_nodes
     else:
         start = (_h64(b"file", ino) + index) % n_nodes
     return _ring(start, n_nodes, replicas)

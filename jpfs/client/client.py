@@ -143,16 +143,26 @@ class AsyncClient:
             cur = await self.meta.getattr(ino)
         return cur, cur_path
 
+    async def _dir_ino(self, path: str) -> int:
+        """The inode of a directory, from the directory cache when it is fresh there (no call
+        at all); what is needed to look up, create or list *in* it."""
+        if path == "/":
+            return ROOT_INO
+        hit = self._dirs.get(path)
+        if hit and hit[1] > time.monotonic():
+            return hit[0]
+        attr, _ = await self._walk(path, follow=True)
+        if not attr.is_dir:
+            raise error(errno.ENOTDIR, "not a directory", path)
+        return attr.ino
+
     async def _parent(self, path: str) -> tuple[int, bytes, str]:
         """(parent directory inode, last name, normalised path) for creating or removing."""
         p = _path(path)
         if p == "/":
             raise error(errno.EBUSY, "the root cannot be changed this way", p)
         head, name = p.rsplit("/", 1)
-        parent, _ = await self._walk(head or "/", follow=True)
-        if not parent.is_dir:
-            raise error(errno.ENOTDIR, "not a directory", head)
-        return parent.ino, os.fsencode(name), p
+        return await self._dir_ino(head or "/"), os.fsencode(name), p
 
     # ---- reads ----------------------------------------------------------------------------------
 
@@ -197,8 +207,8 @@ class AsyncClient:
 
         async def one(head: str, items: list[tuple[int, bytes]]) -> None:
             try:
-                parent, _ = await self._walk(head, True)
-                got = await self.meta.batch_lookup(parent.ino, [n for _, n in items])
+                parent = await self._dir_ino(head)
+                got = await self.meta.batch_lookup(parent, [n for _, n in items])
             except JPFSError as e:
                 got = [e] * len(items)
             for (i, _), a in zip(items, got, strict=True):

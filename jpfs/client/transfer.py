@@ -95,9 +95,12 @@ async def import_tree(client: AsyncClient, src: str | os.PathLike, dst: str, *,
     await client.makedirs(dst, exist_ok=True)
     slots = trio.Semaphore(parallel)
 
-    async def send_batch(parent: int, items: list[tuple[str, os.stat_result, str]]) -> None:
+    async def send_batch(parent: int, items: list[tuple[str, os.stat_result, str]],
+                         run: int) -> None:
         contents = await trio.to_thread.run_sync(_read_files, [p for _, _, p in items])
-        nodes = chunk_nodes(0, parent, 0, 1, data.cluster.n_nodes, data.cluster.replicas)
+        # one batch = one run of neighbours packed on one node; the runs spread over the nodes
+        nodes = chunk_nodes(0, parent, 0, 1, data.cluster.n_nodes, data.cluster.replicas,
+                            group=run)
         blobs = [(new_blob_id(), nodes, c) for c in contents if len(c)]
         stored = iter(await data.storage.put(blobs)) if blobs else iter(())
         ids = iter(b for b, _, _ in blobs)
@@ -139,7 +142,7 @@ async def import_tree(client: AsyncClient, src: str | os.PathLike, dst: str, *,
             existing = {e.name: e.attr for e in await client.scandir(dpath)}
             parent = (await client.stat(dpath)).ino
             batch: list[tuple[str, os.stat_result, str]] = []
-            size = 0
+            size = run = 0
             # os.walk lists symlinks to directories with the directories (and does not enter)
             links = [n for n in dirs if os.path.islink(os.path.join(root, n))]
             for name in sorted(names + links):
@@ -169,10 +172,10 @@ async def import_tree(client: AsyncClient, src: str | os.PathLike, dst: str, *,
                 batch.append((name, st, path))
                 size += st.st_size
                 if len(batch) >= batch_files or size >= batch_bytes:
-                    await _start(nursery, slots, send_batch, parent, batch)
-                    batch, size = [], 0
+                    await _start(nursery, slots, send_batch, parent, batch, run)
+                    batch, size, run = [], 0, run + 1
             if batch:
-                await _start(nursery, slots, send_batch, parent, batch)
+                await _start(nursery, slots, send_batch, parent, batch, run)
     return stats
 
 
