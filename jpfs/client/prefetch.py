@@ -76,8 +76,9 @@ class PrefetchConfig:
     """Fetch the layouts of a listed directory's files with its listing (one batch call per
     shard): opens then need no metadata call. For mounts whose files do not change."""
     sweep_after: int = 12
-    """A directory with this many distinct files opened, mostly out of name order (an epoch in
-    shuffled order), is fetched whole if it fits within the cache share."""
+    """A directory with this many distinct files opened that nothing predicted, mostly out of
+    name order (an epoch in shuffled order), is fetched whole if it fits within the cache
+    share."""
     sweep_disorder: float = 0.25
     """Share of those opens that went backwards in name order, for a sweep."""
     batch_files: int = 256
@@ -415,9 +416,10 @@ class Prefetcher:
 
     # ------------------------------------------------------------------ observations
 
-    def opened(self, stream: int, ino: int, parent: int, name: bytes, path: str, attr: Attr
-               ) -> None:
-        """A reader (``stream``: its thread id) opened ``path`` (file ``ino`` in ``parent``)."""
+    def opened(self, stream: int, ino: int, parent: int, name: bytes, path: str, attr: Attr,
+               ready: bool = False) -> None:
+        """A reader (``stream``: its thread id) opened ``path`` (file ``ino`` in ``parent``);
+        ``ready``: its bytes were prefetched already (or are on their way)."""
         if not self.config.enabled:
             return
         if self._hinted and self._hinted.pop(ino, None) is not None:
@@ -428,7 +430,8 @@ class Prefetcher:
             rule.hits += 1
             self.stats.coaccess_hits += 1
         self._scan(stream, parent, name)
-        self._sweep(parent, name)
+        if not ready:  # what other predictions already cover needs no sweep
+            self._sweep(parent, name)
         self._coaccess(stream, path)
         self._notify()
 

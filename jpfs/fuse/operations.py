@@ -451,7 +451,9 @@ class Operations(pyfuse3.Operations):
             if node.parent and self.prefetcher.enabled:
                 path = self.inodes.path(node)
                 if path is not None:
-                    self.prefetcher.opened(stream, ino, node.parent, node.name, path, attr)
+                    ready = all(not self.cache.needs(c.blob) for c in layout.chunks)
+                    self.prefetcher.opened(stream, ino, node.parent, node.name, path, attr,
+                                           ready)
             if keep:
                 outcome = "kernel"
             elif not layout.chunks or attr.size == 0:
