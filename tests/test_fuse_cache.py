@@ -63,10 +63,10 @@ def test_bounds_hold_under_a_workload_larger_than_the_cache(cluster, tmp_path):
     names = sorted(os.listdir(src / "d"))
     random.Random(1).shuffle(names)
     mem, disk = 1 << 20, 3 << 20  # the files hold ~4.5 MiB
-    # --small-file 8K: these files are read through the cache (not handed to the kernel whole
-    # at open, which lets the cache drop them at once), so the memory cache fills up too
+    # --no-notify-store: the files are not handed to the kernel's page cache at open (which
+    # lets the cache drop them at once), so the memory cache fills up too
     with mounted(c, tmp_path / "m", "--read-only", "--memory-cache", str(mem),
-                 "--cache-size", str(disk), "--small-file", "8K") as m:
+                 "--cache-size", str(disk), "--no-notify-store") as m:
         for k, n in enumerate(names):
             assert _read(m / f"d/{n}") == (src / "d" / n).read_bytes()
             if k % 25 == 0:
