@@ -343,6 +343,8 @@ def _clear_dead_mount(mountpoint: str) -> None:
 def start_background(opts: MountOptions, *, verbose: int = 0) -> int:
     """Start the mount in a new session and wait until it is live; returns the daemon's pid."""
     mp = os.path.abspath(opts.mountpoint)
+    if not os.path.isdir(mp):
+        raise error(errno.ENOTDIR, "the mount point is not a directory", mp)
     if is_jpfs_mount(mp):
         if daemon_pid(mp) is not None:
             raise error(errno.EBUSY, "already mounted (jpfs umount it first)", mp)
@@ -400,7 +402,7 @@ def unmount(mountpoint: str, *, lazy: bool = False, force: bool = False,
     mp = os.path.abspath(mountpoint)
     entry = mount_entry(mp)
     pid = daemon_pid(mp)
-    if entry is None or not entry["fstype"].startswith("fuse"):
+    if entry is None or entry["fstype"] != f"fuse.{FSNAME}":
         state_file(mp).unlink(missing_ok=True)
         raise error(errno.EINVAL, "not a jpfs mount point", mp)
     how = "unmounted"
