@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install what JPFS needs on a fresh Debian/Ubuntu machine: FUSE 3 and a virtualenv with JPFS,
-# its test tools and the torch extra. Safe to rerun; it skips what is already there.
+# Install what JPFS needs on a fresh Debian/Ubuntu machine: FUSE 3 (and rsync and iproute2 for
+# the tests) and a virtualenv with JPFS, its test tools and the torch extra. Safe to rerun; it
+# skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -9,6 +10,8 @@ need_apt=()
 command -v fusermount3 >/dev/null || need_apt+=(fuse3)
 pkg-config --exists fuse3 2>/dev/null || need_apt+=(libfuse3-dev)
 command -v pkg-config >/dev/null || need_apt+=(pkg-config)
+command -v rsync >/dev/null || need_apt+=(rsync)        # the FUSE tests run rsync on a mount
+command -v ip >/dev/null || need_apt+=(iproute2)        # simulated hosts in bench aggregate
 if ((${#need_apt[@]})); then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq
