@@ -214,26 +214,22 @@ def _via_url(base: str) -> Callable[[str, str], str]:
 
 def read_scan(root: str) -> int:
     """Read every row of every data file in order; returns the rows read."""
-    import pyarrow.parquet as pq
-
     from jpfs.lerobot.dataset import load_meta
-    from jpfs.lerobot.fsutil import get_fs, join
+    from jpfs.lerobot.fsutil import get_fs, join, open_parquet
 
     meta = load_meta(root)
     fs, base = get_fs(root)
     rows = 0
     for rel in meta.data_files:
-        with fs.open(join(base, rel), "rb") as f:
-            rows += pq.ParquetFile(f).read().num_rows
+        rows += open_parquet(fs, join(base, rel)).read().num_rows
     return rows
 
 
 def read_episodes(root: str, seed: int = 0) -> int:
-    """Read each episode's rows on its own in shuffled order, opening each file once."""
-    import pyarrow.parquet as pq
-
+    """Read each episode's rows on its own in shuffled order, opening each file once (a file
+    off the local filesystem is fetched whole at its first episode)."""
     from jpfs.lerobot.dataset import load_meta
-    from jpfs.lerobot.fsutil import get_fs, join
+    from jpfs.lerobot.fsutil import get_fs, join, open_parquet
 
     meta = load_meta(root)
     fs, base = get_fs(root)
@@ -241,19 +237,13 @@ def read_episodes(root: str, seed: int = 0) -> int:
     random.Random(seed).shuffle(order)
     handles: dict[str, Any] = {}
     rows = 0
-    try:
-        for ep in order:
-            pf = handles.get(ep.data_file)
-            if pf is None:
-                f = fs.open(join(base, ep.data_file), "rb")
-                pf = handles[ep.data_file] = (f, pq.ParquetFile(f))
-            f, parquet = pf
-            groups, first = _row_groups(parquet.metadata, ep.row_start, ep.length)
-            table = parquet.read_row_groups(groups)
-            rows += table.slice(ep.row_start - first, ep.length).num_rows
-    finally:
-        for f, _ in handles.values():
-            f.close()
+    for ep in order:
+        parquet = handles.get(ep.data_file)
+        if parquet is None:
+            parquet = handles[ep.data_file] = open_parquet(fs, join(base, ep.data_file))
+        groups, first = _row_groups(parquet.metadata, ep.row_start, ep.length)
+        table = parquet.read_row_groups(groups)
+        rows += table.slice(ep.row_start - first, ep.length).num_rows
     return rows
 
 

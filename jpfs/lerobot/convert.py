@@ -45,9 +45,11 @@ from .fsutil import (
     local_output,
     read_json,
     read_jsonl,
+    read_parquet_metadata,
     read_table,
     replace,
     write_json,
+    write_parquet_table,
 )
 from .workers import default_workers, worker_pool
 
@@ -173,8 +175,7 @@ def plan_conversion(src: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_MB,
     def footer(i: int) -> pq.FileMetaData:
         path = join(sbase, episodes[i].data_file)
         try:
-            with sfs.open(path, "rb") as f:
-                return pq.read_metadata(f)
+            return read_parquet_metadata(sfs, path)
         except FileNotFoundError:
             raise DatasetError(path, "missing") from None
         except (OSError, ValueError) as e:
@@ -558,8 +559,7 @@ def _write_meta(fs: Any, base: str, meta: DatasetMeta, plan: ConvertPlan,
 def write_parquet(fs: Any, path: str, table: pa.Table) -> None:
     """A whole parquet file through fsspec."""
     fs.makedirs(posixpath.dirname(path), exist_ok=True)
-    with fs.open(path, "wb") as f:
-        pq.write_table(table, f)
+    write_parquet_table(fs, path, table)
 
 
 def tasks_table(tasks: dict[int, str]) -> pa.Table:

@@ -82,16 +82,47 @@ def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
 def read_table(fs: fsspec.AbstractFileSystem, path: str, columns: list[str] | None = None):
     """A whole parquet file as a pyarrow Table.
 
-    Local files are read natively; others are fetched whole and parsed from memory. Never hand
-    pyarrow a Python file object here: its dataset reader may release that object on one of its
-    own threads while the interpreter exits, which aborts the process (std::terminate).
+    Never through pyarrow's dataset reader with a source that holds Python objects (a Python
+    file, or a buffer over Python bytes): the dataset may release that source on one of its own
+    threads while the interpreter exits, which aborts the process ("terminate called without an
+    active exception"). Local files are read natively; others are fetched whole and parsed by a
+    plain ``ParquetFile``, whose reader is done with its threads when ``read`` returns.
     """
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     if is_local(fs):
         return pq.read_table(path, columns=columns)
-    return pq.read_table(pa.BufferReader(fs.cat_file(path)), columns=columns)
+    return open_parquet(fs, path).read(columns=columns)
+
+
+def open_parquet(fs: fsspec.AbstractFileSystem, path: str):
+    """A ``pyarrow.parquet.ParquetFile``: the file itself when local, its bytes in memory
+    otherwise (see ``read_table``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if is_local(fs):
+        return pq.ParquetFile(path)
+    return pq.ParquetFile(pa.BufferReader(fs.cat_file(path)))
+
+
+def read_parquet_metadata(fs: fsspec.AbstractFileSystem, path: str):
+    """A parquet file's footer, from a native source (see ``read_table``)."""
+    return open_parquet(fs, path).metadata
+
+
+def write_parquet_table(fs: fsspec.AbstractFileSystem, path: str, table) -> None:
+    """Write a whole parquet file: natively when local, else encoded in memory and stored in one
+    call (pyarrow never holds a Python file object; see ``read_table``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if is_local(fs):
+        pq.write_table(table, path)
+        return
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    fs.pipe_file(path, sink.getvalue().to_pybytes())
 
 
 def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:

@@ -23,12 +23,19 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from . import layout, stats
 from . import video as vio
-from .fsutil import get_fs, is_local, join, jsonl_bytes, write_bytes, write_json
+from .fsutil import (
+    get_fs,
+    is_local,
+    join,
+    jsonl_bytes,
+    write_bytes,
+    write_json,
+    write_parquet_table,
+)
 from .workers import default_workers, worker_pool
 
 log = logging.getLogger(__name__)
@@ -266,8 +273,7 @@ class _EpisodeJob:
         table = episode_table(self.schema, features, ep, length, start, task_index, self.fps,
                               self.seed)
         ep_stats = stats.table_stats(table, list(self.schema.names))
-        with fs.open(_mk(fs, join(base, layout.v21_data_path(self.info, ep))), "wb") as f:
-            pq.write_table(table, f)
+        write_parquet_table(fs, _mk(fs, join(base, layout.v21_data_path(self.info, ep))), table)
         for cam, key in enumerate(self.keys):
             sample = np.arange(0, length, max(1, length // IMAGE_STAT_SAMPLES))
             cam_seed = hash_seed(self.seed, ep, cam)
