@@ -179,6 +179,7 @@ def local_output(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[str]:
     os.close(fd)
     try:
         yield tmp
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would travel with the upload
         fs.put_file(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
