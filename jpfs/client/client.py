@@ -426,7 +426,7 @@ class AsyncClient:
         if attr.is_dir:
             raise error(errno.EISDIR, "is a directory", path)
         layout = await self.meta.get_layout(attr.ino)
-        return AsyncFile(data, _path(path), mode, layout, parent,
+        return AsyncFile(data, _path(path), mode, layout, parent, nursery=self.nursery,
                          **({"readahead": readahead} if readahead else {}))
 
     async def layout(self, path: str) -> Layout:

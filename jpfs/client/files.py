@@ -1,7 +1,8 @@
 """Open files on the native client: ``AsyncFile`` (trio) and ``RawFile`` (blocking, io-compatible).
 
 A file holds its layout (chunk records) from open time. Reads fetch whole chunks, a few ahead at
-once (``readahead`` chunks, striped over the nodes, so one sequential reader uses every node).
+once (``readahead`` chunks, striped over the nodes, so one sequential reader uses every node);
+a sequential reader also has the *next* window in flight while it consumes this one.
 Writes collect modified chunks in memory and, on ``flush``/``close`` (or past ``flush_bytes``),
 store them as new blobs and commit them in one metadata transaction guarded by the version read
 at open: another writer's change in between fails the commit with ESTALE instead of being lost.
@@ -12,12 +13,17 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 from collections import OrderedDict
+
+import trio
 
 from ..errors import error
 from ..placement import n_chunks
 from ..types import Attr, Chunk, Layout
 from .data import DataPath, zeros
+
+log = logging.getLogger(__name__)
 
 READAHEAD_CHUNKS = 4
 FLUSH_BYTES = 64 << 20
@@ -41,8 +47,10 @@ class AsyncFile:
     """A binary file open on JPFS. Not safe for concurrent use by several tasks."""
 
     def __init__(self, data: DataPath, path: str, mode: str, layout: Layout, parent: int, *,
-                 readahead: int = READAHEAD_CHUNKS, flush_bytes: int = FLUSH_BYTES):
+                 readahead: int = READAHEAD_CHUNKS, flush_bytes: int = FLUSH_BYTES,
+                 nursery: trio.Nursery | None = None):
         self.data = data
+        self.nursery = nursery
         self.name = path
         self.mode = mode
         self.readable, self.writable, kind = parse_mode(mode)
@@ -61,25 +69,64 @@ class AsyncFile:
         self._dirty: dict[int, bytearray] = {}
         self._dirty_bytes = 0
         self._size_dirty = False
+        self._coming: dict[int, trio.Event] = {}  # chunks being fetched ahead
+        self._last = -2  # the chunk read last (sequential detection)
 
     # ---- reading
     async def _chunk(self, index: int) -> memoryview | None:
         """Chunk ``index``'s bytes as the file has them now (None for a hole)."""
         if index in self._dirty:
             return memoryview(self._dirty[index])
+        sequential = index in (self._last, self._last + 1)
+        self._last = index
         blob = self._blobs.get(index)
-        if blob is not None:
-            self._blobs.move_to_end(index)
-            return blob
-        if index not in self._chunks:
-            return None
-        want = [self._chunks[j] for j in range(index, index + self.readahead)
-                if j in self._chunks and j not in self._blobs and j not in self._dirty]
-        for c, b in zip(want, await self.data.read_chunks(want), strict=True):
-            self._blobs[c.index] = b[:c.length]
-        while len(self._blobs) > self.readahead * 2:
+        if blob is None and index in self._coming:
+            await self._coming[index].wait()
+            blob = self._blobs.get(index)
+        if blob is None:
+            if index not in self._chunks:
+                return None
+            want = self._window(index)
+            for c, b in zip(want, await self.data.read_chunks(want), strict=True):
+                self._blobs[c.index] = b[:c.length]
+            blob = self._blobs[index]
+        self._blobs.move_to_end(index)
+        if sequential:
+            self._fetch_ahead(index)
+        while len(self._blobs) > self.readahead * 3:
             self._blobs.popitem(last=False)
-        return self._blobs[index]
+        return blob
+
+    def _window(self, index: int) -> list[Chunk]:
+        """Stored chunks from ``index`` on, up to ``readahead``, not held or coming already."""
+        return [self._chunks[j] for j in range(index, index + self.readahead)
+                if j in self._chunks and j not in self._blobs and j not in self._dirty
+                and j not in self._coming]
+
+    def _fetch_ahead(self, index: int) -> None:
+        """Start fetching the window after the one holding ``index`` unless it is on its way."""
+        nxt = (index // self.readahead + 1) * self.readahead
+        want = self._window(nxt)
+        if not want or self.nursery is None:
+            return
+        done = trio.Event()
+        for c in want:
+            self._coming[c.index] = done
+        self.nursery.start_soon(self._fetch_window, want, done)
+
+    async def _fetch_window(self, want: list[Chunk], done: trio.Event) -> None:
+        try:
+            got = await self.data.read_chunks(want)
+            if not self.closed:
+                for c, b in zip(want, got, strict=True):
+                    if c.index not in self._dirty and self._chunks.get(c.index) is c:
+                        self._blobs[c.index] = b[:c.length]
+        except OSError as e:  # the reader fetches it again itself, and sees the error then
+            log.debug("read-ahead of %s failed: %s", self.name, e)
+        finally:
+            for c in want:
+                self._coming.pop(c.index, None)
+            done.set()
 
     async def readinto(self, buf) -> int:
         self._check(self.readable, "not open for reading")
