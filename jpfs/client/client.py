@@ -551,31 +551,22 @@ class AsyncClient:
                                        mode=st.st_mode & 0o7777)
 
     async def get(self, remote: str, local: str | os.PathLike, *, window: int = 4) -> int:
-        """Copy a JPFS file to a local path (written to a temporary name, then renamed)."""
-        data = self._data()
-        layout = await self.layout(remote)
-        attr = layout.attr
+        """Copy a JPFS file to a local path (written to a temporary name, then renamed); the
+        next ``window`` chunks are fetched while the current ones are written."""
+        f = await self.open(remote, "rb", readahead=window)
+        attr = await self.meta.getattr(f.ino)
         tmp = f"{os.fspath(local)}.jpfs-part"
-        by_index = {c.index: c for c in layout.chunks}
-        cs = layout.chunk_size
-        total = -(-attr.size // cs)
-        with open(tmp, "wb") as f:
-            for first in range(0, total, window):
-                idx = list(range(first, min(first + window, total)))
-                present = [by_index[i] for i in idx if i in by_index]
-                blobs = dict(zip([c.index for c in present], await data.read_chunks(present),
-                                 strict=True))
-                for i in idx:
-                    n = min(cs, attr.size - i * cs)
-                    c = by_index.get(i)
-                    piece = blobs[i][:min(n, c.length)] if c else b""
-                    await trio.to_thread.run_sync(f.write, piece)
-                    if len(piece) < n:
-                        await trio.to_thread.run_sync(f.write, bytes(n - len(piece)))
+        buf = memoryview(bytearray(f.cs))
+        try:
+            with open(tmp, "wb") as out:
+                while n := await f.readinto(buf):
+                    await trio.to_thread.run_sync(out.write, buf[:n])
+        finally:
+            await f.close()
         os.utime(tmp, ns=(attr.atime_ns, attr.mtime_ns))
         os.chmod(tmp, attr.mode & 0o7777)
         os.replace(tmp, local)
-        return attr.size
+        return f.size
 
 
 @asynccontextmanager
