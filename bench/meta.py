@@ -6,8 +6,9 @@ files, in a private directory each and then all in one shared directory, against
 calls on a temporary directory) as the baseline.
 
 JPFS creates are durable (group-committed, fsynced LMDB transactions); local creates are not
-fsynced. Clients keep ``--inflight`` calls in flight each (what a parallel importer does); the
-"stat" phase is one call at a time per client.
+fsynced. Clients keep ``--inflight`` calls in flight each (what a parallel importer or a mount
+serving many processes does). "stat" is one call at a time per client, "stat_inflight" the same
+unbatched calls with ``--inflight`` of them in flight, "stat_batched" 100 names per call.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .harness import Phase, fmt_rate, fmt_ratio, print_table, ratio, temporary_c
 
 HELP = "metadata ops/s (create, stat, list, remove) against 1, 2, 4 shards and the local fs"
 DESCRIPTION = __doc__
-PHASES = ("create", "stat", "stat_batched", "list", "remove")
+PHASES = ("create", "stat", "stat_inflight", "stat_batched", "list", "remove")
 BATCH = 100
 
 
@@ -72,6 +73,8 @@ def _jpfs_client(cluster_dir: str, idx: int, directory: str, n: int, inflight: i
                 lambda nm: c.meta.create(parent, nm, 0o100644), names, inflight), n)
             await phase("stat", lambda: parallel(lambda nm: c.meta.lookup(parent, nm), names, 1),
                         n)
+            await phase("stat_inflight", lambda: parallel(
+                lambda nm: c.meta.lookup(parent, nm), names, inflight), n)
 
             async def batched():
                 for i in range(0, n, BATCH):
@@ -126,6 +129,7 @@ def _local_client(directory: str, idx: int, _unused: str, n: int, _inflight: int
 
     phase("create", create)
     phase("stat", stat)
+    phase("stat_inflight", stat)  # local calls do not overlap: the same calls again
     phase("stat_batched", stat)  # no batched stat locally: the same calls again
     phase("list", listing)
     phase("remove", remove)
