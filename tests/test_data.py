@@ -377,3 +377,21 @@ def test_read_ranges_and_fsspec_cat_ranges(dc, data_cluster, monkeypatch):
     monkeypatch.setenv("JPFS_CLUSTER", str(data_cluster))
     fs = fsspec.filesystem("jpfs")
     assert fs.cat_ranges(["jpfs://ra", "jpfs://rb"], [5, 0], [9, 3]) == [a[5:9], b[:3]]
+
+
+def test_read_many_follows_links_and_inodes_on_other_shards(dc):
+    from jpfs.placement import shard_of
+
+    dc.makedirs("/mix/a")
+    dc.write_bytes("/mix/a/f", b"file in a")
+    dc.symlink("a/f", "/mix/link")
+    # a directory on the other shard; a file moved into it keeps its inode on the first one
+    other = next(f"/mix/d{i}" for i in range(100)
+                 if shard_of(dc.mkdir(f"/mix/d{i}").ino) != shard_of(dc.stat("/mix/a").ino))
+    dc.write_bytes("/mix/a/moved", b"moved across shards")
+    dc.rename("/mix/a/moved", f"{other}/moved")
+    assert shard_of(dc.stat(f"{other}/moved").ino) != shard_of(dc.stat(other).ino)
+    got = dc.read_many(["/mix/a/f", "/mix/link", f"{other}/moved"])
+    assert [bytes(g) for g in got] == [b"file in a", b"file in a", b"moved across shards"]
+    with pytest.raises(IsADirectoryError):
+        dc.read_many(["/mix/a"])

@@ -112,6 +112,13 @@ class MetaShard:
     async def get_layout(self, ino: int) -> list:
         return await self.store.view(L.get_layout, self._mine(ino), self.chunk_size)
 
+    async def lookup_layouts(self, parent: int, names: list) -> list:
+        return await self.store.view(L.lookup_layouts, self._mine(parent), names,
+                                     self.chunk_size)
+
+    def lookup_layouts_now(self, parent: int, names: list) -> list:
+        return self._now(L.lookup_layouts, self._mine(parent), names, self.chunk_size)
+
     async def batch_layout(self, inos: list) -> list:
         for ino in inos:
             if not isinstance(ino, int):

@@ -442,24 +442,36 @@ class AsyncClient:
         return bytes(view)
 
     async def read_many(self, paths: list[str]) -> list[memoryview]:
-        """The contents of many files in as few round trips as possible: one batched lookup per
-        directory, one batched layout read per shard, one batched blob read per storage node.
-        Returns read-only views (bytes-like; ``bytes(v)`` copies)."""
+        """The contents of many files in as few round trips as possible: per directory one call
+        that looks the names up and returns their layouts (directories in parallel), then one
+        batched blob read per storage node. Returns read-only views (bytes-like)."""
         data = self._data()
-        attrs = await self.stat_many(paths)
-        for p, a in zip(paths, attrs, strict=True):
-            if isinstance(a, OSError):
-                raise error(a.errno, a.strerror, p)
-        links = [i for i, a in enumerate(attrs) if a.is_link]
-        for i in links:
-            attrs[i] = await self.stat(paths[i])
-        for p, a in zip(paths, attrs, strict=True):
-            if a.is_dir:
-                raise error(errno.EISDIR, "is a directory", p)
-        layouts = await self.meta.batch_layout([a.ino for a in attrs])
+        groups: dict[str, list[tuple[int, bytes]]] = {}
+        for i, p in enumerate(paths):
+            head, _, name = _path(p).rpartition("/")
+            groups.setdefault(head or "/", []).append((i, os.fsencode(name)))
+        layouts: list = [None] * len(paths)
+
+        async def one(head: str, items: list[tuple[int, bytes]]) -> None:
+            try:
+                parent = await self._dir_ino(head)
+                got = await self.meta.lookup_layouts(parent, [n for _, n in items])
+            except JPFSError as e:
+                got = [e] * len(items)
+            for (i, _), r in zip(items, got, strict=True):
+                if isinstance(r, tuple):  # a symlink, or an inode elsewhere: the long way
+                    try:
+                        r = await self.layout(paths[i])
+                    except JPFSError as e:
+                        r = e
+                layouts[i] = r
+
+        async with trio.open_nursery() as nursery:
+            for head, items in groups.items():
+                nursery.start_soon(one, head, items)
         for p, lay in zip(paths, layouts, strict=True):
-            if lay is None:
-                raise error(errno.ENOENT, "vanished while being read", p)
+            if isinstance(lay, OSError):
+                raise error(lay.errno, lay.strerror, p)
         return await data.read_layouts(layouts)
 
     async def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[memoryview]:

@@ -129,6 +129,21 @@ class MetaClient:
         got = await self._grouped("batch_layout", inos)
         return [Layout.from_wire(w) if w is not None else None for w in got]
 
+    async def lookup_layouts(self, parent: int, names: Sequence[bytes]
+                             ) -> list[Layout | OSError | tuple[int, int]]:
+        """Layouts of files in ``parent`` by name, in one call: a Layout, an OSError, or
+        (ino, kind) where another call is needed (a symlink, an inode on another shard)."""
+        got = await self.call(shard_of(parent), "lookup_layouts", parent, list(names))
+        out: list = []
+        for r in got:
+            if isinstance(r, str):
+                out.append(from_name(r))
+            elif len(r) == 2:
+                out.append((r[0], r[1]))
+            else:
+                out.append(Layout.from_wire(r))
+        return out
+
     # ---- changes
     async def create(self, parent: int, name: bytes, mode: int, uid: int | None = None,
                      gid: int | None = None, exclusive: bool = True) -> tuple[Attr, bool]:

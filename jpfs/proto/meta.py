@@ -44,6 +44,7 @@ METHODS = method_table(
     # ---- file data layout
     Method("get_layout", (int,), idempotent=True),
     Method("batch_layout", (L,), idempotent=True),
+    Method("lookup_layouts", (int, L), idempotent=True),
     Method("write_chunks", (int, L, int, (int, N))),
     Method("bulk_create", (int, L, bool)),
     # ---- cross-shard transactions (shard to shard)
