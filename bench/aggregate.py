@@ -41,6 +41,7 @@ import os
 import random
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -992,19 +993,9 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jpfs_bench.aggregate`` (what torchrun can start without the jpfs script)."""
-    import json
-    import sys
+    from jpfs.cli.bench import standalone
 
-    p = argparse.ArgumentParser(prog="jpfs bench aggregate", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    args = p.parse_args(argv)
-    result = run(args)
-    if args.json:
-        sys.stdout.flush()
-        print(json.dumps(result, sort_keys=True, default=str))
-    return 0
+    return standalone(sys.modules[__name__], "aggregate", argv)
 
 
 if __name__ == "__main__":

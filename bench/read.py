@@ -461,18 +461,10 @@ def report(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
+    """``python -m jpfs_bench.read`` (what torchrun can start without the jpfs script)."""
+    from jpfs.cli.bench import standalone
 
-    p = argparse.ArgumentParser(prog="jpfs bench read", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    args = p.parse_args(argv)
-    result = run(args)
-    if args.json:
-        sys.stdout.flush()
-        print(json.dumps(result, sort_keys=True, default=str))
-    return 0
+    return standalone(sys.modules[__name__], "read", argv)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         bp.set_defaults(func=lambda args, m=module: _run(m, args))
 
 
+def standalone(module, name: str, argv: list[str] | None = None) -> int:
+    """Run one benchmark module as its own program (``python -m jpfs_bench.aggregate``, which
+    torchrun can start), with the same options and ``--json`` as ``jpfs bench NAME``."""
+    p = argparse.ArgumentParser(prog=f"jpfs bench {name}", description=module.DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(p)
+    p.add_argument("--json", action="store_true",
+                   help="print the figures as one JSON object on the last line")
+    return _run(module, p.parse_args(argv))
+
+
 def _run(module, args: argparse.Namespace) -> int:
     result = module.run(args)
     if args.json:
