@@ -1,1 +1,1 @@
-"""jpfs/cli"""
+"""The ``jpfs`` command: one module per subcommand group (see ``main.GROUPS``)."""
