@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
 
 import jpfs
 from jpfs import config, localcluster
@@ -395,3 +396,25 @@ def test_read_many_follows_links_and_inodes_on_other_shards(dc):
     assert [bytes(g) for g in got] == [b"file in a", b"file in a", b"moved across shards"]
     with pytest.raises(IsADirectoryError):
         dc.read_many(["/mix/a"])
+
+
+def test_prefetch_hint_serves_later_reads_from_memory(make_cluster):
+    d = make_cluster(meta_shards=1, storage_nodes=2, chunk_size=CHUNK)
+    files = {f"/h/f{i:03d}": os.urandom(20_000 + i) for i in range(60)}
+    with jpfs.connect(d) as c:
+        c.makedirs("/h")
+        for p, b in files.items():
+            c.write_bytes(p, b)
+        c.prefetch(list(files) + ["/h/missing"])  # a hint: a bad path is skipped
+
+        async def settled(ac):
+            with trio.fail_after(30):
+                while ac.data.cache.stats.prefetched < len(files):
+                    await trio.sleep(0.01)
+            return ac.data.cache.stats.prefetched
+
+        assert c.run(settled) == len(files)
+        got = c.read_many(list(files))
+        assert [bytes(g) for g in got] == list(files.values())
+        stats = c.aclient.data.cache.stats
+        assert stats.prefetch_hits == len(files) and stats.misses == 0

@@ -133,7 +133,7 @@ FORWARDED = (
     "stat", "lstat", "exists", "isdir", "isfile", "stat_many", "scandir", "listdir", "readlink",
     "statfs", "getxattr", "listxattr", "mkdir", "makedirs", "remove", "unlink", "rmdir",
     "rmtree", "rename", "replace", "symlink", "link", "chmod", "chown", "utime", "truncate",
-    "setxattr", "removexattr", "create", "read_bytes", "read_many", "read_ranges",
+    "setxattr", "removexattr", "create", "read_bytes", "read_many", "read_ranges", "prefetch",
     "write_bytes", "put", "get", "layout",
 )
 

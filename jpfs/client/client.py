@@ -9,6 +9,7 @@ seconds, so a loop over files of one directory costs one call per file.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat as _stat
 import time
@@ -25,6 +26,8 @@ from .data import DataPath
 from .files import AsyncFile, parse_mode
 from .meta import MetaClient
 from .storage import StorageClient
+
+log = logging.getLogger(__name__)
 
 MAX_SYMLINKS = 40
 
@@ -473,6 +476,39 @@ class AsyncClient:
             if isinstance(lay, OSError):
                 raise error(lay.errno, lay.strerror, p)
         return await data.read_layouts(layouts)
+
+    async def prefetch(self, paths: list[str], *, memory_cache: int = 512 << 20) -> int:
+        """Hint: these files will be read soon. Their bytes are fetched in the background (one
+        batched call per directory and per storage node) into this client's memory cache,
+        bounded at ``memory_cache`` bytes (set on first use), so later ``read_many``,
+        ``read_bytes`` and ``open`` reads of them are served locally. Returns the number of
+        files queued; paths that cannot be read are skipped (a hint never fails a reader)."""
+        data = self._data()
+        if data.cache is None:
+            from .cache import BlobCache
+
+            data.cache = BlobCache(memory_cache)
+            await data.cache.open(self.nursery)
+        groups: dict[str, list[bytes]] = {}
+        for p in paths:
+            head, _, name = _path(p).rpartition("/")
+            groups.setdefault(head or "/", []).append(os.fsencode(name))
+
+        async def fetch() -> None:
+            chunks = []
+            for head, names in groups.items():
+                try:
+                    got = await self.meta.lookup_layouts(await self._dir_ino(head), names)
+                except JPFSError:
+                    continue
+                chunks += [c for lay in got if isinstance(lay, Layout) for c in lay.chunks]
+            try:
+                await data.cache.prefetch(chunks, data.storage.get)
+            except JPFSError as e:
+                log.debug("prefetch hint failed: %s", e.strerror)
+
+        self.nursery.start_soon(fetch)
+        return len(paths)
 
     async def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[memoryview]:
         """Byte ranges ``[start, end)`` of files, in one batched read: each needed chunk is
