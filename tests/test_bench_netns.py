@@ -86,7 +86,8 @@ def test_run_on_simulated_hosts_measures_both_rtts_and_cleans_up(dataset, tmp_pa
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_run_cleans_up(dataset, tmp_path, sig):
-    proc = subprocess.Popen(command(dataset, tmp_path / "w", "--epochs", "50"),
+    # far more epochs than the test waits for: the signal must find the run still reading
+    proc = subprocess.Popen(command(dataset, tmp_path / "w", "--epochs", "100000"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -102,13 +103,14 @@ def test_interrupted_run_cleans_up(dataset, tmp_path, sig):
         else:
             pytest.fail("the simulated hosts never came up")
         time.sleep(1.0)
+        assert proc.poll() is None, "the run ended before it was interrupted"
         proc.send_signal(sig)
         proc.wait(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode != 0
+    assert proc.returncode == 130, proc.stderr.read()[-3000:]
     nothing_left(proc.pid, tmp_path / "w" / "cluster")
 
 
