@@ -67,9 +67,10 @@ class Model:
         k = self.kind(src)
         if k is None:
             return self._parent_ok(src) or errno.ENOENT
-        if k == "dir":
-            return errno.EPERM
+        # Linux checks the new name (ENOTDIR, ENOENT, EEXIST) before refusing a directory
         err = self._parent_ok(dst) or (errno.EEXIST if dst in self.nodes else None)
+        if err is None and k == "dir":
+            return errno.EPERM
         if err is None:
             self.nodes[dst] = self.nodes[src]
         return err

@@ -221,9 +221,10 @@ class MetaShard:
 
         async def plan():
             attr = Attr.from_wire(await self._getattr(ino))
+            # Linux's order: the new name's errors (ENOTDIR, EEXIST) before EPERM
+            await self.store.view(ns.lookup_absent, parent, name)
             if attr.is_dir:
                 raise error(errno.EPERM, "cannot hard-link a directory")
-            await self.store.view(ns.lookup_absent, parent, name)
             return _merge(
                 (self.shard, ["mkdent", parent, name, ino, stat.S_IFMT(attr.mode), None]),
                 (shard_of(ino), ["nlink", ino, 1]),

@@ -50,14 +50,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print("jpfs: interrupted", file=sys.stderr)
-        return 130
-    except (JPFSError, OSError, ValueError) as e:
-        if args.verbose >= 2:
+    except (KeyboardInterrupt, JPFSError, OSError, ValueError, BaseExceptionGroup) as e:
+        reported = _reportable(e)
+        if reported is None or (args.verbose >= 2 and reported is not KeyboardInterrupt):
             raise
-        print(f"jpfs: error: {_describe(e)}", file=sys.stderr)
+        if reported is KeyboardInterrupt:
+            print("jpfs: interrupted", file=sys.stderr)
+            return 130
+        print(f"jpfs: error: {_describe(reported)}", file=sys.stderr)
         return 1
+
+
+def _reportable(e: BaseException) -> BaseException | type[KeyboardInterrupt] | None:
+    """What a user is told about ``e``: KeyboardInterrupt (Ctrl-C or SIGTERM, even where trio
+    wrapped it in an exception group), the first of a group's errors when they all are ordinary
+    errors, or None for a bug (its traceback is shown)."""
+    if isinstance(e, BaseExceptionGroup):
+        interrupted, _ = e.split(KeyboardInterrupt)
+        if interrupted is not None:
+            return KeyboardInterrupt
+        ordinary, other = e.split((JPFSError, OSError, ValueError))
+        if ordinary is None or other is not None:
+            return None
+        while isinstance(ordinary, BaseExceptionGroup):
+            ordinary = ordinary.exceptions[0]
+        return ordinary
+    return KeyboardInterrupt if isinstance(e, KeyboardInterrupt) else e
 
 
 def _describe(e: BaseException) -> str:
