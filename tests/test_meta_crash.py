@@ -183,3 +183,51 @@ def test_random_kills_during_cross_shard_work(make_cluster):
             _check_clean(client)
     finally:
         client.close()
+
+
+def test_a_create_waits_out_a_prepared_change_then_succeeds(make_cluster):
+    """A write that meets a name held by a prepared cross-shard change waits for the change to
+    resolve, then runs (and is answered) instead of failing or seeing half of it."""
+    d = make_cluster(meta_shards=3)
+    client = jpfs.connect(d, dir_cache_ttl=0)
+    other = jpfs.connect(d, dir_cache_ttl=0)
+    try:
+        dirs = _dirs_on_shards(client)
+        src_dir, dst_dir = dirs[1], dirs[2]  # the root's shard (0) stays up for lookups
+        ino = client.create(f"/{src_dir}/f").ino
+        localcluster.stop(d, "meta", 1)
+        # the coordinator dies once both shards have prepared: the destination holds dst/f
+        localcluster.start(d, "meta", 1, sync=False,
+                           env={"JPFS_FAULTS": "coordinator.prepared_one:2"})
+        mover = threading.Thread(target=lambda: _swallow(client.rename, f"/{src_dir}/f",
+                                                         f"/{dst_dir}/f"))
+        mover.start()
+        assert _wait_dead(d, "meta", 1), "the coordinator never reached the fault point"
+        outcome: list = []
+
+        def create():
+            try:
+                outcome.append(other.create(f"/{dst_dir}/f", exclusive=False))
+            except OSError as e:
+                outcome.append(e)
+
+        writer = threading.Thread(target=create)
+        writer.start()
+        writer.join(1.0)
+        assert writer.is_alive() and not outcome, f"did not wait for the prepared change: {outcome}"
+        localcluster.up(d, sync=False)  # the coordinator's restart resolves the change
+        writer.join(60)
+        mover.join(60)
+        assert outcome and not isinstance(outcome[0], OSError), outcome
+        # either the move was undone (presumed abort) and the create made a new file, or the
+        # move happened first and the create found the moved file: never half of either
+        got = outcome[0].ino
+        if got == ino:
+            assert _where(client, [src_dir, dst_dir], "f") == [dst_dir]
+        else:
+            assert client.stat(f"/{src_dir}/f").ino == ino
+            assert client.stat(f"/{dst_dir}/f").ino == got
+        _check_clean(client)
+    finally:
+        client.close()
+        other.close()

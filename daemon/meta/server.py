@@ -21,7 +21,7 @@ from jpfs import config
 from jpfs.errors import JPFSError, error
 from jpfs.placement import new_dir_shard, shard_of
 from jpfs.proto.meta import METHODS, RENAME_EXCHANGE, RENAME_NOREPLACE, check_name
-from jpfs.rpc import Defer, Pool, Service, serve
+from jpfs.rpc import Defer, Later, Pool, Service, serve
 from jpfs.types import ROOT_INO, Attr
 
 from . import layout as L
@@ -167,32 +167,32 @@ class MetaShard:
             self._mine(ino)
         return self._now(L.batch_layout, inos, self.chunk_size)
 
-    # ---- single-shard changes -------------------------------------------------------------------
+    # ---- single-shard changes: queued to the next group commit, answered when it is durable ----
 
-    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
-                     exclusive: bool) -> list:
-        return await self.store.write(ns.create, self._mine(parent), name, mode, uid, gid,
+    def create_now(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                   exclusive: bool) -> Later:
+        return self.store.write_later(ns.create, self._mine(parent), name, mode, uid, gid,
                                       exclusive)
 
-    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> list:
-        return await self.store.write(ns.symlink, self._mine(parent), name, target, uid, gid)
+    def symlink_now(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Later:
+        return self.store.write_later(ns.symlink, self._mine(parent), name, target, uid, gid)
 
-    async def setattr(self, ino: int, fields: dict) -> list:
-        return await self.store.write(ns.setattr_, self._mine(ino), fields, self.chunk_size)
+    def setattr_now(self, ino: int, fields: dict) -> Later:
+        return self.store.write_later(ns.setattr_, self._mine(ino), fields, self.chunk_size)
 
-    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int) -> None:
-        return await self.store.write(ns.setxattr, self._mine(ino), name, value, flags)
+    def setxattr_now(self, ino: int, name: bytes, value: bytes, flags: int) -> Later:
+        return self.store.write_later(ns.setxattr, self._mine(ino), name, value, flags)
 
-    async def removexattr(self, ino: int, name: bytes) -> None:
-        return await self.store.write(ns.removexattr, self._mine(ino), name)
+    def removexattr_now(self, ino: int, name: bytes) -> Later:
+        return self.store.write_later(ns.removexattr, self._mine(ino), name)
 
-    async def write_chunks(self, ino: int, chunks: list, size: int,
-                           expect_version: int | None) -> list:
-        return await self.store.write(L.write_chunks, self._mine(ino), chunks, size,
+    def write_chunks_now(self, ino: int, chunks: list, size: int,
+                         expect_version: int | None) -> Later:
+        return self.store.write_later(L.write_chunks, self._mine(ino), chunks, size,
                                       expect_version, self.chunk_size)
 
-    async def bulk_create(self, parent: int, entries: list, replace: bool) -> list:
-        return await self.store.write(L.bulk_create, self._mine(parent), entries, replace,
+    def bulk_create_now(self, parent: int, entries: list, replace: bool) -> Later:
+        return self.store.write_later(L.bulk_create, self._mine(parent), entries, replace,
                                       self.chunk_size)
 
     # ---- changes that may span shards -----------------------------------------------------------

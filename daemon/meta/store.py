@@ -23,7 +23,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
@@ -31,6 +31,7 @@ import trio
 
 from jpfs.errors import JPFSError, error
 from jpfs.placement import COUNTER_MASK, make_ino
+from jpfs.rpc.service import Later
 
 from . import keys as K
 from .keys import Inode
@@ -136,7 +137,8 @@ class Txn:
 class _Slot:
     fn: Callable
     args: tuple
-    done: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event | None = None  # set when durable (write) ...
+    later: Later | None = None  # ... or settled (write_later)
     result: object = None
     exc: BaseException | None = None
 
@@ -192,7 +194,7 @@ class Store:
     async def write(self, fn: Callable, *args):
         """Run ``fn(txn, *args)`` in the next group commit; returns its result once durable."""
         while True:
-            slot = _Slot(fn, args)
+            slot = _Slot(fn, args, done=trio.Event())
             self._send.send_nowait(slot)
             await slot.done.wait()
             if isinstance(slot.exc, Locked):
@@ -202,25 +204,51 @@ class Store:
                 raise slot.exc
             return slot.result
 
+    def write_later(self, fn: Callable, *args) -> Later:
+        """``write`` for a server's inline handler: queue ``fn(txn, *args)`` for the next group
+        commit and return a ``Later`` settled with its result once durable (no task waits)."""
+        later = Later()
+        self._send.send_nowait(_Slot(fn, args, later=later))
+        return later
+
     async def committer(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The single writer: drains the queue into group commits until cancelled."""
-        task_status.started()
-        while True:
-            batch = [await self._recv.receive()]
-            while len(batch) < MAX_BATCH:
-                try:
-                    batch.append(self._recv.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            self._commit(batch)  # microseconds per operation: cheaper than a thread hop
-            if self.durable:
-                try:
-                    await trio.to_thread.run_sync(self.env.sync, True)
-                except lmdb.Error as e:
-                    log.exception("metadata fsync failed")
-                    self._fail_all(batch, error(errno.EIO, f"metadata fsync failed: {e}"))
-            for slot in batch:
-                slot.done.set()
+        async with trio.open_nursery() as waiters:  # write_later slots waiting out a lock
+            task_status.started()
+            while True:
+                batch = [await self._recv.receive()]
+                while len(batch) < MAX_BATCH:
+                    try:
+                        batch.append(self._recv.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                self._commit(batch)  # microseconds per operation: cheaper than a thread hop
+                if self.durable:
+                    try:
+                        await trio.to_thread.run_sync(self.env.sync, True)
+                    except lmdb.Error as e:
+                        log.exception("metadata fsync failed")
+                        self._fail_all(batch, error(errno.EIO, f"metadata fsync failed: {e}"))
+                for slot in batch:
+                    if slot.later is None:
+                        slot.done.set()
+                    elif isinstance(slot.exc, Locked):
+                        waiters.start_soon(self._requeue_when_resolved, slot)
+                    else:
+                        try:
+                            slot.later.settle(slot.result, slot.exc)
+                        except Exception:  # an answer that fails to send must not stop commits
+                            log.exception("answering %s failed", slot.fn.__name__)
+
+    async def _requeue_when_resolved(self, slot: _Slot) -> None:
+        """Run a ``write_later`` operation again once the transaction that held it resolves."""
+        try:
+            await self.wait_resolved(slot.exc.txid)
+        except JPFSError as e:
+            slot.later.settle(None, e)
+            return
+        slot.result = slot.exc = None
+        self._send.send_nowait(slot)
 
     def _commit(self, batch: list[_Slot]) -> None:
         now = time.time_ns()

@@ -17,7 +17,7 @@ import trio
 from ..errors import JPFSError, ProtocolError, Unavailable, error
 from . import frame as F
 from .auth import HANDSHAKE_TIMEOUT, server_handshake
-from .service import Defer, Reply, Service, as_error
+from .service import Defer, Later, Reply, Service, as_error
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +148,55 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
                 await _send(fs, F.ERROR, F.encode_error(req_id, _failure(e, spec, where)))
                 continue
             else:
-                await _send(fs, F.RESPONSE, [req_id, result])
+                if isinstance(result, Later):
+                    # answered from the callback; the slot bounds what one connection queues
+                    await slots.acquire()
+                    result.on_settled(_Answer(fs, nursery, where, spec, req_id, slots))
+                else:
+                    await _send(fs, F.RESPONSE, [req_id, result])
                 continue
         await slots.acquire()
         nursery.start_soon(_run, fs, where, service, spec, req_id, args, deadline, payload, slots)
+
+
+class _Answer:
+    """Sends the answer of a ``Later`` from whatever task settles it: at once when the socket
+    takes the frame, else the rest from a task. Never raises into the settling code."""
+
+    __slots__ = ("fs", "nursery", "where", "spec", "req_id", "slots")
+
+    def __init__(self, fs, nursery, where, spec, req_id, slots) -> None:
+        self.fs, self.nursery, self.where = fs, nursery, where
+        self.spec, self.req_id, self.slots = spec, req_id, slots
+
+    def __call__(self, result: object, exc: BaseException | None) -> None:
+        self.slots.release()
+        fs = self.fs
+        if fs.closed:
+            return
+        try:
+            if exc is None:
+                parts = fs.frame_parts(F.RESPONSE, [self.req_id, result])
+            else:
+                err = _failure(exc, self.spec, self.where) if isinstance(exc, Exception) else \
+                    error(errno.EIO, f"{self.spec.name}: {exc!r}")
+                parts = fs.frame_parts(F.ERROR, F.encode_error(self.req_id, err))
+            if fs.send_lock.locked():
+                self.nursery.start_soon(_send_parts, fs, parts, False)
+                return
+            fs.send_lock.acquire_nowait()
+            try:
+                parts = fs.send_parts_nowait(parts)
+            except BaseException:
+                fs.send_lock.release()
+                raise
+            if parts:
+                self.nursery.start_soon(_send_parts, fs, parts, True)
+            else:
+                fs.send_lock.release()
+        except Exception as e:  # noqa: BLE001 - a lost connection (or a closed nursery) ends it
+            log.info("dropping connection to %s: answer failed: %s", self.where, e)
+            fs.close()
 
 
 def _parse_request(body: object) -> tuple:
@@ -198,6 +243,22 @@ def _failure(e: Exception, spec, where: str) -> JPFSError:
         log.exception("%s from %s failed", spec.name, where)
         err = error(errno.EIO, f"{spec.name}: internal server error: {type(e).__name__}: {e}")
     return err
+
+
+async def _send_parts(fs: F.FrameSocket, parts: list, holding: bool) -> None:
+    """Send a frame's parts; ``holding``: the caller took ``send_lock`` and the frame has begun."""
+    try:
+        if not holding:
+            await fs.send_lock.acquire()
+        try:
+            if not fs.closed:
+                with trio.fail_after(_SEND_TIMEOUT):
+                    await fs.send_parts(parts)
+        finally:
+            fs.send_lock.release()
+    except (JPFSError, trio.TooSlowError, OSError) as e:
+        log.info("dropping connection: send failed: %s", e)
+        fs.close()
 
 
 async def _send(fs: F.FrameSocket, kind: int, body, payload=()) -> None:
