@@ -16,6 +16,7 @@ from jpfs.errors import AuthError, DeadlineError, JPFSError, Unavailable
 from jpfs.rpc import (
     Defer,
     FileSegment,
+    Later,
     Limits,
     Method,
     Pool,
@@ -161,6 +162,68 @@ async def test_deadline(pool):
     with pytest.raises(DeadlineError):
         await pool.call(0, METHODS["nap"], [5], timeout=0.2)
     assert await pool.call(0, METHODS["nap"], [0.01]) == 0.01
+
+
+class Later_:
+    """Answers from callbacks (``Later``), as a metadata shard answers writes from its group
+    commit; ``settle`` decides when, or never."""
+
+    def __init__(self):
+        self.waiting: list[tuple[Later, object]] = []
+
+    def echo_now(self, x):
+        later = Later()
+        self.waiting.append((later, x))
+        return later
+
+    def settle(self, fail: bool = False):
+        for later, x in self.waiting:
+            if fail:
+                later.settle(None, JPFSError(errno.EROFS, "asked to fail"))
+            else:
+                later.settle(x)
+        self.waiting.clear()
+
+
+async def test_later_answers_arrive_when_settled_and_deadlines_end_unanswered_calls(nursery):
+    impl = Later_()
+    table = method_table(Method("echo", (None,)))
+    port = await nursery.start(serve, Service("test", table, impl), "127.0.0.1", 0, SECRET)
+    p = Pool(nursery, [f"127.0.0.1:{port}"], SECRET, role="test")
+    got: list = []
+
+    async def call(x, timeout=10.0):
+        try:
+            got.append(await p.call(0, table["echo"], [x], timeout=timeout))
+        except JPFSError as e:
+            got.append(e.errno)
+
+    async with trio.open_nursery() as calls:
+        for i in range(50):
+            calls.start_soon(call, i)
+        while len(impl.waiting) < 50:
+            await trio.sleep(0.01)
+        assert got == []  # nothing is answered before it is settled
+        impl.settle()
+    assert sorted(got) == list(range(50))
+    got.clear()
+    # a server that never answers: the client's own deadline ends each call, the short one
+    # first even though a longer one was already waiting
+    with trio.fail_after(5):
+        async with trio.open_nursery() as calls:
+            calls.start_soon(call, "long", 3.0)
+            await trio.sleep(0.05)
+            calls.start_soon(call, "short", 0.2)
+            await trio.sleep(1.0)
+            assert got == [errno.ETIMEDOUT]
+    assert got == [errno.ETIMEDOUT, errno.ETIMEDOUT]
+    impl.settle()  # late answers to abandoned calls are dropped; the connection lives on
+    async with trio.open_nursery() as calls:
+        calls.start_soon(call, "x")
+        while not impl.waiting:
+            await trio.sleep(0.01)
+        impl.settle(fail=True)  # an error settles as an error answer
+    assert got[-1] == errno.EROFS
 
 
 async def test_wrong_secret_is_refused(nursery, server):
