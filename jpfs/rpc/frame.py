@@ -95,37 +95,6 @@ def decode_error(body: object) -> JPFSError:
     return ProtocolError("malformed error frame")
 
 
-class SendGate:
-    """The right to write the next frame on a socket.
-
-    Unlike ``trio.Lock`` it has no owner, so synchronous code (a callback answering a request
-    when its group commit is durable) can start a frame with ``acquire_nowait`` and hand the
-    rest of it to a task of its own, which releases the gate when the frame is out."""
-
-    __slots__ = ("_sem",)
-
-    def __init__(self) -> None:
-        self._sem = trio.Semaphore(1, max_value=1)
-
-    def locked(self) -> bool:
-        return self._sem.value == 0
-
-    def acquire_nowait(self) -> None:
-        self._sem.acquire_nowait()
-
-    def release(self) -> None:
-        self._sem.release()
-
-    async def acquire(self) -> None:
-        await self._sem.acquire()
-
-    async def __aenter__(self) -> None:
-        await self._sem.acquire()
-
-    async def __aexit__(self, *exc) -> None:
-        self._sem.release()
-
-
 class FrameSocket:
     """One connected, non-blocking socket that reads and writes frames under trio.
 
@@ -133,15 +102,15 @@ class FrameSocket:
     plus ``sendfile`` for file segments. Every syscall is tried at once and only waits (trio's
     ``wait_readable``/``wait_writable``) when it would block: a request/response round trip then
     costs a few syscalls instead of several scheduler passes per socket call, which is what
-    bounds one-call-at-a-time metadata rates. One task reads and one writer at a time writes;
-    callers serialise writes with ``send_lock`` (a ``SendGate``).
+    bounds one-call-at-a-time metadata rates. One task reads and one task at a time writes;
+    callers serialise writes with ``send_lock``.
     """
 
     def __init__(self, sock: _socket.socket, limits: Limits = Limits()):
         sock.setblocking(False)
         self.sock = sock
         self.limits = limits
-        self.send_lock = SendGate()
+        self.send_lock = trio.Lock()
         self._buf = bytearray(_RECV_BUFFER)
         self._view = memoryview(self._buf)
         self._start = 0

@@ -100,6 +100,7 @@ async def _connection(sock, peer, service: Service, secret: bytes, limits, max_i
 
 
 async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery, slots) -> None:
+    outbox = _Outbox(fs, nursery)
     while True:
         try:
             kind, body_len, payload_len = await fs.read_header()
@@ -151,7 +152,7 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
                 if isinstance(result, Later):
                     # answered from the callback; the slot bounds what one connection queues
                     await slots.acquire()
-                    result.on_settled(_Answer(fs, nursery, where, spec, req_id, slots))
+                    result.on_settled(_Answer(outbox, where, spec, req_id, slots))
                 else:
                     await _send(fs, F.RESPONSE, [req_id, result])
                 continue
@@ -159,44 +160,55 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
         nursery.start_soon(_run, fs, where, service, spec, req_id, args, deadline, payload, slots)
 
 
+class _Outbox:
+    """Answers settled by callbacks on one connection, sent together: a group commit settles
+    many requests at once, and one task and one ``sendmsg`` then carry all of their answers."""
+
+    __slots__ = ("fs", "nursery", "parts")
+
+    def __init__(self, fs: F.FrameSocket, nursery) -> None:
+        self.fs, self.nursery, self.parts = fs, nursery, []
+
+    def add(self, parts: list) -> None:
+        if self.fs.closed:
+            return
+        if not self.parts:
+            try:
+                self.nursery.start_soon(self._flush)
+            except RuntimeError:  # the connection is ending
+                self.fs.close()
+                return
+        self.parts.extend(parts)
+
+    async def _flush(self) -> None:
+        parts, self.parts = self.parts, []
+        await _send_parts(self.fs, parts)
+
+
 class _Answer:
-    """Sends the answer of a ``Later`` from whatever task settles it: at once when the socket
-    takes the frame, else the rest from a task. Never raises into the settling code."""
+    """Turns a ``Later``'s outcome into an answer frame in the connection's outbox. Never raises
+    into the settling code."""
 
-    __slots__ = ("fs", "nursery", "where", "spec", "req_id", "slots")
+    __slots__ = ("outbox", "where", "spec", "req_id", "slots")
 
-    def __init__(self, fs, nursery, where, spec, req_id, slots) -> None:
-        self.fs, self.nursery, self.where = fs, nursery, where
+    def __init__(self, outbox: _Outbox, where, spec, req_id, slots) -> None:
+        self.outbox, self.where = outbox, where
         self.spec, self.req_id, self.slots = spec, req_id, slots
 
     def __call__(self, result: object, exc: BaseException | None) -> None:
         self.slots.release()
-        fs = self.fs
-        if fs.closed:
-            return
         try:
             if exc is None:
-                parts = fs.frame_parts(F.RESPONSE, [self.req_id, result])
+                parts = F.FrameSocket.frame_parts(F.RESPONSE, [self.req_id, result])
             else:
                 err = _failure(exc, self.spec, self.where) if isinstance(exc, Exception) else \
                     error(errno.EIO, f"{self.spec.name}: {exc!r}")
-                parts = fs.frame_parts(F.ERROR, F.encode_error(self.req_id, err))
-            if fs.send_lock.locked():
-                self.nursery.start_soon(_send_parts, fs, parts, False)
-                return
-            fs.send_lock.acquire_nowait()
-            try:
-                parts = fs.send_parts_nowait(parts)
-            except BaseException:
-                fs.send_lock.release()
-                raise
-            if parts:
-                self.nursery.start_soon(_send_parts, fs, parts, True)
-            else:
-                fs.send_lock.release()
-        except Exception as e:  # noqa: BLE001 - a lost connection (or a closed nursery) ends it
-            log.info("dropping connection to %s: answer failed: %s", self.where, e)
-            fs.close()
+                parts = F.FrameSocket.frame_parts(F.ERROR, F.encode_error(self.req_id, err))
+        except Exception as e:  # noqa: BLE001 - an answer msgpack cannot carry
+            log.exception("%s from %s: cannot encode the answer", self.spec.name, self.where)
+            parts = F.FrameSocket.frame_parts(F.ERROR, F.encode_error(
+                self.req_id, error(errno.EIO, f"{self.spec.name}: unencodable answer: {e}")))
+        self.outbox.add(parts)
 
 
 def _parse_request(body: object) -> tuple:
@@ -245,17 +257,13 @@ def _failure(e: Exception, spec, where: str) -> JPFSError:
     return err
 
 
-async def _send_parts(fs: F.FrameSocket, parts: list, holding: bool) -> None:
-    """Send a frame's parts; ``holding``: the caller took ``send_lock`` and the frame has begun."""
+async def _send_parts(fs: F.FrameSocket, parts: list) -> None:
+    """Send whole frames' parts under ``send_lock``."""
     try:
-        if not holding:
-            await fs.send_lock.acquire()
-        try:
+        async with fs.send_lock:
             if not fs.closed:
                 with trio.fail_after(_SEND_TIMEOUT):
                     await fs.send_parts(parts)
-        finally:
-            fs.send_lock.release()
     except (JPFSError, trio.TooSlowError, OSError) as e:
         log.info("dropping connection: send failed: %s", e)
         fs.close()
