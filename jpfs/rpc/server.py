@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 _PREAUTH_LIMITS = F.Limits(max_body=4096, max_payload=0)
 _SEND_TIMEOUT = 60.0
+_FAIR_EVERY = 64
+"""Requests a connection handles before it lets other tasks run."""
 
 
 async def serve(
@@ -101,7 +103,16 @@ async def _connection(sock, peer, service: Service, secret: bytes, limits, max_i
 
 async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery, slots) -> None:
     outbox = _Outbox(fs, nursery)
+    handled = 0
     while True:
+        if outbox.parts and not fs.frame_buffered():
+            await outbox.flush()  # the answers to everything that arrived together, in one send
+        handled += 1
+        if handled % _FAIR_EVERY == 0:
+            # a client that keeps the socket full must not starve the rest (the committer,
+            # other connections): reads that find data buffered never wait
+            await outbox.flush()
+            await trio.lowlevel.checkpoint()
         try:
             kind, body_len, payload_len = await fs.read_header()
             if kind != F.REQUEST:
@@ -113,6 +124,7 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
             return
         except ProtocolError as e:
             log.warning("closing connection from %s: %s", where, e.strerror)
+            await outbox.flush()
             await _send_final_error(fs, e)
             return
         req_id, method, args, deadline = _parse_request(body)
@@ -134,9 +146,10 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
             return
         if problem is not None:
             if req_id is None:
+                await outbox.flush()
                 await _send_final_error(fs, problem)
                 return
-            await _send(fs, F.ERROR, F.encode_error(req_id, problem))
+            outbox.add(_answer_parts(req_id, None, problem, spec, where))
             continue
         now = service.inline.get(spec.name)
         if now is not None:
@@ -146,48 +159,69 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
             except Defer:
                 pass
             except Exception as e:  # as in _run: every failure becomes an answer
-                await _send(fs, F.ERROR, F.encode_error(req_id, _failure(e, spec, where)))
+                outbox.add(_answer_parts(req_id, None, e, spec, where))
                 continue
             else:
                 if isinstance(result, Later):
                     # answered from the callback; the slot bounds what one connection queues
-                    await slots.acquire()
+                    await _take(slots)
                     result.on_settled(_Answer(outbox, where, spec, req_id, slots))
                 else:
-                    await _send(fs, F.RESPONSE, [req_id, result])
+                    outbox.add(_answer_parts(req_id, result, None, spec, where))
                 continue
-        await slots.acquire()
+        await _take(slots)
         nursery.start_soon(_run, fs, where, service, spec, req_id, args, deadline, payload, slots)
 
 
-class _Outbox:
-    """Answers settled by callbacks on one connection, sent together: a group commit settles
-    many requests at once, and one task and one ``sendmsg`` then carry all of their answers."""
+async def _take(slots: trio.Semaphore) -> None:
+    """Take a request slot, waiting (a scheduler pass) only when none is free."""
+    try:
+        slots.acquire_nowait()
+    except trio.WouldBlock:
+        await slots.acquire()
 
-    __slots__ = ("fs", "nursery", "parts")
+
+class _Outbox:
+    """Answers waiting to go out on one connection, sent together: the request loop flushes
+    when it has handled every request that arrived in one read, and answers settled by
+    callbacks (a group commit settles many at once) are flushed by one task. One ``sendmsg``
+    then carries many answers instead of one each."""
+
+    __slots__ = ("fs", "nursery", "parts", "_task")
 
     def __init__(self, fs: F.FrameSocket, nursery) -> None:
-        self.fs, self.nursery, self.parts = fs, nursery, []
+        self.fs, self.nursery, self.parts, self._task = fs, nursery, [], False
 
     def add(self, parts: list) -> None:
+        """Queue an answer; the request loop sends it before it next waits for input."""
+        self.parts.extend(parts)
+
+    def add_soon(self, parts: list) -> None:
+        """Queue an answer from outside the request loop; a task sends it."""
         if self.fs.closed:
             return
-        if not self.parts:
+        self.parts.extend(parts)
+        if not self._task:
             try:
-                self.nursery.start_soon(self._flush)
+                self.nursery.start_soon(self._flush_task)
             except RuntimeError:  # the connection is ending
                 self.fs.close()
                 return
-        self.parts.extend(parts)
+            self._task = True
 
-    async def _flush(self) -> None:
+    async def _flush_task(self) -> None:
+        self._task = False
+        await self.flush()
+
+    async def flush(self) -> None:
         parts, self.parts = self.parts, []
-        await _send_parts(self.fs, parts)
+        if parts:
+            await _send_parts(self.fs, parts)
 
 
 class _Answer:
-    """Turns a ``Later``'s outcome into an answer frame in the connection's outbox. Never raises
-    into the settling code."""
+    """Turns a ``Later``'s outcome into an answer in the connection's outbox. Never raises into
+    the settling code."""
 
     __slots__ = ("outbox", "where", "spec", "req_id", "slots")
 
@@ -197,18 +231,22 @@ class _Answer:
 
     def __call__(self, result: object, exc: BaseException | None) -> None:
         self.slots.release()
-        try:
-            if exc is None:
-                parts = F.FrameSocket.frame_parts(F.RESPONSE, [self.req_id, result])
-            else:
-                err = _failure(exc, self.spec, self.where) if isinstance(exc, Exception) else \
-                    error(errno.EIO, f"{self.spec.name}: {exc!r}")
-                parts = F.FrameSocket.frame_parts(F.ERROR, F.encode_error(self.req_id, err))
-        except Exception as e:  # noqa: BLE001 - an answer msgpack cannot carry
-            log.exception("%s from %s: cannot encode the answer", self.spec.name, self.where)
-            parts = F.FrameSocket.frame_parts(F.ERROR, F.encode_error(
-                self.req_id, error(errno.EIO, f"{self.spec.name}: unencodable answer: {e}")))
-        self.outbox.add(parts)
+        self.outbox.add_soon(_answer_parts(self.req_id, result, exc, self.spec, self.where))
+
+
+def _answer_parts(req_id: int, result: object, exc: BaseException | None, spec,
+                  where: str) -> list:
+    """The frame answering ``req_id``: its result, or the error ``exc`` becomes."""
+    try:
+        if exc is None:
+            return F.FrameSocket.frame_parts(F.RESPONSE, [req_id, result])
+        err = exc if isinstance(exc, JPFSError) else _failure(exc, spec, where) \
+            if isinstance(exc, Exception) else error(errno.EIO, f"{spec.name}: {exc!r}")
+        return F.FrameSocket.frame_parts(F.ERROR, F.encode_error(req_id, err))
+    except Exception as e:  # noqa: BLE001 - an answer msgpack cannot carry
+        log.exception("%s from %s: cannot encode the answer", spec.name, where)
+        return F.FrameSocket.frame_parts(F.ERROR, F.encode_error(
+            req_id, error(errno.EIO, f"{spec.name}: unencodable answer: {e}")))
 
 
 def _parse_request(body: object) -> tuple:
@@ -257,27 +295,20 @@ def _failure(e: Exception, spec, where: str) -> JPFSError:
     return err
 
 
-async def _send_parts(fs: F.FrameSocket, parts: list) -> None:
-    """Send whole frames' parts under ``send_lock``."""
-    try:
-        async with fs.send_lock:
-            if not fs.closed:
-                with trio.fail_after(_SEND_TIMEOUT):
-                    await fs.send_parts(parts)
-    except (JPFSError, trio.TooSlowError, OSError) as e:
-        log.info("dropping connection: send failed: %s", e)
-        fs.close()
-
-
 async def _send(fs: F.FrameSocket, kind: int, body, payload=()) -> None:
-    """Send one frame; a failure mid-frame leaves the stream unusable, so close it.
+    """Send one frame."""
+    if not fs.closed:
+        await _send_parts(fs, fs.frame_parts(kind, body, payload))
 
-    Fast path: when nobody else is sending and the socket takes the whole frame at once, no
-    await happens at all."""
+
+async def _send_parts(fs: F.FrameSocket, parts: list) -> None:
+    """Send whole frames; a failure mid-frame leaves the stream unusable, so close it.
+
+    Fast path: when nobody else is sending and the socket takes everything at once, no await
+    happens at all."""
     if fs.closed:
         return
     try:
-        parts = fs.frame_parts(kind, body, payload)
         lock = fs.send_lock
         if not lock.locked():
             lock.acquire_nowait()
