@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,23 +29,35 @@ class Method:
     payload: bool = False
 
     def check(self, args: object) -> list:
-        """Raise EINVAL unless ``args`` fit this method's signature."""
-        if not isinstance(args, list):
+        """Raise EINVAL unless ``args`` fit this method's signature.
+
+        Types are matched exactly (what msgpack decodes to), so a bool is never taken for an
+        int; runs for every request, hence the precomputed type sets."""
+        if type(args) is not list:
             raise error(_EINVAL, f"{self.name}: arguments must be a list")
-        lo, hi = len(self.args) - self.optional, len(self.args)
-        if not lo <= len(args) <= hi:
-            want = f"{lo}" if lo == hi else f"{lo} to {hi}"
+        lo, exact = self._exact
+        if not lo <= len(args) <= len(exact):
+            want = f"{lo}" if lo == len(exact) else f"{lo} to {len(exact)}"
             raise error(_EINVAL, f"{self.name}: takes {want} arguments, got {len(args)}")
-        for i, (value, kind) in enumerate(zip(args, self.args, strict=False)):
-            if kind is None or value is None and i >= lo:
+        for i, value in enumerate(args):
+            kinds = exact[i]
+            if kinds is None:
                 continue
-            if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-                raise error(_EINVAL, f"{self.name}: argument {i} has type {type(value).__name__}")
-            if isinstance(value, int) and not isinstance(value, bool) and not (
-                -(1 << 63) <= value < (1 << 64)
-            ):
+            t = type(value)
+            if t not in kinds:
+                if value is None and i >= lo:
+                    continue
+                raise error(_EINVAL, f"{self.name}: argument {i} has type {t.__name__}")
+            if t is int and not -(1 << 63) <= value < (1 << 64):
                 raise error(_EINVAL, f"{self.name}: argument {i} out of range")
         return args
+
+    @functools.cached_property
+    def _exact(self) -> tuple[int, tuple[frozenset | None, ...]]:
+        """(required argument count, the set of accepted types per argument or None)."""
+        sets = tuple(None if k is None else frozenset(k if isinstance(k, tuple) else (k,))
+                     for k in self.args)
+        return len(self.args) - self.optional, sets
 
 
 class Defer(Exception):
