@@ -29,7 +29,7 @@ from . import maintenance as M
 from . import namespace as ns
 from .coordinator import Coordinator
 from .keys import Inode
-from .ops import NEW
+from .ops import NEW, apply_local
 from .store import Locked, Store, Txn
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,17 @@ def _init_shard(t: Txn, chunk_size: int) -> int:
         t.put_inode(Inode(ino, stat.S_IFDIR | 0o755, 2, 0, 0, 0, t.now, t.now, t.now,
                           parent=ROOT_INO))
     return int(stored)
+
+
+def _unlink_here(t: Txn, parent: int, name: bytes) -> None:
+    """unlink in one transaction when the file's inode lives on this shard (the usual case:
+    files are made on their directory's shard); ``Defer`` to two-phase commit otherwise."""
+    ino, kind, _ = ns.lookup(t, parent, name)
+    if kind == stat.S_IFDIR:
+        raise error(errno.EISDIR, f"{name.decode(errors='replace')!r} is a directory")
+    if shard_of(ino) != t.store.shard:
+        raise Defer
+    apply_local(t, [["rmdent", parent, name, ino], ["nlink", ino, -1]])
 
 
 def _getparent(t: Txn, ino: int) -> int:
@@ -233,7 +244,11 @@ class MetaShard:
         await self._run(plan)
         return await self._getattr(ino)
 
+    def unlink_now(self, parent: int, name: bytes) -> Later:
+        return self.store.write_later(_unlink_here, self._mine(parent), name)
+
     async def unlink(self, parent: int, name: bytes) -> None:
+        """The general case (the inode on another shard): planned, and run by 2PC if needed."""
         self._mine(parent)
 
         async def plan():

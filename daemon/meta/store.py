@@ -31,7 +31,7 @@ import trio
 
 from jpfs.errors import JPFSError, error
 from jpfs.placement import COUNTER_MASK, make_ino
-from jpfs.rpc.service import Later
+from jpfs.rpc.service import Defer, Later
 
 from . import keys as K
 from .keys import Inode
@@ -261,7 +261,7 @@ class Store:
                     except BaseException as e:  # noqa: BLE001 - every failure goes to its caller
                         child.abort()
                         slot.exc = e
-                        if not isinstance(e, (JPFSError, Locked)):
+                        if not isinstance(e, (JPFSError, Locked, Defer)):
                             log.exception("metadata operation %s failed", slot.fn.__name__)
                     else:
                         child.commit()

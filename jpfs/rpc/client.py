@@ -49,15 +49,18 @@ class _Pending:
 class Connection:
     """One authenticated connection; ``call`` may be used by many tasks at once."""
 
-    def __init__(self, fs: F.FrameSocket, address: str, role: str):
+    def __init__(self, fs: F.FrameSocket, address: str, role: str, nursery: trio.Nursery):
         self.fs = fs
         self.address = address
         self.role = role
+        self._nursery = nursery
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self.broken: JPFSError | None = None
         self._sweep_at = math.inf
         self._sweep_wake = trio.Event()
+        self._outbox: list = []
+        self._flush_soon = False
 
     @property
     def alive(self) -> bool:
@@ -142,6 +145,33 @@ class Connection:
             if scope.cancelled_caught:
                 raise Unavailable(f"sending to {self.address} timed out")
 
+    async def _flush(self) -> None:
+        """Send the queued requests; a failure fails every call on the connection."""
+        self._flush_soon = False
+        parts, self._outbox = self._outbox, []
+        if not parts or self.broken is not None:
+            return
+        try:
+            await self._send(parts)
+        except JPFSError as e:
+            self._fail(e if isinstance(e, Unavailable) else Unavailable(str(e)))
+
+    async def _send(self, parts: list) -> None:
+        """Send whole frames; no await at all when the socket takes them at once."""
+        lock = self.fs.send_lock
+        if not lock.locked():
+            lock.acquire_nowait()
+            try:
+                parts = self.fs.send_parts_nowait(parts)
+                if parts:
+                    await self._finish_send(parts)
+            finally:
+                lock.release()
+        else:
+            with trio.CancelScope(shield=True):
+                async with lock:
+                    await self._finish_send(parts)
+
     async def call(
         self,
         method: str,
@@ -163,19 +193,19 @@ class Connection:
             if math.isfinite(deadline) else None
         try:
             parts = self.fs.frame_parts(F.REQUEST, [req_id, method, args, remaining_ms], payload)
-            lock = self.fs.send_lock
-            if not lock.locked():  # fast path: the socket usually takes the frame at once
-                lock.acquire_nowait()
-                try:
-                    parts = self.fs.send_parts_nowait(parts)
-                    if parts:
-                        await self._finish_send(parts)
-                finally:
-                    lock.release()
+            if len(self._pending) > 1 and not payload:
+                # other calls are in flight: more requests are likely issued in this same
+                # scheduler pass (tasks woken by answers that arrived together); one task then
+                # sends them all with one sendmsg. (Payloads are caller memory: never queued.)
+                self._outbox.extend(parts)
+                if not self._flush_soon:
+                    try:
+                        self._nursery.start_soon(self._flush)
+                    except RuntimeError:  # the client is closing
+                        raise Unavailable(f"connection to {self.address} closed") from None
+                    self._flush_soon = True
             else:
-                with trio.CancelScope(shield=True):
-                    async with lock:
-                        await self._finish_send(parts)
+                await self._send(parts)
         except JPFSError as e:
             self._pending.pop(req_id, None)
             self._fail(e if isinstance(e, Unavailable) else Unavailable(str(e)))
@@ -235,7 +265,7 @@ async def connect(
     except BaseException:
         _close(sock)
         raise
-    conn = Connection(fs, address, role)
+    conn = Connection(fs, address, role, nursery)
     nursery.start_soon(conn.reader)
     nursery.start_soon(conn.sweeper)
     return conn

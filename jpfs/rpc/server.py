@@ -165,7 +165,8 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
                 if isinstance(result, Later):
                     # answered from the callback; the slot bounds what one connection queues
                     await _take(slots)
-                    result.on_settled(_Answer(outbox, where, spec, req_id, slots))
+                    result.on_settled(_Answer(outbox, where, service, spec, req_id, args,
+                                              deadline, slots))
                 else:
                     outbox.add(_answer_parts(req_id, result, None, spec, where))
                 continue
@@ -220,16 +221,26 @@ class _Outbox:
 
 
 class _Answer:
-    """Turns a ``Later``'s outcome into an answer in the connection's outbox. Never raises into
-    the settling code."""
+    """Turns a ``Later``'s outcome into an answer in the connection's outbox, or, settled with
+    ``Defer``, runs the request's async handler. Never raises into the settling code."""
 
-    __slots__ = ("outbox", "where", "spec", "req_id", "slots")
+    __slots__ = ("outbox", "where", "service", "spec", "req_id", "args", "deadline", "slots")
 
-    def __init__(self, outbox: _Outbox, where, spec, req_id, slots) -> None:
-        self.outbox, self.where = outbox, where
-        self.spec, self.req_id, self.slots = spec, req_id, slots
+    def __init__(self, outbox: _Outbox, where, service, spec, req_id, args, deadline,
+                 slots) -> None:
+        self.outbox, self.where, self.service, self.spec = outbox, where, service, spec
+        self.req_id, self.args, self.deadline, self.slots = req_id, args, deadline, slots
 
     def __call__(self, result: object, exc: BaseException | None) -> None:
+        if isinstance(exc, Defer):
+            try:  # the async handler keeps the slot and releases it when done
+                self.outbox.nursery.start_soon(
+                    _run, self.outbox.fs, self.where, self.service, self.spec, self.req_id,
+                    self.args, self.deadline, None, self.slots)
+                return
+            except RuntimeError:  # the connection is ending
+                self.slots.release()
+                return
         self.slots.release()
         self.outbox.add_soon(_answer_parts(self.req_id, result, exc, self.spec, self.where))
 

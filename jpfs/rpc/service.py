@@ -61,8 +61,9 @@ class Method:
 
 
 class Defer(Exception):
-    """Raised by a ``<method>_now`` handler that cannot answer without waiting: the request is
-    then run by the async handler in a task of its own."""
+    """Raised by a ``<method>_now`` handler that cannot answer without waiting, or given as the
+    error that settles its ``Later``: the request is then run by the async handler in a task of
+    its own."""
 
 
 class Later:
