@@ -9,6 +9,11 @@ JPFS creates are durable (group-committed, fsynced LMDB transactions); local cre
 fsynced. Clients keep ``--inflight`` calls in flight each (what a parallel importer or a mount
 serving many processes does). "stat" is one call at a time per client, "stat_inflight" the same
 unbatched calls with ``--inflight`` of them in flight, "stat_batched" 100 names per call.
+
+Last, one shard's ceiling: creates and lookups from a client that costs next to nothing
+(pre-encoded frames on a blocking socket, many in flight). On this 2-core machine the client
+processes above share the CPUs with the shards; the ceiling is what one shard serves when its
+clients run on other machines, with the shard's CPU time per operation.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calls in flight per client for create and remove (default 16)")
     p.add_argument("--no-sync", action="store_true", help="shards skip fsync")
     p.add_argument("--no-local", action="store_true", help="skip the local baseline")
+    p.add_argument("--no-ceiling", action="store_true",
+                   help="skip the ceiling of one shard driven by a pipelined raw-frame client")
 
 
 # ---- client processes ------------------------------------------------------------------------
@@ -197,6 +204,96 @@ def _local_client_in_dir(_base, idx, directory, n, inflight, barrier, out) -> No
     _local_client(directory, idx, "", n, inflight, barrier, out)
 
 
+# ---- the shard's own ceiling --------------------------------------------------------------------
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _drive(address: str, secret: bytes, frames: list[bytes], window: int) -> float:
+    """Send pre-encoded request frames with ``window`` in flight over one blocking socket and
+    count the answers (all must be RESPONSE frames); returns the seconds it took."""
+    import socket
+
+    import trio
+
+    from jpfs.config import parse_address
+    from jpfs.rpc import frame as F
+    from jpfs.rpc.auth import client_handshake
+
+    sock = socket.create_connection(parse_address(address))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        trio.run(client_handshake, F.FrameSocket(sock), secret)
+        sock.setblocking(True)
+        n, sent, got, buf = len(frames), 0, 0, bytearray()
+        t0 = time.perf_counter()
+        while got < n:
+            if sent < n and sent - got < window:
+                k = min(n, got + window) - sent
+                sock.sendall(b"".join(frames[sent:sent + k]))
+                sent += k
+            data = sock.recv(1 << 20)
+            if not data:
+                raise RuntimeError("the shard closed the connection")
+            buf += data
+            pos = 0
+            while len(buf) - pos >= F.HEADER_SIZE:
+                _, _, kind, body_len, payload_len = F.HEADER.unpack_from(buf, pos)
+                end = pos + F.HEADER_SIZE + body_len + payload_len
+                if end > len(buf):
+                    break
+                if kind != F.RESPONSE:
+                    raise RuntimeError(f"request failed: {F.unpack_body(buf[pos + 16:end])}")
+                pos, got = end, got + 1
+            del buf[:pos]
+        return time.perf_counter() - t0
+    finally:
+        sock.close()
+
+
+def _ceiling(args) -> dict[str, dict]:
+    """One shard driven by a client that costs next to nothing (pre-encoded frames, a blocking
+    socket, ``--inflight`` x 4 requests in flight): what one shard serves when its clients run
+    on other machines, and the shard's CPU per request."""
+    import jpfs
+    from jpfs import config, localcluster
+    from jpfs.proto.meta import METHODS
+    from jpfs.rpc import frame as F
+
+    n = max(args.files * args.clients * 2, 10_000)
+    window = args.inflight * 4
+    with temporary_cluster(1, 0, sync=not args.no_sync) as d:
+        c = jpfs.connect(d)
+        try:
+            c.makedirs("/bench/ceiling")
+            parent = c.stat("/bench/ceiling").ino
+        finally:
+            c.close()
+        cluster = config.load(localcluster.cluster_file(d))
+        pid = next(x.pid for x in localcluster.status(d) if x.role == "meta")
+
+        def frame(i: int, method: str, args_: list) -> bytes:
+            assert METHODS[method].check(args_) is args_
+            return b"".join(bytes(p) for p in F.FrameSocket.frame_parts(
+                F.REQUEST, [i + 1, method, args_, None]))
+
+        work = {
+            "create": [frame(i, "create", [parent, b"c%08d" % i, 0o100644, 0, 0, True])
+                       for i in range(n)],
+            "stat": [frame(i, "lookup", [parent, b"c%08d" % i]) for i in range(n)],
+        }
+        out = {}
+        for phase, frames in work.items():
+            cpu0 = _cpu_seconds(pid)
+            seconds = _drive(cluster.meta[0].address, cluster.secret, frames, window)
+            out[phase] = {"ops_per_s": round(n / seconds),
+                          "shard_cpu_us_per_op": round((_cpu_seconds(pid) - cpu0) / n * 1e6, 1)}
+        return out
+
+
 def run(args: argparse.Namespace) -> dict:
     shard_counts = [int(x) for x in args.shards.split(",") if x]
     print(f"jpfs bench meta: {args.clients} clients x {args.files} files, "
@@ -225,4 +322,17 @@ def run(args: argparse.Namespace) -> dict:
             rows.append(row)
         print_table(["phase", "local"] + [f"{s} shard(s)" for s in shard_counts], rows,
                     title=f"{layout} directories: ops/s (ratio to local)")
+    if not args.no_ceiling:
+        print("  measuring one shard's ceiling...", flush=True)
+        ceiling = _ceiling(args)
+        rows = []
+        for phase, r in ceiling.items():
+            base = local["private"][phase].rate if local else None
+            r["ratio_vs_local"] = ratio(r["ops_per_s"], base) if base else None
+            rows.append([phase, fmt_rate(base) if base else "-",
+                         f"{fmt_rate(r['ops_per_s'])} ({fmt_ratio(r['ratio_vs_local'])})",
+                         f"{r['shard_cpu_us_per_op']} us"])
+        print_table(["phase", "local", "1 shard", "shard CPU per op"], rows,
+                    title="one shard's ceiling (pipelined client that costs next to nothing)")
+        results["ceiling"] = ceiling
     return results
