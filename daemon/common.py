@@ -58,6 +58,8 @@ def parser(role: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--pid-file", help="write the process id here while running")
     p.add_argument("--log-file", help="log here instead of stderr")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
     return p
 
 

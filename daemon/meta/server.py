@@ -437,9 +437,15 @@ def _merge(*parts: tuple[int, list]) -> dict[int, list[list]]:
     return plan
 
 
+COUNTERS = frozenset({"commits", "ops", "transactions_committed", "transactions_aborted"})
+"""shard_info keys that only grow (Prometheus counters); the rest are gauges."""
+
+
 async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: int, *,
-                    sync: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Open shard ``index`` and serve it until cancelled; ``task_status.started(port)``."""
+                    sync: bool = True, metrics: str | None = None,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Open shard ``index`` and serve it until cancelled; ``task_status.started(port)``.
+    ``metrics``: HOST:PORT for Prometheus."""
     store = Store(data, index, cluster.n_shards, sync=sync)
     try:
         async with trio.open_nursery() as nursery:
@@ -450,8 +456,12 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
             shard = MetaShard(store, peers, chunk_size)
             await nursery.start(shard.coord.resolver)
             nursery.start_soon(shard.coord.orphan_checker)
-            bound = await nursery.start(serve, Service("meta", METHODS, shard), host, port,
-                                        cluster.secret)
+            service = Service("meta", METHODS, shard)
+            bound = await nursery.start(serve, service, host, port, cluster.secret)
+            if metrics:
+                from ..metrics import serve_metrics
+
+                serve_metrics(metrics, "meta", index, service, shard.shard_info, COUNTERS)
             log.info("meta shard %d of %d serving %s on port %d", index, cluster.n_shards, data,
                      bound)
             task_status.started(bound)
@@ -470,7 +480,8 @@ def main(argv: list[str] | None = None) -> None:
     cluster, data, host, port = common.resolve(args, "meta")
 
     async def serve_shard() -> None:
-        await run_shard(cluster, args.index, data, host, port, sync=not args.no_sync)
+        await run_shard(cluster, args.index, data, host, port, sync=not args.no_sync,
+                        metrics=args.metrics)
 
     common.run(args, serve_shard)
 

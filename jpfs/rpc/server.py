@@ -129,6 +129,8 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
             return
         req_id, method, args, deadline = _parse_request(body)
         spec = service.methods.get(method) if isinstance(method, str) else None
+        if spec is not None:
+            service.requests[spec.name] += 1
         problem: JPFSError | None = None
         if req_id is None:
             problem = ProtocolError("malformed request: expected [id, method, args, deadline]")
@@ -149,7 +151,7 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
                 await outbox.flush()
                 await _send_final_error(fs, problem)
                 return
-            outbox.add(_answer_parts(req_id, None, problem, spec, where))
+            outbox.add(_answer_parts(service, req_id, None, problem, spec, where))
             continue
         now = service.inline.get(spec.name)
         if now is not None:
@@ -159,7 +161,7 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
             except Defer:
                 pass
             except Exception as e:  # as in _run: every failure becomes an answer
-                outbox.add(_answer_parts(req_id, None, e, spec, where))
+                outbox.add(_answer_parts(service, req_id, None, e, spec, where))
                 continue
             else:
                 if isinstance(result, Later):
@@ -168,7 +170,7 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
                     result.on_settled(_Answer(outbox, where, service, spec, req_id, args,
                                               deadline, slots))
                 else:
-                    outbox.add(_answer_parts(req_id, result, None, spec, where))
+                    outbox.add(_answer_parts(service, req_id, result, None, spec, where))
                 continue
         await _take(slots)
         nursery.start_soon(_run, fs, where, service, spec, req_id, args, deadline, payload, slots)
@@ -242,22 +244,25 @@ class _Answer:
                 self.slots.release()
                 return
         self.slots.release()
-        self.outbox.add_soon(_answer_parts(self.req_id, result, exc, self.spec, self.where))
+        self.outbox.add_soon(_answer_parts(self.service, self.req_id, result, exc, self.spec,
+                                          self.where))
 
 
-def _answer_parts(req_id: int, result: object, exc: BaseException | None, spec,
-                  where: str) -> list:
+def _answer_parts(service: Service, req_id: int, result: object, exc: BaseException | None,
+                  spec, where: str) -> list:
     """The frame answering ``req_id``: its result, or the error ``exc`` becomes."""
     try:
         if exc is None:
             return F.FrameSocket.frame_parts(F.RESPONSE, [req_id, result])
         err = exc if isinstance(exc, JPFSError) else _failure(exc, spec, where) \
             if isinstance(exc, Exception) else error(errno.EIO, f"{spec.name}: {exc!r}")
+        service.count_error(err)
         return F.FrameSocket.frame_parts(F.ERROR, F.encode_error(req_id, err))
     except Exception as e:  # noqa: BLE001 - an answer msgpack cannot carry
-        log.exception("%s from %s: cannot encode the answer", spec.name, where)
+        name = spec.name if spec is not None else "request"
+        log.exception("%s from %s: cannot encode the answer", name, where)
         return F.FrameSocket.frame_parts(F.ERROR, F.encode_error(
-            req_id, error(errno.EIO, f"{spec.name}: unencodable answer: {e}")))
+            req_id, error(errno.EIO, f"{name}: unencodable answer: {e}")))
 
 
 def _parse_request(body: object) -> tuple:
@@ -284,7 +289,9 @@ async def _run(fs, where, service: Service, spec, req_id, args, deadline, payloa
             if scope.cancelled_caught:
                 raise error(errno.ETIMEDOUT, f"{spec.name}: deadline exceeded on the server")
         except Exception as e:  # every failure becomes an answer; the server lives on
-            await _send(fs, F.ERROR, F.encode_error(req_id, _failure(e, spec, where)))
+            err = _failure(e, spec, where)
+            service.count_error(err)
+            await _send(fs, F.ERROR, F.encode_error(req_id, err))
             return
         if isinstance(result, Reply):
             try:

@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import JPFSError, error
+from ..errors import JPFSError, errno_name, error
 from .frame import Payload
 
 _EINVAL = 22
@@ -119,8 +119,18 @@ class Service:
     impl: object
     handlers: dict = field(init=False)
     inline: dict = field(init=False)
+    requests: dict[str, int] = field(init=False)
+    """Requests received, by method (for metrics)."""
+    errors: dict[str, int] = field(init=False)
+    """Requests answered with an error, by errno name."""
+
+    def count_error(self, err: JPFSError) -> None:
+        name = errno_name(err.errno)
+        self.errors[name] = self.errors.get(name, 0) + 1
 
     def __post_init__(self):
+        self.requests = dict.fromkeys(self.methods, 0)
+        self.errors = {}
         self.handlers, self.inline = {}, {}
         for name in self.methods:
             fn = getattr(self.impl, name, None)

@@ -1,0 +1,68 @@
+"""``--metrics HOST:PORT`` on the daemons: what a Prometheus scrape of a shard and a storage
+node shows after real work (counters that grew, requests by method, errors by errno)."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import jpfs
+from jpfs import localcluster
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_daemons_export_prometheus_metrics(make_cluster):
+    d = make_cluster(meta_shards=1, storage_nodes=1)
+    ports = {}
+    for role in ("meta", "storage"):
+        ports[role] = _free_port()
+        localcluster.stop(d, role, 0)
+        localcluster.start(d, role, 0, sync=False,
+                           extra_args=["--metrics", f"127.0.0.1:{ports[role]}"])
+    with jpfs.connect(d) as c:
+        c.mkdir("/m")
+        for i in range(20):
+            c.write_bytes(f"/m/f{i}", b"x" * 1000)
+        assert c.read_bytes("/m/f3") == b"x" * 1000
+        with pytest.raises(FileNotFoundError):
+            c.stat("/m/missing")
+    meta = _scrape(ports["meta"])
+    shard = (("shard", "0"),)
+    assert meta[("jpfs_meta_commits_total", shard)] > 0
+    assert meta[("jpfs_meta_inodes", shard)] >= 22  # the root, /m and 20 files
+    assert meta[("jpfs_meta_rpc_requests_total", (("method", "mkdir"), ("shard", "0")))] >= 1
+    enoent = ("jpfs_meta_rpc_errors_total", (("errno", errno.errorcode[errno.ENOENT]),
+                                             ("shard", "0")))
+    assert meta[enoent] >= 1
+    storage = _scrape(ports["storage"])
+    node = (("node", "0"),)
+    assert storage[("jpfs_storage_blobs_put_total", node)] >= 20
+    assert storage[("jpfs_storage_bytes_sent_total", node)] >= 1000
+    assert storage[("jpfs_storage_live_bytes", node)] >= 20_000
+    assert storage[("jpfs_storage_rpc_requests_total",
+                    (("method", "get_blobs"), ("node", "0")))] >= 1
