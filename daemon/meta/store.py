@@ -244,7 +244,7 @@ class Store:
         """Run a ``write_later`` operation again once the transaction that held it resolves."""
         try:
             await self.wait_resolved(slot.exc.txid)
-        except JPFSError as e:
+        except Exception as e:  # noqa: BLE001 - the caller is told; the committer lives on
             slot.later.settle(None, e)
             return
         slot.result = slot.exc = None
