@@ -69,8 +69,8 @@ class Defer(Exception):
 class Later:
     """Returned by a ``<method>_now`` handler whose answer comes from a callback, such as a write
     queued to the next group commit: the server sends the answer from ``settle`` with no task
-    of its own per request (a task, a cancel scope and an event per create were a third of a
-    metadata shard's CPU)."""
+    of its own per request (dropping a task, a cancel scope and an event per create made
+    creates 1.3-1.4x faster on one shard)."""
 
     __slots__ = ("_on_settled", "_outcome")
 
