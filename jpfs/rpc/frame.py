@@ -164,12 +164,12 @@ class FrameSocket:
             pos += got
 
     def frame_buffered(self) -> bool:
-        """Whether a whole header and body are already buffered (reading them won't wait)."""
+        """Whether a whole frame is already buffered (reading it won't wait)."""
         have = self._end - self._start
         if have < HEADER_SIZE:
             return False
-        body_len = HEADER.unpack_from(self._buf, self._start)[3]
-        return have >= HEADER_SIZE + body_len
+        _, _, _, body_len, payload_len = HEADER.unpack_from(self._buf, self._start)
+        return have >= HEADER_SIZE + body_len + payload_len
 
     async def read_header(self) -> tuple[int, int, int]:
         """Read and check one header: (kind, body length, payload length); EOFError at clean end."""
