@@ -59,7 +59,8 @@ def parser(role: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--log-file", help="log here instead of stderr")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--metrics", metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: the "
+                        "daemon's `metrics` entry in the cluster file, if any)")
     return p
 
 
@@ -82,6 +83,13 @@ def resolve(args: argparse.Namespace, role: str) -> tuple[config.Cluster, Path, 
     data = Path(args.data).resolve() if args.data else cluster.data_dir(role, args.index)
     host, port = config.parse_address(args.listen or servers[args.index].address)
     return cluster, data, host, port
+
+
+def metrics_address(args: argparse.Namespace, cluster: config.Cluster, role: str) -> str | None:
+    """Where to serve Prometheus metrics: ``--metrics``, else this daemon's ``metrics`` entry
+    in the cluster file, else nowhere."""
+    servers = cluster.meta if role == "meta" else cluster.storage
+    return args.metrics or servers[args.index].metrics
 
 
 def run(args: argparse.Namespace, main: Callable[[], Awaitable[None]]) -> None:

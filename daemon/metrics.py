@@ -63,5 +63,9 @@ def serve_metrics(address: str, role: str, index: int, service: Service,
     registry = CollectorRegistry()
     registry.register(Collector())
     host, port = config.parse_address(address)
-    start_http_server(port, addr=host, registry=registry)
+    try:
+        start_http_server(port, addr=host, registry=registry)
+    except OSError as e:  # the daemon's real work goes on without its metrics
+        log.error("cannot serve Prometheus metrics on %s: %s", address, e.strerror or e)
+        return
     log.info("Prometheus metrics at http://%s:%d/metrics", host, port)

@@ -72,6 +72,8 @@ def parse_address(text: str) -> tuple[str, int]:
 class Server:
     address: str
     data: str | None = None
+    metrics: str | None = None
+    """HOST:PORT where the daemon serves Prometheus metrics (optional)."""
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -120,7 +122,8 @@ class Cluster:
 
 
 def _server_table(s: Server) -> dict:
-    return {"address": s.address, **({"data": s.data} if s.data else {})}
+    return {"address": s.address, **({"data": s.data} if s.data else {}),
+            **({"metrics": s.metrics} if s.metrics else {})}
 
 
 def load(path: str | os.PathLike | None = None) -> Cluster:
@@ -162,7 +165,9 @@ def _server(path: Path, role: str, i: int, t: dict) -> Server:
     if "address" not in t:
         raise ValueError(f"{path}: [[{role}]] number {i} has no address")
     parse_address(t["address"])
-    return Server(address=t["address"], data=t.get("data"))
+    if t.get("metrics") is not None:
+        parse_address(t["metrics"])
+    return Server(address=t["address"], data=t.get("data"), metrics=t.get("metrics"))
 
 
 def find_cluster_file(path: str | os.PathLike | None = None) -> Path:

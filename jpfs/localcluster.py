@@ -102,10 +102,13 @@ def up(
     replicas: int | None = None,
     chunk_size: int | None = None,
     sync: bool = True,
+    metrics: bool = False,
     extra_args: dict[str, list[str]] | None = None,
     env: dict[str, str] | None = None,
 ) -> config.Cluster:
-    """Create (first time) and start the cluster in ``directory``; returns its config."""
+    """Create (first time) and start the cluster in ``directory``; returns its config.
+
+    ``metrics``: give every daemon a Prometheus port, recorded in the cluster file."""
     d = Path(directory).resolve()
     (d / "logs").mkdir(parents=True, exist_ok=True)
     path = cluster_file(d)
@@ -118,17 +121,22 @@ def up(
             if asked is not None and asked != have:
                 raise ValueError(f"{path} already has {have} {what}; cannot change it to {asked} "
                                  "(start a new cluster in another directory)")
+        if metrics and not all(s.metrics for s in cluster.meta + cluster.storage):
+            raise ValueError(f"{path} was created without metrics ports: add `metrics = "
+                             "\"HOST:PORT\"` to its daemons' entries, then restart them")
     else:
         n_meta = DEFAULT_META_SHARDS if meta_shards is None else meta_shards
         n_storage = DEFAULT_STORAGE_NODES if storage_nodes is None else storage_nodes
         if n_meta < 1:
             raise ValueError("a cluster needs at least one metadata shard")
         config.new_secret(d / "secret")
+        def server(role: str, i: int) -> config.Server:
+            return config.Server(f"127.0.0.1:{_free_port()}", f"{role}-{i}",
+                                 f"127.0.0.1:{_free_port()}" if metrics else None)
+
         cluster = config.Cluster(
-            meta=tuple(config.Server(f"127.0.0.1:{_free_port()}", f"meta-{i}")
-                       for i in range(n_meta)),
-            storage=tuple(config.Server(f"127.0.0.1:{_free_port()}", f"storage-{i}")
-                          for i in range(n_storage)),
+            meta=tuple(server("meta", i) for i in range(n_meta)),
+            storage=tuple(server("storage", i) for i in range(n_storage)),
             replicas=replicas or 1,
             chunk_size=chunk_size or config.DEFAULT_CHUNK_SIZE,
             path=path,
@@ -174,7 +182,7 @@ def _move(d: Path, cluster: config.Cluster, role: str, index: int) -> None:
     """Give one daemon a new free port in cluster.toml."""
     servers = list(cluster.meta if role == "meta" else cluster.storage)
     host, _ = config.parse_address(servers[index].address)
-    servers[index] = config.Server(f"{host}:{_free_port(host)}", servers[index].data)
+    servers[index] = dataclasses.replace(servers[index], address=f"{host}:{_free_port(host)}")
     updated = dataclasses.replace(cluster, **{role: tuple(servers)})
     config.write(updated, cluster_file(d))
 

@@ -66,3 +66,25 @@ def test_daemons_export_prometheus_metrics(make_cluster):
     assert storage[("jpfs_storage_live_bytes", node)] >= 20_000
     assert storage[("jpfs_storage_rpc_requests_total",
                     (("method", "get_blobs"), ("node", "0")))] >= 1
+
+
+def test_cluster_up_with_metrics_records_and_serves_them(tmp_path):
+    d, plain = tmp_path / "c", tmp_path / "plain"
+    cluster = localcluster.up(d, meta_shards=1, storage_nodes=1, sync=False, metrics=True)
+    try:
+        for role, server in (("meta", cluster.meta[0]), ("storage", cluster.storage[0])):
+            assert server.metrics, "cluster.toml names a metrics address per daemon"
+            port = int(server.metrics.rsplit(":", 1)[1])
+            assert any(name.startswith(f"jpfs_{role}_") for name, _ in _scrape(port))
+        # restarting on the same cluster file keeps them
+        localcluster.down(d)
+        again = localcluster.up(d, sync=False)
+        assert again.meta[0].metrics == cluster.meta[0].metrics
+        # a cluster made without them says how to add them
+        localcluster.up(plain, meta_shards=1, storage_nodes=0, sync=False)
+        with pytest.raises(ValueError, match="metrics"):
+            localcluster.up(plain, metrics=True)
+    finally:
+        localcluster.down(d)
+        if (plain / "cluster.toml").exists():
+            localcluster.down(plain)

@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async def serve_shard() -> None:
         await run_shard(cluster, args.index, data, host, port, sync=not args.no_sync,
-                        metrics=args.metrics)
+                        metrics=common.metrics_address(args, cluster, "meta"))
 
     common.run(args, serve_shard)
 

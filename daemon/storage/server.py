@@ -491,10 +491,11 @@ def main(argv: list[str] | None = None) -> None:
                 await nursery.start(
                     functools.partial(serve, limits=Limits(max_payload=P.MAX_PUT_BYTES)),
                     service, host, port, cluster.secret)
-                if args.metrics:
+                metrics = common.metrics_address(args, cluster, "storage")
+                if metrics:
                     from ..metrics import serve_metrics
 
-                    serve_metrics(args.metrics, "storage", args.index, service, server.stats,
+                    serve_metrics(metrics, "storage", args.index, service, server.stats,
                                   frozenset(server.counters) | {"commits"})
                 log.info("storage node %d serving %s on %s:%d (fsync %s, volumes of %s)",
                          args.index, data, host, port, "always" if fsync else "never",

@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "creation)")
     up.add_argument("--replicas", type=int, help="copies of every chunk (default 1)")
     up.add_argument("--chunk-size", type=parse_size, help="chunk size, e.g. 4MiB (default)")
+    up.add_argument("--metrics", action="store_true",
+                    help="give every daemon a Prometheus metrics port (recorded in cluster.toml; "
+                         "fixed at creation)")
     up.add_argument("--no-sync", action="store_true",
                     help="daemons skip fsync (faster; loses recent writes on power failure)")
     up.set_defaults(func=cmd_up)
@@ -49,12 +52,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     d = cluster_dir(args)
     cluster = localcluster.up(d, meta_shards=args.meta_shards, storage_nodes=args.storage_nodes,
                               replicas=args.replicas, chunk_size=args.chunk_size,
-                              sync=not args.no_sync)
+                              sync=not args.no_sync, metrics=args.metrics)
     print(f"cluster up: {cluster.n_shards} metadata shards, {cluster.n_nodes} storage nodes, "
           f"replicas {cluster.replicas}, chunk size {format_size(cluster.chunk_size)}")
     for role, servers in (("meta", cluster.meta), ("storage", cluster.storage)):
         for i, s in enumerate(servers):
-            print(f"  {role}-{i:<3} {s.address}")
+            print(f"  {role}-{i:<3} {s.address}"
+                  + (f"   metrics http://{s.metrics}/metrics" if s.metrics else ""))
     print(f"export JPFS_CLUSTER={cluster.path}")
     return 0
 
@@ -88,13 +92,16 @@ def cmd_status(args: argparse.Namespace) -> int:
                      f"live {ratio:.0%}  blobs {row.get('blobs', 0):,}"
         elif row.get("error"):
             detail = row["error"]
+        if row["metrics"]:
+            detail += f"  metrics http://{row['metrics']}/metrics"
         print(f"  {row['role']}-{row['index']:<3} {row['address']:<22} {state:<14} {detail}")
     return 0 if all(r["alive"] for r in info) else 1
 
 
 def _daemon_info(cluster: config.Cluster, daemons: list) -> list[dict]:
+    servers = {"meta": cluster.meta, "storage": cluster.storage}
     rows = [{"role": x.role, "index": x.index, "address": x.address, "pid": x.pid,
-             "alive": x.alive} for x in daemons]
+             "alive": x.alive, "metrics": servers[x.role][x.index].metrics} for x in daemons]
     if not any(r["alive"] for r in rows):
         return rows
     from ..client import connect
