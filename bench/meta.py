@@ -215,7 +215,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _drive(address: str, secret: bytes, frames: list[bytes], window: int) -> float:
+def drive_pipelined(address: str, secret: bytes, frames: list[bytes], window: int) -> float:
     """Send pre-encoded request frames with ``window`` in flight over one blocking socket and
     count the answers (all must be RESPONSE frames); returns the seconds it took."""
     import socket
@@ -291,7 +291,7 @@ def _ceiling(args) -> dict[str, dict]:
         out = {}
         for phase, frames in work.items():
             cpu0 = _cpu_seconds(pid)
-            seconds = _drive(cluster.meta[0].address, cluster.secret, frames, window)
+            seconds = drive_pipelined(cluster.meta[0].address, cluster.secret, frames, window)
             out[phase] = {"ops_per_s": round(n / seconds),
                           "shard_cpu_us_per_op": round((_cpu_seconds(pid) - cpu0) / n * 1e6, 1)}
         return out

@@ -152,3 +152,32 @@ def test_errors_name_the_errno(client):
     with pytest.raises(FileNotFoundError) as e:
         client.stat("/definitely/not/here")
     assert e.value.errno == errno.ENOENT and e.value.filename == "/definitely/not/here"
+
+
+def test_a_flooding_client_does_not_starve_others(make_cluster):
+    """One connection keeps thousands of pipelined requests in flight (its socket never runs
+    dry, so the shard's reads never wait); another client's calls are still served meanwhile,
+    not after the flood."""
+    import threading
+
+    from jpfs_bench.meta import drive_pipelined
+
+    d = make_cluster(meta_shards=1)
+    cluster = config.load(localcluster.cluster_file(d))
+    with jpfs.connect(d, dir_cache_ttl=0) as c:
+        c.mkdir("/flood")
+        ino = c.stat("/flood").ino
+        frames = [b"".join(bytes(p) for p in F.FrameSocket.frame_parts(
+            F.REQUEST, [i + 1, "getattr", [ino], None])) for i in range(200_000)]
+        flood = threading.Thread(target=drive_pipelined,
+                                 args=(cluster.meta[0].address, cluster.secret, frames, 4096))
+        flood.start()
+        try:
+            served_during_flood = 0
+            for _ in range(20):
+                c.stat("/flood")
+                if flood.is_alive():
+                    served_during_flood += 1
+        finally:
+            flood.join()
+    assert served_during_flood == 20, "calls waited for the flood to end"
