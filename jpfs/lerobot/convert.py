@@ -368,8 +368,11 @@ class Journal:
         return rec["result"]
 
     def record(self, task: Task, result: dict[str, Any]) -> None:
-        write_json(self.fs, join(self.dir, f"done/{task.key}.json"),
-                   {"task": task.digest(), "output": task.output, "result": result}, indent=None)
+        """Mark ``task`` done: written aside and renamed, so a marker is never half there."""
+        tmp = join(self.dir, f"tmp/done-{task.key}.json")
+        write_json(self.fs, tmp, {"task": task.digest(), "output": task.output,
+                                  "result": result}, indent=None)
+        self.fs.mv(tmp, join(self.dir, f"done/{task.key}.json"))
 
     def remove(self) -> None:
         self.fs.rm(self.dir, recursive=True)
