@@ -196,13 +196,21 @@ async def test_cold_pages_are_warmed_off_the_event_loop(storage_cluster, client_
     blobs = [(new_id(), (0,), os.urandom(3 * MiB))]
     chunks = chunks_of(blobs, await client.put(blobs))
     vol, pos = find_in_volumes(sc.data_dir(0), blobs[0][2][:64])
-    if not evict(vol, pos, len(blobs[0][2])):
-        pytest.skip("this kernel keeps the pages cached despite POSIX_FADV_DONTNEED")
-    before = (await client.stats(0))["cold_warmups"]
-    assert bytes((await client.get(chunks))[0]) == blobs[0][2]
-    assert (await client.stats(0))["cold_warmups"] == before + 1
+    # Something (kernel readahead finishing late) can bring evicted pages back before the read;
+    # then the read is rightly not counted as cold. Evict again and retry a few times.
+    for _ in range(5):
+        if not evict(vol, pos, len(blobs[0][2])):
+            pytest.skip("this kernel keeps the pages cached despite POSIX_FADV_DONTNEED")
+        before = (await client.stats(0))["cold_warmups"]
+        assert bytes((await client.get(chunks))[0]) == blobs[0][2]
+        after = (await client.stats(0))["cold_warmups"]
+        assert after - before in (0, 1)
+        if after == before + 1:
+            break
+    else:
+        pytest.fail("a read of evicted pages was never warmed in a thread")
     await client.get(chunks)  # now cached: sent straight away
-    assert (await client.stats(0))["cold_warmups"] == before + 1
+    assert (await client.stats(0))["cold_warmups"] == after
 
 
 # ---------------------------------------------------------------------- failures and replicas
