@@ -17,7 +17,7 @@ from jpfs.types import Chunk
 
 from . import keys as K
 from .keys import Inode
-from .namespace import _touch
+from .namespace import _touch, each_name
 from .store import Txn
 
 MAX_BULK = 10_000
@@ -37,11 +37,16 @@ def chunks_of(t: Txn, ino: int) -> list[Chunk]:
     return out
 
 
+def _layout(t: Txn, node: Inode, chunk_size: int) -> list:
+    """A file's layout on the wire: [attr, chunk size, chunks]."""
+    return [node.attr().to_wire(), chunk_size, [c.to_wire() for c in chunks_of(t, node.ino)]]
+
+
 def get_layout(t: Txn, ino: int, chunk_size: int) -> list:
     node = t.need_inode(ino)
     if stat.S_ISDIR(node.mode):
         raise error(errno.EISDIR, "is a directory")
-    return [node.attr().to_wire(), chunk_size, [c.to_wire() for c in chunks_of(t, ino)]]
+    return _layout(t, node, chunk_size)
 
 
 def batch_layout(t: Txn, inos: list, chunk_size: int) -> list:
@@ -49,11 +54,8 @@ def batch_layout(t: Txn, inos: list, chunk_size: int) -> list:
     out = []
     for ino in inos:
         node = t.inode(ino)
-        if node is None or stat.S_ISDIR(node.mode):
-            out.append(None)
-        else:
-            out.append([node.attr().to_wire(), chunk_size,
-                        [c.to_wire() for c in chunks_of(t, ino)]])
+        ok = node is not None and not stat.S_ISDIR(node.mode)
+        out.append(_layout(t, node, chunk_size) if ok else None)
     return out
 
 
@@ -62,27 +64,15 @@ def lookup_layouts(t: Txn, parent: int, names: list, chunk_size: int) -> list:
     many small files needs, in one round trip). Per name: a layout; an errno name; or
     ``[ino, kind]`` when the answer needs another call (a symlink to follow, or an inode that
     lives on another shard)."""
-    t.need_dir(parent)
-    out: list = []
-    for name in names:
-        try:
-            check_name(name)
-            d = t.dentry(parent, name)
-            if d is None:
-                out.append("ENOENT")
-                continue
-            ino, kind = d
-            if kind == stat.S_IFDIR:
-                out.append("EISDIR")
-            elif kind != stat.S_IFREG or shard_of(ino) != t.store.shard:
-                out.append([ino, kind])
-            else:
-                node = t.need_inode(ino)
-                out.append([node.attr().to_wire(), chunk_size,
-                            [c.to_wire() for c in chunks_of(t, ino)]])
-        except OSError as e:
-            out.append(errno.errorcode.get(e.errno, "EIO"))
-    return out
+
+    def answer(ino: int, kind: int) -> list:
+        if kind == stat.S_IFDIR:
+            raise error(errno.EISDIR, "is a directory")
+        if kind != stat.S_IFREG or shard_of(ino) != t.store.shard:
+            return [ino, kind]
+        return _layout(t, t.need_inode(ino), chunk_size)
+
+    return each_name(t, parent, names, answer)
 
 
 def _check_chunks(raw: list, chunk_size: int) -> list[Chunk]:

@@ -49,18 +49,24 @@ def lookup_absent(t: Txn, parent: int, name: bytes) -> None:
     _new_entry_checks(t, parent, name)
 
 
-def batch_lookup(t: Txn, parent: int, names: list) -> list:
-    """One answer per name: [ino, kind, attr or None], or an errno name."""
+def each_name(t: Txn, parent: int, names: list, answer) -> list:
+    """``answer(ino, kind)`` for each name found in ``parent``; an errno name for the others
+    (a bad name, a missing entry, or whatever errno ``answer`` raised)."""
     t.need_dir(parent)
     out: list = []
     for name in names:
         try:
             check_name(name)
             d = t.dentry(parent, name)
-            out.append([d[0], d[1], _local_attr(t, d[0])] if d else "ENOENT")
+            out.append(answer(*d) if d else "ENOENT")
         except OSError as e:
             out.append(errno.errorcode.get(e.errno, "EIO"))
     return out
+
+
+def batch_lookup(t: Txn, parent: int, names: list) -> list:
+    """One answer per name: [ino, kind, attr or None], or an errno name."""
+    return each_name(t, parent, names, lambda ino, kind: [ino, kind, _local_attr(t, ino)])
 
 
 def getattr_(t: Txn, ino: int) -> list:

@@ -202,6 +202,12 @@ class AsyncClient:
     async def stat_many(self, paths: list[str]) -> list[Attr | OSError]:
         """Attributes of many paths, one batched lookup per directory (final symlinks are not
         followed)."""
+        return await self._by_directory(paths, self.meta.batch_lookup)
+
+    async def _by_directory(self, paths: list[str], lookup) -> list:
+        """``await lookup(parent_ino, names)`` once per directory of ``paths`` (directories in
+        parallel); its per-name answers in the order of ``paths``. An error reaching a
+        directory is the answer for each of its names."""
         groups: dict[str, list[tuple[int, bytes]]] = {}
         for i, p in enumerate(paths):
             head, _, name = _path(p).rpartition("/")
@@ -210,12 +216,11 @@ class AsyncClient:
 
         async def one(head: str, items: list[tuple[int, bytes]]) -> None:
             try:
-                parent = await self._dir_ino(head)
-                got = await self.meta.batch_lookup(parent, [n for _, n in items])
+                got = await lookup(await self._dir_ino(head), [n for _, n in items])
             except JPFSError as e:
                 got = [e] * len(items)
-            for (i, _), a in zip(items, got, strict=True):
-                out[i] = a
+            for (i, _), answer in zip(items, got, strict=True):
+                out[i] = answer
 
         async with trio.open_nursery() as nursery:
             for head, items in groups.items():
@@ -449,29 +454,18 @@ class AsyncClient:
         that looks the names up and returns their layouts (directories in parallel), then one
         batched blob read per storage node. Returns read-only views (bytes-like)."""
         data = self._data()
-        groups: dict[str, list[tuple[int, bytes]]] = {}
-        for i, p in enumerate(paths):
-            head, _, name = _path(p).rpartition("/")
-            groups.setdefault(head or "/", []).append((i, os.fsencode(name)))
-        layouts: list = [None] * len(paths)
+        layouts = await self._by_directory(paths, self.meta.lookup_layouts)
 
-        async def one(head: str, items: list[tuple[int, bytes]]) -> None:
+        async def the_long_way(i: int) -> None:  # a symlink, or an inode on another shard
             try:
-                parent = await self._dir_ino(head)
-                got = await self.meta.lookup_layouts(parent, [n for _, n in items])
+                layouts[i] = await self.layout(paths[i])
             except JPFSError as e:
-                got = [e] * len(items)
-            for (i, _), r in zip(items, got, strict=True):
-                if isinstance(r, tuple):  # a symlink, or an inode elsewhere: the long way
-                    try:
-                        r = await self.layout(paths[i])
-                    except JPFSError as e:
-                        r = e
-                layouts[i] = r
+                layouts[i] = e
 
         async with trio.open_nursery() as nursery:
-            for head, items in groups.items():
-                nursery.start_soon(one, head, items)
+            for i, lay in enumerate(layouts):
+                if isinstance(lay, tuple):
+                    nursery.start_soon(the_long_way, i)
         for p, lay in zip(paths, layouts, strict=True):
             if isinstance(lay, OSError):
                 raise error(lay.errno, lay.strerror, p)
@@ -489,19 +483,10 @@ class AsyncClient:
 
             data.cache = BlobCache(memory_cache)
             await data.cache.open(self.nursery)
-        groups: dict[str, list[bytes]] = {}
-        for p in paths:
-            head, _, name = _path(p).rpartition("/")
-            groups.setdefault(head or "/", []).append(os.fsencode(name))
 
         async def fetch() -> None:
-            chunks = []
-            for head, names in groups.items():
-                try:
-                    got = await self.meta.lookup_layouts(await self._dir_ino(head), names)
-                except JPFSError:
-                    continue
-                chunks += [c for lay in got if isinstance(lay, Layout) for c in lay.chunks]
+            got = await self._by_directory(paths, self.meta.lookup_layouts)
+            chunks = [c for lay in got if isinstance(lay, Layout) for c in lay.chunks]
             try:
                 await data.cache.prefetch(chunks, data.storage.get)
             except JPFSError as e:
