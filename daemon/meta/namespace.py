@@ -23,6 +23,9 @@ MAX_SYMLINK = 4096
 MAX_XATTR_NAME = 255
 MAX_XATTR_VALUE = 64 << 10
 FILE_TYPES = (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK)
+NODE_TYPES = (*FILE_TYPES, stat.S_IFBLK, stat.S_IFCHR)
+"""What ``mknod`` makes: every non-directory, non-symlink type (device nodes are metadata only:
+type, mode and rdev; their I/O is the kernel's, never ours)."""
 
 
 def _local_attr(t: Txn, ino: int) -> list | None:
@@ -159,13 +162,33 @@ def _touch(t: Txn, node: Inode) -> None:
 
 
 def create(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int,
-           exclusive: bool) -> list:
+           exclusive: bool, rdev: int = 0) -> list:
     """[ino, kind, attr or None, created]: a new file, or the existing one unless exclusive."""
     check_name(name)
     if stat.S_IFMT(mode) == 0:
         mode |= stat.S_IFREG
     if stat.S_IFMT(mode) not in FILE_TYPES:
         raise error(errno.EINVAL, "create makes regular files, fifos and sockets only")
+    return _make(t, parent, name, mode, uid, gid, exclusive, rdev)
+
+
+def mknod(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int) -> list:
+    """Like an exclusive ``create``, for any node type but directories and symlinks; ``rdev``
+    (the device number of a block or character device) is kept with the inode."""
+    check_name(name)
+    if stat.S_IFMT(mode) == 0:
+        mode |= stat.S_IFREG
+    if stat.S_IFMT(mode) not in NODE_TYPES:
+        raise error(errno.EINVAL, "mknod makes regular files, fifos, sockets and devices")
+    if not 0 <= rdev < 1 << 64:
+        raise error(errno.EINVAL, "a device number is an unsigned 64-bit integer")
+    if stat.S_IFMT(mode) not in (stat.S_IFBLK, stat.S_IFCHR):
+        rdev = 0
+    return _make(t, parent, name, mode, uid, gid, True, rdev)
+
+
+def _make(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int, exclusive: bool,
+          rdev: int) -> list:
     pdir = t.need_dir(parent)
     d = t.dentry(parent, name)
     if d is not None:
@@ -175,7 +198,7 @@ def create(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int,
             raise error(errno.EISDIR, f"{name.decode(errors='replace')!r} is a directory")
         return [d[0], d[1], _local_attr(t, d[0]), False]
     ino = t.alloc_ino()
-    node = Inode(ino, mode, 1, uid, gid, 0, t.now, t.now, t.now, parent=parent)
+    node = Inode(ino, mode, 1, uid, gid, 0, t.now, t.now, t.now, rdev=rdev, parent=parent)
     t.put_inode(node)
     t.put_dentry(parent, name, ino, stat.S_IFMT(mode))
     _touch(t, pdir)

@@ -185,6 +185,10 @@ class MetaShard:
         return self.store.write_later(ns.create, self._mine(parent), name, mode, uid, gid,
                                       exclusive)
 
+    def mknod_now(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                  rdev: int) -> Later:
+        return self.store.write_later(ns.mknod, self._mine(parent), name, mode, uid, gid, rdev)
+
     def symlink_now(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Later:
         return self.store.write_later(ns.symlink, self._mine(parent), name, target, uid, gid)
 

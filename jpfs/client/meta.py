@@ -151,6 +151,13 @@ class MetaClient:
             shard_of(parent), "create", parent, name, mode, _uid(uid), _gid(gid), exclusive)
         return (Attr.from_wire(attr) if attr is not None else await self.getattr(ino)), created
 
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int = 0,
+                    uid: int | None = None, gid: int | None = None) -> Attr:
+        """A new node of any type but directory and symlink (EEXIST if the name is taken)."""
+        ino, _, attr, _ = await self.call(shard_of(parent), "mknod", parent, name, mode,
+                                          _uid(uid), _gid(gid), rdev)
+        return Attr.from_wire(attr) if attr is not None else await self.getattr(ino)
+
     async def mkdir(self, parent: int, name: bytes, mode: int = 0o755, uid: int | None = None,
                     gid: int | None = None) -> Attr:
         return Attr.from_wire(await self.call(shard_of(parent), "mkdir", parent, name, mode,

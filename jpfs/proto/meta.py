@@ -32,6 +32,7 @@ METHODS = method_table(
     Method("listxattr", (int,), idempotent=True),
     # ---- namespace changes (coordinated by the parent directory's shard)
     Method("create", (int, B, int, int, int, bool)),
+    Method("mknod", (int, B, int, int, int, int)),
     Method("mkdir", (int, B, int, int, int)),
     Method("symlink", (int, B, B, int, int)),
     Method("link", (int, int, B)),
