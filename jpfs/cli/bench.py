@@ -17,14 +17,34 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import sys
 
 BENCHES = ("gen", "meta", "read", "loader", "aggregate", "convert", "mount")
 
+DESCRIPTION = """\
+Benchmarks and LeRobot-shaped workload generators. Each benchmark measures JPFS beside a
+baseline (the local filesystem, loopback sendfile, a naive loader) in the same run, and prints
+a report; with --json its figures follow as one JSON object on the last line.
+
+examples:
+  jpfs bench gen /tmp/ds --episodes 100 --cameras 2   # a LeRobot v2.1-shaped dataset
+  jpfs bench read --json                               # native client vs local disk
+  jpfs bench NAME --help                               # what NAME measures, and its options
+"""
+
+
+def _readable(text: str) -> str:
+    """Module docstrings are reStructuredText; --help shows them as plain text: ``x`` -> x,
+    a closing ``::`` -> ``:``."""
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    return re.sub(r"::$", ":", text, flags=re.M)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks and LeRobot-shaped workload generators",
-                       description=__doc__.split("\n\n")[0])
+                       description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     bsub = p.add_subparsers(dest="bench", metavar="NAME")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
     for name in BENCHES:
@@ -34,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             if e.name == f"jpfs_bench.{name}":
                 continue
             raise
-        bp = bsub.add_parser(name, help=module.HELP, description=module.DESCRIPTION,
+        bp = bsub.add_parser(name, help=module.HELP,
+                             description=_readable(module.DESCRIPTION),
                              formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(bp)
         bp.add_argument("--json", action="store_true",
@@ -45,7 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def standalone(module, name: str, argv: list[str] | None = None) -> int:
     """Run one benchmark module as its own program (``python -m jpfs_bench.aggregate``, which
     torchrun can start), with the same options and ``--json`` as ``jpfs bench NAME``."""
-    p = argparse.ArgumentParser(prog=f"jpfs bench {name}", description=module.DESCRIPTION,
+    p = argparse.ArgumentParser(prog=f"jpfs bench {name}",
+                                description=_readable(module.DESCRIPTION),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(p)
     p.add_argument("--json", action="store_true",
