@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import importlib.util
+import re
+
 import pytest
 
 from jpfs import localcluster
+
+# A test module that imports torch (or jpfs.torch) at its top level is skipped, with this reason,
+# on an interpreter without torch: CI's Python 3.12 run has no torch build on local disk.
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+_IMPORTS_TORCH = re.compile(r"^(?:import|from) (?:torch|jpfs\.torch)\b", re.M)
+
+
+class _NeedsTorch(pytest.Module):
+    def collect(self):
+        pytest.skip("needs torch (pip install -e '.[torch]'); this interpreter has none",
+                    allow_module_level=True)
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if not HAS_TORCH and _IMPORTS_TORCH.search(module_path.read_text()):
+        return _NeedsTorch.from_parent(parent, path=module_path)
+    return None
 
 
 @pytest.fixture
