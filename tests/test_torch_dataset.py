@@ -108,7 +108,8 @@ def collect(loader) -> list[dict]:
     out = []
     for batch in loader:
         n = len(batch["index"])
-        out += [{k: v[j].clone() for k, v in batch.items()} for j in range(n)]
+        out += [{k: v[j].clone() if isinstance(v, torch.Tensor) else v[j]
+                 for k, v in batch.items()} for j in range(n)]
     return out
 
 
@@ -231,9 +232,9 @@ def test_video_frames_match_a_full_decode(lerobot):
             decoded[ep] = _decode_all(path)
         r = ref[int(s["index"])]
         want = np.stack([decoded[ep][int(df.at[j, "frame_index"])] for j in r[f"{CAM}_rows"]])
-        want = torch.from_numpy(want).permute(0, 3, 1, 2).float() / 255
+        want = torch.from_numpy(want).permute(0, 3, 1, 2).float() / 255  # LeRobot's conversion
         assert s[CAM].shape == want.shape and s[CAM].dtype == torch.float32
-        torch.testing.assert_close(s[CAM], want, atol=1e-6, rtol=0)
+        assert torch.equal(s[CAM], want)  # bit for bit
         np.testing.assert_array_equal(s[f"{CAM}_is_pad"].numpy(), r[f"{CAM}_is_pad"])
     # uint8 frames: the same pixels, without the conversion.
     raw = ShardDataset(root, delta_timestamps={CAM: VIDEO_DELTAS[CAM]}, seed=4,
@@ -241,7 +242,7 @@ def test_video_frames_match_a_full_decode(lerobot):
     samples = collect(DataLoader(ShardDataset(root, delta_timestamps=VIDEO_DELTAS, seed=4,
                                               shuffle_buffer=40), batch_size=6))
     for s, u in zip(samples, raw, strict=True):
-        assert set(u) == {"index", CAM, f"{CAM}_is_pad"} and u[CAM].dtype == torch.uint8
+        assert set(u) == {"index", CAM, f"{CAM}_is_pad", "task"} and u[CAM].dtype == torch.uint8
         assert torch.equal(u[CAM], (s[CAM] * 255).round().to(torch.uint8))
 
 
@@ -425,7 +426,7 @@ def test_pinned_path_on_cpu_matches_the_reference(lerobot):
     kw = dict(delta_timestamps=VIDEO_DELTAS, seed=21, shuffle_buffer=30)
     want = list(DataLoader(ShardDataset(lerobot["v2.1"], **kw), batch_size=8))
     # In-process ring: the producer thread writes straight into reused host buffers.
-    got = [{k: v.clone() for k, v in b.items()}
+    got = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
            for b in to_device(ShardDataset(lerobot["v2.1"], batch_size=8, **kw), "cpu", depth=2)]
     assert len(got) == len(want)
     for a, b in zip(want, got, strict=True):

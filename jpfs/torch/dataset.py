@@ -1,12 +1,14 @@
 """``ShardDataset``: a drop-in PyTorch IterableDataset over LeRobot (v2.1, v3.0) or parquet shards.
 
-Samples are frames as ``LeRobotDataset[i]`` gives them: a dict of tensors keyed by feature name,
-``delta_timestamps`` windows clamped to the frame's episode with ``<key>_is_pad`` masks, camera
-frames decoded at the sampled timestamps. Unlike LeRobot's map-style dataset it streams whole
-shards (one read per file, in the background, bounded in bytes) in an order that is a pure
-function of (seed, epoch, rank, worker) - see ``partition`` - so every sample is seen exactly once
-per epoch across all ranks and workers, the order is reproducible, and resuming mid-epoch costs
-nothing but arithmetic.
+Samples are frames as ``LeRobotDataset[i]`` gives them: a dict of tensors keyed by feature name
+(and the ``task`` string), ``delta_timestamps`` windows clamped to the frame's episode with
+``<key>_is_pad`` masks, camera frames (videos decoded at the sampled timestamps, image features
+decoded from the parquet) as LeRobot returns them. Unlike LeRobot's map-style dataset it
+streams whole shards (one read per file, in the background, bounded in bytes) in an order that
+is a pure function of (seed, epoch, rank, worker) - see ``partition`` - so every sample is seen
+exactly once per epoch across all ranks and workers, the order is reproducible, and resuming
+mid-epoch costs nothing but arithmetic. The task string is the one non-tensor value (a list of
+strings in a batch, as default collate makes).
 
 With ``batch_size`` set, the dataset yields whole batches (use ``DataLoader(ds, batch_size=None)``
 or ``jpfs.torch.to_device(ds, device)``), assembled column by column straight into preallocated
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 STATE_KEY = "jpfs.ShardDataset"
 STATE_VERSION = 1
 _CHUNK = 512  # samples assembled at a time in per-sample mode
+_CHUNK_BYTES = 64 << 20  # ... fewer when camera frames make samples large
 _MAX_WORKERS = 1024
 
 Alloc = Callable[[Mapping[str, tuple[tuple[int, ...], torch.dtype]], int], dict[str, torch.Tensor]]
@@ -74,19 +77,24 @@ class ShardDataset(IterableDataset):
         root: dataset root. ``jpfs://`` reads through the native client (via its fsspec class); a
             local or mounted directory is read directly.
         delta_timestamps: ``{feature: [seconds, ...]}`` as in LeRobot, e.g. 16 future actions.
-        columns: tabular features to return (default: all non-video features).
-        video: decode camera frames (needs PyAV); False gives tabular features only.
+        columns: non-video features to return (default: all; image features included unless
+            ``video=False``).
+        video: decode camera frames: videos (needs PyAV) and image features (needs Pillow);
+            False gives tabular features only (an image feature named in ``columns`` still
+            comes).
         shuffle, seed, shuffle_buffer: two-level shuffle (shard order, then blocks of
             ``shuffle_buffer`` samples), decided by (seed, epoch) alone.
         rank, world_size: this process's place; default: torch.distributed's, else 0 and 1.
         batch_size, drop_last: yield batches (dicts of tensors with a leading batch dimension)
             instead of samples; each worker batches its own stream.
         readahead_bytes, readahead_files: read-ahead budget and files per batched read.
-        video_dtype: "float32" (C, H, W in [0, 1], LeRobot's) or "uint8" (C, H, W).
+        video_dtype: "float32" (C, H, W in [0, 1], LeRobot's: ``uint8 / 255``) or "uint8"
+            (C, H, W); for videos and image features alike.
         tolerance_s: how far a decoded frame may lie from its requested timestamp.
         video_lookahead_bytes: decoded frames held ahead of the batch being assembled, so each
             video file is decoded in few forward passes.
-        with_task: add the task string (``task``) per sample as LeRobot does (not with batches).
+        with_task: add the task string (``task``) per sample, as LeRobot always does (batches
+            get a list of strings, as default collate makes); False leaves it out.
         fps: frame rate for plain parquet shards (LeRobot datasets carry their own).
         storage_options: passed to fsspec.
     """
@@ -97,7 +105,7 @@ class ShardDataset(IterableDataset):
                  world_size: int | None = None, batch_size: int | None = None,
                  drop_last: bool = False, readahead_bytes: int = 256 << 20,
                  readahead_files: int = 32, video_dtype: str = "float32",
-                 tolerance_s: float = 1e-4, with_task: bool = False, fps: float | None = None,
+                 tolerance_s: float = 1e-4, with_task: bool = True, fps: float | None = None,
                  video_lookahead_bytes: int = 64 << 20, storage_options: dict | None = None):
         super().__init__()
         self.root = to_url(to_path(root)) if is_jpfs(root) else str(root)
@@ -107,6 +115,18 @@ class ShardDataset(IterableDataset):
             self.source.fps = float(fps)
         self.delta_timestamps = dict(delta_timestamps or {})
         self.deltas = delta_indices(self.delta_timestamps, self.source.fps, tolerance_s)
+        src = self.source
+        # Image features are camera frames too: left out with video=False unless asked for.
+        if columns is None and not video:
+            src.columns = tuple(c for c in src.columns if c not in src.image_keys)
+        self.images = tuple(c for c in src.columns if c in src.image_keys)
+        if self.images:
+            from .images import have_pillow
+
+            if not have_pillow():
+                raise ImportError(f"decoding image features {list(self.images)} needs Pillow "
+                                  "(pip install 'jpfs[video]'); pass video=False for tabular "
+                                  "features only")
         self.video = bool(video) and bool(self.source.video_keys)
         if self.video and not self.source.video_decodable:
             log.warning("%s: videos are stand-ins (not decodable); yielding tabular features only",
@@ -121,6 +141,9 @@ class ShardDataset(IterableDataset):
         if not self.video:  # camera windows of a policy config mean nothing without frames
             self.deltas = {k: v for k, v in self.deltas.items()
                            if k not in self.source.video_keys}
+        if not video:
+            self.deltas = {k: v for k, v in self.deltas.items()
+                           if k not in src.image_keys or k in self.images}
         known = set(self.source.columns) | (set(self.source.video_keys) if self.video else set())
         unknown = [k for k in self.deltas if k not in known]
         if unknown:
@@ -129,8 +152,6 @@ class ShardDataset(IterableDataset):
             raise ValueError("video_dtype must be 'float32' or 'uint8'")
         if batch_size is not None and batch_size < 1:
             raise ValueError("batch_size must be >= 1")
-        if with_task and batch_size:
-            raise ValueError("with_task gives a string per sample; use task_index with batches")
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.shuffle_buffer = int(shuffle_buffer)
@@ -313,18 +334,25 @@ class ShardDataset(IterableDataset):
     def _samples(self, plan: _Plan) -> Iterator[dict[str, Any]]:
         progress = plan.progress
         with _Assembler(self, plan) as asm:
-            for start, stop in asm.chunks(_CHUNK):
+            for start, stop in asm.chunks(self._chunk_samples()):
                 chunk = asm.assemble(start, stop, plain_alloc)
                 keys = list(chunk)
-                tasks = None
-                if self.with_task and "task_index" in chunk:
-                    tasks = [self.source.tasks.get(int(t), "") for t in chunk["task_index"]]
                 for i in range(stop - start):
                     sample = {k: chunk[k][i] for k in keys}
-                    if tasks is not None:
-                        sample["task"] = tasks[i]
                     progress["consumed"] += 1  # before yield: a state taken now counts it
                     yield sample
+
+    def _chunk_samples(self) -> int:
+        """Samples assembled at once in per-sample mode: 512, fewer for large camera frames
+        (512 float frames of 640x480 would be 1.9 GB per camera)."""
+        src = self.source
+        cams = [*(src.video_keys if self.video else ()), *self.images]
+        per = 0
+        for k in cams:
+            shape = (src.meta.features.get(k, {}).get("shape") if src.meta else None) or ()
+            steps = len(self.deltas.get(k, ())) or 1
+            per += int(np.prod(shape)) * steps * (4 if self.video_dtype == "float32" else 1)
+        return int(np.clip(_CHUNK_BYTES // max(per, 1), 8, _CHUNK)) if per else _CHUNK
 
     def _batches(self, plan: _Plan, alloc: Alloc) -> Iterator[dict[str, torch.Tensor]]:
         bs = int(self.batch_size or 1)
@@ -381,8 +409,13 @@ class _Assembler:
         last = np.full(len(src.shards), -1, dtype=np.int64)
         np.maximum.at(last, self.shard, np.arange(self.n, dtype=np.int64))
         self.last = last
-        self.extra = ("timestamp",) if ds.video else ()
-        self.columns = tuple(dict.fromkeys(src.columns))
+        self.images = ds.images
+        self.columns = tuple(c for c in dict.fromkeys(src.columns) if c not in self.images)
+        self.tasks = src.tasks if ds.with_task else {}
+        extra = ["timestamp"] if ds.video else []
+        if self.tasks and "task_index" not in self.columns:
+            extra.append("task_index")
+        self.extra = tuple(extra)
         self.readahead: ReadAhead | None = None
         self.frames: Any = None
         self.vcache: tuple[int, int, int, dict[str, np.ndarray]] | None = None
@@ -395,7 +428,7 @@ class _Assembler:
         if self.n:
             self.readahead = ReadAhead(
                 src.fs, src.shards, self.schedule,
-                ShardDecoder(src, self.columns, self.extra),
+                ShardDecoder(src, (*self.columns, *self.images), self.extra),
                 budget=self.ds.readahead_bytes, batch_files=self.ds.readahead_files,
                 hint=mount_hint(src.root))
         if self.ds.video:
@@ -441,11 +474,12 @@ class _Assembler:
         one = len(parts) == 1
 
         def cat(get: Callable[[ShardTable], np.ndarray], shift: bool = False) -> np.ndarray:
-            pieces = [get(t)[lo:hi] + ((b0 - lo) if shift else 0) for t, lo, hi, b0 in parts]
+            pieces = [get(t)[lo:hi] + (b0 - lo) if shift else get(t)[lo:hi]
+                      for t, lo, hi, b0 in parts]
             return pieces[0] if one else np.concatenate(pieces)
 
-        cols = {c: cat(lambda t, c=c: t.columns[c]) for c in (*self.columns, *self.extra)
-                if c in parts[0][0].columns}
+        cols = {c: cat(lambda t, c=c: t.columns[c])
+                for c in (*self.columns, *self.images, *self.extra) if c in parts[0][0].columns}
         episode = (cat(lambda t: t.episode) if parts[0][0].episode is not None else None)
         lookup = np.zeros(len(self.src.shards), dtype=np.int64)
         for s, a in adjust.items():
@@ -486,9 +520,11 @@ class _Assembler:
         arena = self._arena_for(segments[0][0])
         spec = dict(self._spec(arena))
         vids: list[tuple[int, int, dict[str, np.ndarray]]] = []
-        if self.ds.video:
+        if self.ds.video or self.images:
             for b, a, z in segments:
-                vids.append((a, z, self._frames(b, a, z)))
+                got = self._frames(b, a, z) if self.ds.video else {}
+                got.update(self._images(b, a, z))
+                vids.append((a, z, got))
             for k, v in vids[0][2].items():
                 shape = (*v.shape[1:-3], v.shape[-1], *v.shape[-3:-1])  # [T,] C, H, W
                 dt = torch.float32 if self.ds.video_dtype == "float32" else torch.uint8
@@ -509,17 +545,48 @@ class _Assembler:
                     views[f"{c}_is_pad"][sl] = pad
                 else:
                     np.take(src, rows, axis=0, out=views[c][sl])
-            for k in self.src.video_keys if self.ds.video else ():
+            for k in (*(self.src.video_keys if self.ds.video else ()), *self.images):
                 if k in self.ds.deltas:
                     views[f"{k}_is_pad"][sl] = _window(rows, arena, self.ds.deltas[k])[1]
         for a, z, frames in vids:
             sl = slice(a - start, z - start)
-            for k, v in frames.items():  # (n, [T,] H, W, 3) uint8 -> (n, [T,] 3, H, W)
+            for k, v in frames.items():  # (n, [T,] H, W, C) uint8 -> (n, [T,] C, H, W)
                 chw = np.moveaxis(v, -1, -3)
                 if self.ds.video_dtype == "float32":
-                    np.multiply(chw, np.float32(1 / 255), out=views[k][sl], casting="unsafe")
+                    to_float(chw, views[k][sl])
                 else:
                     views[k][sl] = chw
+        out = dict(out)
+        if self.tasks:
+            out["task"] = self._tasks(segments)
+        return out
+
+    def _tasks(self, segments: list[tuple[int, int, int]]) -> list[str]:
+        """The task string of each position, as LeRobotDataset gives it."""
+        names = []
+        for b, a, z in segments:
+            arena = self._arena_for(b)
+            col = arena.columns.get("task_index")
+            if col is None:
+                raise KeyError(f"{self.src.root}: no task_index column to look tasks up by "
+                               "(pass with_task=False)")
+            rows = arena.rows[a - self.bounds[b]:z - self.bounds[b]]
+            names += [self.tasks.get(int(t), "") for t in col[rows].tolist()]
+        return names
+
+    def _images(self, b: int, a: int, z: int) -> dict[str, np.ndarray]:
+        """Image features of positions ``[a, z)`` of block ``b``, decoded: (n, [T,] H, W, C)."""
+        from .images import decode_many
+
+        if not self.images:
+            return {}
+        arena = self._arena_for(b)
+        rows = arena.rows[a - self.bounds[b]:z - self.bounds[b]]
+        out = {}
+        for key in self.images:
+            deltas = self.ds.deltas.get(key)
+            q = rows if deltas is None else _window(rows, arena, deltas)[0]
+            out[key] = decode_many(arena.columns[key][q], key)
         return out
 
     def _frames(self, b: int, a: int, z: int) -> dict[str, np.ndarray]:
@@ -563,6 +630,12 @@ class _Assembler:
             assert frames is not None
             out[key] = frames[:, 0] if deltas is None else frames
         return out
+
+
+def to_float(u8: np.ndarray, out: np.ndarray) -> None:
+    """uint8 pixels to float32 in [0, 1] as LeRobot does (``x.to(float32) / 255``): a true
+    division, which ``x * (1 / 255)`` is not (it differs by 1 ulp for many values)."""
+    np.divide(u8, np.float32(255), out=out, casting="unsafe")
 
 
 def _window(rows: np.ndarray, arena: _Arena, deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -28,11 +28,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from .images import image_bytes
+
 log = logging.getLogger(__name__)
 
 PLAIN = "parquet"
 INFO = "meta/info.json"
-# Feature dtypes that are not parquet columns of numbers.
+# Feature dtypes that are not parquet columns of numbers (images are, decoded: see images.py).
 _NON_TABULAR = {"video", "image", "string"}
 
 
@@ -73,6 +75,7 @@ class Source:
     fps: float | None
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     video_keys: tuple[str, ...] = ()
+    image_keys: tuple[str, ...] = ()  # columns holding encoded images (dtype "image")
     videos: dict[int, dict[str, VideoRef]] = field(default_factory=dict)
     tasks: dict[int, str] = field(default_factory=dict)
     video_decodable: bool = False
@@ -150,7 +153,8 @@ def _open_lerobot(url: str, fs: fsspec.AbstractFileSystem, path: str,
         else:
             shards.append(Shard(p, rows, sizes.get(p, 0)))
     tabular = [k for k, f in meta.features.items() if f.get("dtype") not in _NON_TABULAR]
-    cols = _pick(tabular, columns)
+    images = [k for k, f in meta.features.items() if f.get("dtype") == "image"]
+    cols = _pick(tabular + images, columns)
     shapes = {k: _feature_shape(meta.features[k]) for k in tabular}
     videos: dict[int, dict[str, VideoRef]] = {}
     for ep in meta.episodes:
@@ -164,8 +168,8 @@ def _open_lerobot(url: str, fs: fsspec.AbstractFileSystem, path: str,
               meta.total_frames)
     return Source(fs=fs, root=path, format=meta.version, shards=tuple(shards), columns=cols,
                   fps=float(meta.fps), shapes=shapes, video_keys=tuple(meta.video_keys),
-                  videos=videos, tasks=dict(meta.tasks), video_decodable=decodable, meta=meta,
-                  footers=footers)
+                  image_keys=tuple(images), videos=videos, tasks=dict(meta.tasks),
+                  video_decodable=decodable, meta=meta, footers=footers)
 
 
 def _episode_pieces(path: str, md: Any, episode_ends: set[int], file_bytes: int) -> list[Shard]:
@@ -223,7 +227,8 @@ def _pick(available: list[str], wanted: list[str] | tuple[str, ...] | None) -> t
         return tuple(available)
     missing = [c for c in wanted if c not in available]
     if missing:
-        raise KeyError(f"no such tabular feature(s): {missing} (have {available})")
+        raise KeyError(f"no such feature(s): {missing} (have {available}; videos are "
+                       "decoded unless video=False)")
     return tuple(wanted)
 
 
@@ -316,7 +321,7 @@ class ShardDecoder:
         if shard.row_groups is None:
             assert data is not None
             return decode_table(pq.ParquetFile(pa.BufferReader(data)), None, self.columns,
-                                self.source.shapes, self.extra)
+                                self.source.shapes, self.extra, self.source.image_keys)
         entry = self._readers.get(shard.path)
         if entry is None:
             footer = self.source.footers[shard.path]
@@ -331,21 +336,28 @@ class ShardDecoder:
             assert data is not None
             span.start, span.data = shard.start, memoryview(data)
         return decode_table(reader, shard.row_groups, self.columns, self.source.shapes,
-                            self.extra)
+                            self.extra, self.source.image_keys)
 
     def close(self) -> None:
         self._readers.clear()
 
 
 def decode_shard(data: bytes | memoryview, columns: tuple[str, ...],
-                 shapes: dict[str, tuple[int, ...]], extra: tuple[str, ...] = ()) -> ShardTable:
+                 shapes: dict[str, tuple[int, ...]], extra: tuple[str, ...] = (),
+                 images: tuple[str, ...] = ()) -> ShardTable:
     """Parse the bytes of a whole parquet file (see ``ShardDecoder`` for row-group shards)."""
-    return decode_table(pq.ParquetFile(pa.BufferReader(data)), None, columns, shapes, extra)
+    return decode_table(pq.ParquetFile(pa.BufferReader(data)), None, columns, shapes, extra,
+                        images)
 
 
 def decode_table(reader: Any, row_groups: tuple[int, ...] | None, columns: tuple[str, ...],
-                 shapes: dict[str, tuple[int, ...]], extra: tuple[str, ...] = ()) -> ShardTable:
-    """The wanted columns (and ``extra`` ones, where present) and each row's episode bounds."""
+                 shapes: dict[str, tuple[int, ...]], extra: tuple[str, ...] = (),
+                 images: tuple[str, ...] = ()) -> ShardTable:
+    """The wanted columns (and ``extra`` ones, where present) and each row's episode bounds.
+
+    Image columns stay encoded (an object array of bytes): they are decoded per batch, only the
+    frames sampled, and in the DataLoader worker that assembles the batch.
+    """
     names = set(reader.schema_arrow.names)
     want = list(dict.fromkeys([*columns, *(c for c in extra if c in names)]))
     if "episode_index" in names and "episode_index" not in want:
@@ -354,7 +366,8 @@ def decode_table(reader: Any, row_groups: tuple[int, ...] | None, columns: tuple
         table = reader.read_row_groups(list(row_groups), columns=want, use_threads=False)
     else:
         table = reader.read(columns=want, use_threads=False)
-    cols = {c: column_to_numpy(table.column(c), shapes.get(c)) for c in want}
+    cols = {c: (image_bytes(table.column(c), c) if c in images
+                else column_to_numpy(table.column(c), shapes.get(c))) for c in want}
     n = table.num_rows
     episode = cols.get("episode_index")
     if episode is not None and n:
@@ -366,6 +379,7 @@ def decode_table(reader: Any, row_groups: tuple[int, ...] | None, columns: tuple
     else:  # no episode column: the whole shard is one episode
         ep_start = np.zeros(n, dtype=np.int64)
         ep_end = np.full(n, n, dtype=np.int64)
-    nbytes = sum(a.nbytes for a in cols.values()) + ep_start.nbytes * 2
+    nbytes = sum(table.column(c).nbytes if c in images else a.nbytes for c, a in cols.items())
+    nbytes += ep_start.nbytes * 2
     return ShardTable(columns=cols, ep_start=ep_start, ep_end=ep_end, episode=episode,
                       nbytes=nbytes)
