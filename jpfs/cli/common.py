@@ -1,8 +1,14 @@
-"""Helpers shared by the ``jpfs`` subcommands: finding the cluster, naming paths, printing."""
+"""Helpers shared by the ``jpfs`` subcommands: finding the cluster, naming paths, printing.
+
+The path rule, the same for every command: a path is inside JPFS when it is written
+``jpfs:/a/b`` (``jpfs://a/b``, the fsspec spelling, is accepted too); any other path is a local
+one. A command that only works inside JPFS refuses a local path rather than guess.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import stat
@@ -11,6 +17,10 @@ import time
 from pathlib import Path
 
 from .. import config, uri
+from ..errors import JPFSError
+
+PATH_RULE = ("Paths inside JPFS are written jpfs:/a/b; any other path is a local one (commands "
+             "that only work inside JPFS refuse it).")
 
 
 def cluster_dir(args: argparse.Namespace) -> Path:
@@ -32,8 +42,23 @@ def connect(args: argparse.Namespace):
 
 
 def jpfs_path(text: str) -> str:
-    """A path inside JPFS for commands that only work there: ``jpfs:/a`` or plain ``/a``."""
-    return uri.to_path(text) if uri.is_jpfs(text) else uri.normalize(text)
+    """The path inside JPFS that ``jpfs:/a`` names, for commands that only work there; a plain
+    path is local, so it is refused with the spelling that would work."""
+    if uri.is_jpfs(text):
+        return uri.to_path(text)
+    raise JPFSError(errno.EINVAL, f"a local path; this command works inside JPFS (write "
+                    f"jpfs:/{text.lstrip('/')}, or use jpfs import/export/cp for local files)",
+                    text)
+
+
+def shown(path: str) -> str:
+    """A path inside JPFS as the command line writes it: ``/a/b`` -> ``jpfs:/a/b``."""
+    return uri.SCHEME + uri.normalize(path)
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 file``, ``2 files``, ``1,000 directories``."""
+    return f"{n:,} {word if n == 1 else many or word + 's'}"
 
 
 def print_json(obj) -> None:

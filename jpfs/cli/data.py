@@ -1,11 +1,13 @@
 """Data commands: ``jpfs import``, ``export``, ``cp``, ``cat``, ``du``, ``gc``.
 
-Paths inside JPFS are written ``jpfs:/a/b``; anything else is a local path.
+Paths inside JPFS are written ``jpfs:/a/b``; anything else is a local path (the rule of every
+``jpfs`` command).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import posixpath
 import sys
@@ -13,7 +15,8 @@ import time
 
 from .. import uri
 from ..config import format_size
-from .common import add_json, connect, jpfs_path, print_json
+from ..errors import JPFSError
+from .common import PATH_RULE, add_json, connect, jpfs_path, plural, print_json, shown
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,13 +47,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-r", "--recursive", action="store_true", help="copy directories")
     p.set_defaults(func=cmd_cp)
 
-    p = sub.add_parser("cat", help="write JPFS files to standard output")
+    p = sub.add_parser("cat", help="write JPFS files to standard output",
+                       description="Write JPFS files to standard output. " + PATH_RULE)
     p.add_argument("paths", nargs="+", metavar="jpfs:/PATH")
     p.set_defaults(func=cmd_cat)
 
-    p = sub.add_parser("du", help="space used under JPFS paths")
-    p.add_argument("paths", nargs="*", default=["/"], metavar="PATH")
-    p.add_argument("-s", "--summarize", action="store_true", help="one total per argument")
+    p = sub.add_parser("du", help="space used under JPFS paths",
+                       description="Apparent sizes (the bytes files hold) and file counts, "
+                       "totalled per directory as du(1) does: each directory after the "
+                       "directories inside it, in name order, the argument last. " + PATH_RULE)
+    p.add_argument("paths", nargs="*", default=["jpfs:/"], metavar="jpfs:/PATH",
+                   help="directories (default jpfs:/)")
+    p.add_argument("-s", "--summarize", action="store_true",
+                   help="only one total per argument")
     p.add_argument("-H", "--human", action="store_true", help="sizes as 1.5 MiB")
     add_json(p)
     p.set_defaults(func=cmd_du)
@@ -78,8 +87,8 @@ def _transfer_options(p: argparse.ArgumentParser) -> None:
 
 def _need_jpfs(text: str, what: str) -> str:
     if not uri.is_jpfs(text):
-        shown = text if text.startswith("/") else "/" + text
-        raise ValueError(f"{what} must be a JPFS path (write jpfs:{shown})")
+        raise JPFSError(errno.EINVAL, f"{what} must be a JPFS path: write "
+                        f"jpfs:/{text.lstrip('/')} (plain paths are local)", text)
     return uri.to_path(text)
 
 
@@ -118,10 +127,10 @@ def _run_transfer(args, fn, src, dst, totals) -> int:
     if args.json:
         print_json(result)
     else:
-        print(f"{args.command}: {stats.files:,} files, {format_size(stats.bytes)} in {secs:.1f}s "
-              f"({format_size(stats.bytes / secs if secs else 0)}/s, "
+        print(f"{args.command}: {plural(stats.files, 'file')}, {format_size(stats.bytes)} in "
+              f"{secs:.1f}s ({format_size(stats.bytes / secs if secs else 0)}/s, "
               f"{stats.files / secs if secs else 0:,.0f} files/s); skipped {stats.skipped:,} "
-              f"unchanged; {stats.dirs:,} directories")
+              f"unchanged; {plural(stats.dirs, 'directory', 'directories')}")
         for e in stats.errors[:20]:
             print(f"  error: {e}", file=sys.stderr)
     return 1 if stats.errors else 0
@@ -132,7 +141,11 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     dst = _need_jpfs(args.dst, "the destination")
     if not os.path.isdir(args.src):
-        raise NotADirectoryError(20, "import copies a directory (use jpfs cp for a file)",
+        if not os.path.exists(args.src):
+            raise FileNotFoundError(errno.ENOENT, "no such local directory (jpfs import DIR "
+                                    "jpfs:/DST copies the directory DIR into JPFS)", args.src)
+        raise NotADirectoryError(errno.ENOTDIR, "a file, not a directory (import copies "
+                                 "directory trees; copy one file with jpfs cp FILE jpfs:/DST)",
                                  args.src)
     totals = scan_local(args.src) if not args.no_progress else (None, None)
     return _run_transfer(args, "import_tree", args.src, dst, totals)
@@ -173,7 +186,9 @@ def cmd_cp(args: argparse.Namespace) -> int:
         elif src_j and dst_j:
             _copy_within(client, uri.to_path(args.src), uri.to_path(args.dst), args.recursive)
         else:
-            raise ValueError("one of SRC and DST must be a JPFS path (jpfs:/...)")
+            raise JPFSError(errno.EINVAL, "neither SRC nor DST is a JPFS path: write the JPFS "
+                            "side as jpfs:/PATH (plain paths are local; cp(1) copies local "
+                            "files)")
     finally:
         client.close()
     return 0
@@ -211,15 +226,19 @@ def cmd_cat(args: argparse.Namespace) -> int:
 
 def cmd_du(args: argparse.Namespace) -> int:
     """Apparent sizes (what the files hold), totalled per directory like du(1)."""
+    tops = [(p, jpfs_path(p)) for p in args.paths]  # every path checked before any work
     client = connect(args)
     rows = []
     try:
-        for p in args.paths:
-            top = jpfs_path(p)
+        for given, top in tops:
             own: dict[str, list[int]] = {}
             for d, _dirs, _files in client.walk(top):
                 files = [e for e in client.scandir(d) if not e.is_dir()]
                 own[d] = [sum(e.attr.size for e in files), len(files)]
+            if not own:  # walk yields nothing for a file (or a missing path: stat says so)
+                attr = client.stat(top)
+                rows.append({"path": top, "shown": given, "bytes": attr.size, "files": 1})
+                continue
             total = {d: [0, 0] for d in own}
             for d, (nbytes, nfiles) in own.items():
                 cur = d
@@ -229,17 +248,23 @@ def cmd_du(args: argparse.Namespace) -> int:
                     if cur == top:
                         break
                     cur = posixpath.dirname(cur)
-            dirs = [top] if args.summarize else sorted(total, key=lambda x: (-x.count("/"), x))
-            rows += [{"path": d, "bytes": total[d][0], "files": total[d][1]} for d in dirs]
+            dirs = [top] if args.summarize else sorted(total, key=_after_its_subdirs)
+            rows += [{"path": d, "shown": given if d == top else shown(d),
+                      "bytes": total[d][0], "files": total[d][1]} for d in dirs]
     finally:
         client.close()
     if args.json:
-        print_json(rows)
+        print_json([{k: r[k] for k in ("path", "bytes", "files")} for r in rows])
     else:
         for r in rows:
             size = format_size(r["bytes"]) if args.human else str(r["bytes"])
-            print(f"{size:>12}  {r['files']:>10,} files  {r['path']}")
+            print(f"{size:>12}  {plural(r['files'], 'file'):>13}  {r['shown']}")
     return 0
+
+
+def _after_its_subdirs(path: str) -> tuple[str, ...]:
+    """du(1)'s order: depth first in name order, each directory right after its subtree."""
+    return (*uri.split(path), "\U0010ffff")
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -247,24 +272,69 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     client = connect(args)
     try:
+        young = client.run(_unreferenced_young, args.grace)
         report = client.run(lambda ac: collect(ac, grace=args.grace,
                                                min_dead_ratio=args.min_dead,
                                                compact=not args.no_compact,
                                                dry_run=args.dry_run))
+        stats = {}
+        for node, r in report["nodes"].items():
+            r["kept_by_grace"] = young.get(node, 0)
+            if "error" not in r:
+                stats[node] = client.run(lambda ac, n=node: ac.storage.stats(n))
     finally:
         client.close()
     if args.json:
         print_json(report)
         return 0
-    print(f"live blobs: {report['live_blobs']:,}")
+    print(f"live blobs: {report['live_blobs']:,} (named by files)")
     for node, r in report["nodes"].items():
         if "error" in r:
             print(f"  storage-{node}: skipped ({r['error']})")
             continue
-        line = f"  storage-{node}: scanned {r['scanned']:,} blobs, " \
+        line = f"  storage-{node}: scanned {plural(r['scanned'], 'blob')}, " \
                f"{'would delete' if args.dry_run else 'deleted'} {r['deleted']:,}"
+        if r["kept_by_grace"]:
+            line += f", kept {r['kept_by_grace']:,} unreferenced younger than --grace " \
+                    f"{args.grace:g}s (writes may still be in flight; a later gc takes them)"
         c = r.get("compact")
-        if c:
-            line += f"; compaction reclaimed {format_size(c.get('bytes_reclaimed', 0))}"
+        if c is not None:
+            line += "; " + _compaction(c, stats.get(node, {}), args.min_dead)
         print(line)
     return 0
+
+
+def _compaction(c: dict, st: dict, min_dead: float) -> str:
+    """What compaction did on one node, and why it reclaimed nothing when it did not."""
+    if c.get("bytes_reclaimed"):
+        return (f"compaction rewrote {plural(c.get('volumes_compacted', 0), 'volume')}, "
+                f"reclaimed {format_size(c['bytes_reclaimed'])}")
+    live, dead = st.get("live_bytes", 0), st.get("dead_bytes", 0)
+    if not dead:
+        return "compaction reclaimed nothing: no dead bytes in any volume"
+    share = dead / (live + dead)
+    return (f"compaction reclaimed nothing: {format_size(dead)} dead ({share:.0%} of this node), "
+            f"but no sealed volume is at least {min_dead:.0%} dead (--min-dead {min_dead:g}; "
+            "the volume being written is never compacted)")
+
+
+async def _unreferenced_young(ac, grace: float) -> dict[int, int]:
+    """Per storage node, the blobs no file names that are younger than ``grace``: what gc
+    keeps because a write may still be about to name them."""
+    from ..client.gc import live_blobs
+
+    if getattr(ac, "storage", None) is None:
+        return {}  # no storage nodes: collect() says so
+    live = await live_blobs(ac)
+    cutoff = time.time() - grace
+    kept: dict[int, int] = {}
+    for node in range(ac.storage.n_nodes):
+        after, n = b"", 0
+        try:
+            while page := await ac.storage.list_blobs(node, after, 10_000):
+                n += sum(1 for bid, created in page if bid not in live and created >= cutoff)
+                after = page[-1][0]
+        except OSError:
+            continue  # an unreachable node: collect() reports it
+        kept[node] = n
+    return kept

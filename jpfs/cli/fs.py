@@ -1,6 +1,7 @@
 """Namespace commands: ``jpfs ls``, ``stat``, ``mkdir``, ``rm``, ``mv``, ``fsck``.
 
-These only name paths inside JPFS, so ``jpfs:/a/b`` and plain ``/a/b`` mean the same here.
+These only work inside JPFS: their paths are written ``jpfs:/a/b``. A plain path is a local one
+(the rule of every ``jpfs`` command), so it is refused with the spelling that would work.
 """
 
 from __future__ import annotations
@@ -12,36 +13,50 @@ import sys
 
 from ..config import format_size
 from ..errors import JPFSError
-from .common import add_json, connect, jpfs_path, mode_string, print_json, time_string
+from .common import (
+    PATH_RULE,
+    add_json,
+    connect,
+    jpfs_path,
+    mode_string,
+    print_json,
+    shown,
+    time_string,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ls", help="list a directory",
                        description="List directory entries in name order (readdirplus: one "
-                       "call per page of entries).")
-    p.add_argument("paths", nargs="*", default=["/"], metavar="PATH")
+                       "call per page of entries). " + PATH_RULE)
+    p.add_argument("paths", nargs="*", default=["jpfs:/"], metavar="jpfs:/PATH",
+                   help="directories or files (default jpfs:/)")
     p.add_argument("-l", "--long", action="store_true", help="mode, links, owner, size, time")
     p.add_argument("-R", "--recursive", action="store_true", help="list subdirectories too")
     p.add_argument("-H", "--human", action="store_true", help="sizes as 1.5 MiB")
     add_json(p)
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("stat", help="show attributes of paths")
-    p.add_argument("paths", nargs="+", metavar="PATH")
+    p = sub.add_parser("stat", help="show attributes of paths", description="Show the "
+                       "attributes of JPFS paths (inode, size, mode, version, times). " + PATH_RULE)
+    p.add_argument("paths", nargs="+", metavar="jpfs:/PATH")
     p.add_argument("-L", "--dereference", action="store_true", help="follow a final symlink")
     add_json(p)
     p.set_defaults(func=cmd_stat)
 
-    p = sub.add_parser("mkdir", help="make directories")
-    p.add_argument("paths", nargs="+", metavar="PATH")
+    p = sub.add_parser("mkdir", help="make directories",
+                       description="Make directories inside JPFS. " + PATH_RULE)
+    p.add_argument("paths", nargs="+", metavar="jpfs:/PATH")
     p.add_argument("-p", "--parents", action="store_true",
                    help="make parents as needed; no error if it exists")
     p.add_argument("-m", "--mode", type=lambda s: int(s, 8), default=0o777,
                    help="permission bits in octal (default 777, less the umask)")
     p.set_defaults(func=cmd_mkdir)
 
-    p = sub.add_parser("rm", help="remove files (and directories with -r)")
-    p.add_argument("paths", nargs="+", metavar="PATH")
+    p = sub.add_parser("rm", help="remove files (and directories with -r)",
+                       description="Remove files inside JPFS (directories and their contents "
+                       "with -r). " + PATH_RULE)
+    p.add_argument("paths", nargs="+", metavar="jpfs:/PATH")
     p.add_argument("-r", "--recursive", action="store_true", help="remove directories and "
                    "their contents")
     p.add_argument("-f", "--force", action="store_true", help="ignore missing paths")
@@ -49,8 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("mv", help="rename or move",
                        description="Rename SRC to DST (replacing DST as rename(2) does); with an "
-                       "existing directory as DST, or several sources, move into it.")
-    p.add_argument("paths", nargs="+", metavar="SRC... DST")
+                       "existing directory as DST, or several sources, move into it. " + PATH_RULE)
+    p.add_argument("paths", nargs="+", metavar="jpfs:/SRC... jpfs:/DST")
     p.add_argument("-n", "--no-clobber", action="store_true", help="never replace DST")
     p.set_defaults(func=cmd_mv)
 
@@ -73,14 +88,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     out: dict = {}
     status = 0
     try:
-        stack = [jpfs_path(p) for p in args.paths]
+        stack = list(args.paths)  # the user's text for arguments, jpfs:/... below them
         first = True
         while stack:
-            path = stack.pop(0)
+            given = stack.pop(0)
             try:
+                path = jpfs_path(given)
                 attr = client.stat(path)
             except OSError as e:
-                print(f"jpfs ls: {path}: {e.strerror}", file=sys.stderr)
+                print(f"jpfs ls: {given}: {e.strerror}", file=sys.stderr)
                 status = 1
                 continue
             entries = client.scandir(path) if attr.is_dir else None
@@ -90,7 +106,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                              for e in entries] if entries is not None else attr.size
             else:
                 if len(args.paths) > 1 or args.recursive:
-                    print(("" if first else "\n") + f"{path}:")
+                    print(("" if first else "\n") + f"{given}:")
                 first = False
                 for e in entries if entries is not None else []:
                     if args.long:
@@ -101,9 +117,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     else:
                         print(e.name)
                 if entries is None:
-                    print(path)
+                    print(given)
             if args.recursive and entries:
-                stack[0:0] = [e.path for e in entries if e.is_dir()]
+                stack[0:0] = [shown(e.path) for e in entries if e.is_dir()]
     finally:
         client.close()
     if args.json:
@@ -116,11 +132,11 @@ def cmd_stat(args: argparse.Namespace) -> int:
     rows, status = [], 0
     try:
         for p in args.paths:
-            path = jpfs_path(p)
             try:
+                path = jpfs_path(p)
                 a = client.stat(path, follow_symlinks=args.dereference)
             except OSError as e:
-                print(f"jpfs stat: {path}: {e.strerror}", file=sys.stderr)
+                print(f"jpfs stat: {p}: {e.strerror}", file=sys.stderr)
                 status = 1
                 continue
             row = {"path": path, **{k: getattr(a, k) for k in a.__slots__}}
@@ -129,7 +145,7 @@ def cmd_stat(args: argparse.Namespace) -> int:
             rows.append(row)
             if not args.json:
                 link = f" -> {row['target']}" if a.is_link else ""
-                print(f"  File: {path}{link}\n  Size: {a.size:<12} Blocks: {a.blocks:<8} "
+                print(f"  File: {p}{link}\n  Size: {a.size:<12} Blocks: {a.blocks:<8} "
                       f"Inode: {a.ino:#x}  Links: {a.nlink}\n  Mode: {mode_string(a.mode)} "
                       f"({a.mode & 0o7777:04o})  Uid: {a.uid}  Gid: {a.gid}  "
                       f"Version: {a.version}\nAccess: {time_string(a.atime_ns)}  "
@@ -164,8 +180,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
     status = 0
     try:
         for p in args.paths:
-            path = jpfs_path(p)
             try:
+                path = jpfs_path(p)
                 attr = client.lstat(path)
                 if attr.is_dir:
                     if not args.recursive:
@@ -176,7 +192,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
             except OSError as e:
                 if args.force and e.errno == errno.ENOENT:
                     continue
-                print(f"jpfs rm: {path}: {e.strerror}", file=sys.stderr)
+                print(f"jpfs rm: {p}: {e.strerror}", file=sys.stderr)
                 status = 1
     finally:
         client.close()
@@ -185,22 +201,31 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def cmd_mv(args: argparse.Namespace) -> int:
     if len(args.paths) < 2:
-        print("jpfs mv: need a source and a destination", file=sys.stderr)
+        print("jpfs mv: need a source and a destination (jpfs mv jpfs:/SRC jpfs:/DST)",
+              file=sys.stderr)
         return 2
-    *srcs, dst = [jpfs_path(p) for p in args.paths]
+    for p in args.paths:  # nothing moves unless every path is a JPFS path
+        try:
+            jpfs_path(p)
+        except OSError as e:
+            print(f"jpfs mv: {p}: {e.strerror}", file=sys.stderr)
+            return 2
+    *srcs, dst = args.paths
     client = connect(args)
     status = 0
     try:
-        into = client.isdir(dst)
+        into = client.isdir(jpfs_path(dst))
         if len(srcs) > 1 and not into:
-            print(f"jpfs mv: {dst}: not a directory", file=sys.stderr)
+            print(f"jpfs mv: {dst}: not a directory (several sources move into a directory)",
+                  file=sys.stderr)
             return 1
         for src in srcs:
-            target = posixpath.join(dst, posixpath.basename(src)) if into else dst
+            target = (posixpath.join(jpfs_path(dst), posixpath.basename(jpfs_path(src))) if into
+                      else jpfs_path(dst))
             try:
-                client.rename(src, target, flags=1 if args.no_clobber else 0)
+                client.rename(jpfs_path(src), target, flags=1 if args.no_clobber else 0)
             except OSError as e:
-                print(f"jpfs mv: {src} -> {target}: {e.strerror}", file=sys.stderr)
+                print(f"jpfs mv: {src} -> {shown(target)}: {e.strerror}", file=sys.stderr)
                 status = 1
     finally:
         client.close()

@@ -2,6 +2,9 @@
 
 Each module listed in ``GROUPS`` has ``register(subparsers)``, which adds its subcommands and sets
 ``func`` (called with the parsed args; its return value is the exit status).
+
+Every error a user sees has one shape, ``jpfs CMD: PATH: reason`` (``jpfs CMD: reason`` where no
+path is involved), with JPFS paths echoed as the command line writes them (``jpfs:/a``).
 """
 
 from __future__ import annotations
@@ -9,19 +12,37 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import sys
 
-from jpfs import __version__
+from jpfs import __version__, uri
 from jpfs.errors import JPFSError
 
+from .common import PATH_RULE
+
 GROUPS = ("cluster", "fs", "data", "mount", "lerobot", "bench")
+SUBCOMMANDS = ("cluster_command", "lerobot", "bench")  # dests of the groups' own subparsers
+JPFS_ONLY = {"ls", "stat", "mkdir", "rm", "mv", "cat", "du"}  # their paths all name JPFS files
+_URL = re.compile(r"\bjpfs://")
+
+DESCRIPTION = f"""\
+JPFS: a parallel filesystem for robot-learning training data.
+
+{PATH_RULE}
+The cluster is found from --cluster, else $JPFS_CLUSTER, else ./jpfs-cluster.
+
+examples:
+  jpfs cluster up --dir ./jpfs-cluster       # a local cluster on loopback
+  jpfs import /data/ds jpfs:/datasets/ds      # copy a local directory in
+  jpfs ls -l jpfs:/datasets/ds
+  jpfs COMMAND --help                         # what COMMAND does, and its options
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jpfs",
-        description="JPFS: a parallel filesystem for robot-learning training data. Paths inside "
-        "JPFS are written jpfs:/a/b (local paths stay plain).",
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"jpfs {__version__}")
@@ -55,10 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         if reported is None or (args.verbose >= 2 and reported is not KeyboardInterrupt):
             raise
         if reported is KeyboardInterrupt:
-            print("jpfs: interrupted", file=sys.stderr)
+            print(f"{_command(args)}: interrupted", file=sys.stderr)
             return 130
-        print(f"jpfs: error: {_describe(reported)}", file=sys.stderr)
+        print(f"{_command(args)}: {_describe(reported, args)}", file=sys.stderr)
         return 1
+
+
+def _command(args: argparse.Namespace) -> str:
+    """``jpfs ls``, ``jpfs lerobot convert``: the command as typed, for error messages."""
+    parts = ["jpfs", args.command] + [getattr(args, k) for k in SUBCOMMANDS
+                                      if isinstance(getattr(args, k, None), str)]
+    return " ".join(parts)
 
 
 def _reportable(e: BaseException) -> BaseException | type[KeyboardInterrupt] | None:
@@ -78,10 +106,32 @@ def _reportable(e: BaseException) -> BaseException | type[KeyboardInterrupt] | N
     return KeyboardInterrupt if isinstance(e, KeyboardInterrupt) else e
 
 
-def _describe(e: BaseException) -> str:
+def _describe(e: BaseException, args: argparse.Namespace) -> str:
+    """``PATH: reason``, the path as the user wrote it."""
     if isinstance(e, OSError) and e.strerror:
-        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
-    return str(e)
+        text = f"{_echo(e.filename, args)}: {e.strerror}" if e.filename else e.strerror
+    else:
+        text = str(e)
+    return _URL.sub("jpfs:/", text)
+
+
+def _echo(name: object, args: argparse.Namespace) -> str:
+    """A path from an error, spelled as on the command line: an argument's own text where it is
+    one (``jpfs://a`` and ``/a`` both came from ``jpfs:/a``); inside JPFS, ``jpfs:/PATH``."""
+    name = str(name)
+    values = [v for value in vars(args).values()
+              for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+    if name in values:
+        return name
+    for given in values:
+        if uri.is_jpfs(given) and name in (
+                uri.to_path(given), uri.to_url(uri.to_path(given))):
+            return given
+    if uri.is_jpfs(name):
+        return uri.SCHEME + uri.to_path(name)
+    if args.command in JPFS_ONLY and name.startswith("/"):
+        return uri.SCHEME + name
+    return name
 
 
 if __name__ == "__main__":
