@@ -231,14 +231,14 @@ def cmd_du(args: argparse.Namespace) -> int:
     rows = []
     try:
         for given, top in tops:
+            attr = client.stat(top)
+            if not attr.is_dir:  # a file counts for itself, as in du(1)
+                rows.append({"path": top, "shown": given, "bytes": attr.size, "files": 1})
+                continue
             own: dict[str, list[int]] = {}
             for d, _dirs, _files in client.walk(top):
                 files = [e for e in client.scandir(d) if not e.is_dir()]
                 own[d] = [sum(e.attr.size for e in files), len(files)]
-            if not own:  # walk yields nothing for a file (or a missing path: stat says so)
-                attr = client.stat(top)
-                rows.append({"path": top, "shown": given, "bytes": attr.size, "files": 1})
-                continue
             total = {d: [0, 0] for d in own}
             for d, (nbytes, nfiles) in own.items():
                 cur = d
