@@ -228,10 +228,15 @@ def cmd_du(args: argparse.Namespace) -> int:
     """Apparent sizes (what the files hold), totalled per directory like du(1)."""
     tops = [(p, jpfs_path(p)) for p in args.paths]  # every path checked before any work
     client = connect(args)
-    rows = []
+    rows, status = [], 0
     try:
         for given, top in tops:
-            attr = client.stat(top)
+            try:
+                attr = client.stat(top)
+            except OSError as e:
+                print(f"jpfs du: {given}: {e.strerror}", file=sys.stderr)
+                status = 1
+                continue
             if not attr.is_dir:  # a file counts for itself, as in du(1)
                 rows.append({"path": top, "shown": given, "bytes": attr.size, "files": 1})
                 continue
@@ -259,7 +264,7 @@ def cmd_du(args: argparse.Namespace) -> int:
         for r in rows:
             size = format_size(r["bytes"]) if args.human else str(r["bytes"])
             print(f"{size:>12}  {plural(r['files'], 'file'):>13}  {r['shown']}")
-    return 0
+    return status
 
 
 def _after_its_subdirs(path: str) -> tuple[str, ...]:
