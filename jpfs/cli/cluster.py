@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 
 from .. import config, localcluster
 from ..config import format_size, parse_size
-from .common import add_json, cluster_dir, print_json
+from .common import add_json, cluster_dir, plural, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,52 +51,94 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     d = cluster_dir(args)
+    existed = localcluster.cluster_file(d).exists()
+    before = {x.name: x.alive for x in localcluster.status(d)} if existed else {}
     cluster = localcluster.up(d, meta_shards=args.meta_shards, storage_nodes=args.storage_nodes,
                               replicas=args.replicas, chunk_size=args.chunk_size,
                               sync=not args.no_sync, metrics=args.metrics)
-    print(f"cluster up: {cluster.n_shards} metadata shards, {cluster.n_nodes} storage nodes, "
-          f"replicas {cluster.replicas}, chunk size {format_size(cluster.chunk_size)}")
-    for role, servers in (("meta", cluster.meta), ("storage", cluster.storage)):
-        for i, s in enumerate(servers):
-            print(f"  {role}-{i:<3} {s.address}"
-                  + (f"   metrics http://{s.metrics}/metrics" if s.metrics else ""))
+    after = localcluster.status(d)
+    started = [x.name for x in after if not before.get(x.name)]
+    print(f"cluster {'up' if existed else 'created'}: {cluster.path}: {_shape(cluster)}")
+    rows = [[x.name, x.address, f"{'running' if before.get(x.name) else 'started'}, pid {x.pid}",
+             f"metrics http://{s.metrics}/metrics" if s.metrics else ""]
+            for x, s in zip(after, cluster.meta + cluster.storage, strict=True)]
+    _table(rows)
+    if not existed:
+        print(f"started {plural(len(started), 'daemon')}")
+    elif started:
+        print(f"started {plural(len(started), 'daemon')} ({', '.join(started)}); "
+              f"{len(after) - len(started):,} already running")
+    else:
+        print(f"all {plural(len(after), 'daemon')} already running; nothing started")
     print(f"export JPFS_CLUSTER={cluster.path}")
     return 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:
     stopped = localcluster.down(cluster_dir(args))
-    print(f"stopped {len(stopped)} daemons" + (f": {', '.join(stopped)}" if stopped else ""))
+    print(f"stopped {plural(len(stopped), 'daemon')}"
+          + (f": {', '.join(stopped)}" if stopped else " (none was running)"))
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     d = cluster_dir(args)
+    if not localcluster.cluster_file(d).exists():
+        raise FileNotFoundError(errno.ENOENT, "no cluster here (create one with jpfs cluster up "
+                                f"--dir {d})", str(d))
     daemons = localcluster.status(d)
     cluster = config.load(localcluster.cluster_file(d))
     info = _daemon_info(cluster, daemons)
     if args.json:
         print_json({"cluster": str(cluster.path), "daemons": info})
         return 0
-    print(f"cluster {cluster.path}")
+    print(f"cluster {cluster.path}: {_shape(cluster)}")
+    rows = [["daemon", "address", "state", "details"]]
     for row in info:
-        state = f"up   pid {row['pid']}" if row["alive"] else "DOWN"
-        detail = ""
-        if "inodes" in row:
-            detail = f"inodes {row['inodes']:,}  entries {row['dentries']:,}  " \
-                     f"commits {row['commits']:,}"
-        elif "bytes_used" in row:
-            live = row.get("live_bytes", 0)
-            dead = row.get("dead_bytes", 0)
-            ratio = live / (live + dead) if live + dead else 1.0
-            detail = f"volumes {row.get('volumes', 0)}  used {format_size(row['bytes_used'])}  " \
-                     f"live {ratio:.0%}  blobs {row.get('blobs', 0):,}"
+        name = f"{row['role']}-{row['index']}"
+        if not row["alive"]:
+            state = "DOWN"
+            detail = [f"not running (log: {d / 'logs' / (name + '.log')})"]
         elif row.get("error"):
-            detail = row["error"]
+            state = f"up, pid {row['pid']}"
+            detail = [f"not answering: {row['error']}"]
+        elif row["role"] == "meta":
+            state = f"up, pid {row['pid']}"
+            detail = [f"inodes {row.get('inodes', 0):,}", f"entries {row.get('dentries', 0):,}",
+                      f"commits {row.get('commits', 0):,}"]
+        else:
+            state = f"up, pid {row['pid']}"
+            live, dead = row.get("live_bytes", 0), row.get("dead_bytes", 0)
+            ratio = live / (live + dead) if live + dead else 1.0
+            detail = [f"volumes {row.get('volumes', 0):,}",
+                      f"used {format_size(row.get('bytes_used', 0))}",
+                      f"live {ratio:.0%}", f"blobs {row.get('blobs', 0):,}"]
         if row["metrics"]:
-            detail += f"  metrics http://{row['metrics']}/metrics"
-        print(f"  {row['role']}-{row['index']:<3} {row['address']:<22} {state:<14} {detail}")
-    return 0 if all(r["alive"] for r in info) else 1
+            detail.append(f"metrics http://{row['metrics']}/metrics")
+        rows.append([name, row["address"], state, *detail])
+    _table(rows)
+    down = [f"{r['role']}-{r['index']}" for r in info if not r["alive"]]
+    if down:
+        print(f"{plural(len(down), 'daemon')} down ({', '.join(down)}): "
+              f"jpfs cluster up --dir {d} restarts {'it' if len(down) == 1 else 'them'} "
+              "(data is kept)")
+    return 0 if not down else 1
+
+
+def _shape(cluster: config.Cluster) -> str:
+    return (f"{plural(cluster.n_shards, 'metadata shard')}, "
+            f"{plural(cluster.n_nodes, 'storage node')}, replicas {cluster.replicas}, "
+            f"chunk size {format_size(cluster.chunk_size)}")
+
+
+def _table(rows: list[list[str]]) -> None:
+    """Print rows with every column as wide as its widest cell; a row's last cell is left
+    ragged and does not widen its column (a DOWN row's note, the header's "details")."""
+    width = [max((len(r[i]) for r in rows if len(r) > i + 1), default=0)
+             for i in range(max(len(r) for r in rows))]
+    for r in rows:
+        cells = [c.ljust(width[i]) for i, c in enumerate(r)]
+        print("  " + "  ".join(cells).rstrip())
 
 
 def _daemon_info(cluster: config.Cluster, daemons: list) -> list[dict]:
