@@ -149,6 +149,8 @@ def _run_verify(args: argparse.Namespace) -> dict[str, Any]:
     if report["ok"]:
         print(f"verified {report['episodes']} episodes: {report['frames_checked']} frames and "
               f"{report['episode_videos_checked']} episode videos match")
+        for n in report.get("notes", ()):
+            print(f"  note: {n}")
     else:
         print(f"verify FAILED: {report['problem_count']} problems", file=sys.stderr)
         for p in report["problems"]:

@@ -4,16 +4,23 @@ A conversion is right when every frame's row in DST equals its row in SRC, and e
 video in DST holds the same compressed frames as SRC's mp4 (stream copy keeps them byte-identical)
 at ``from_timestamp + t`` for each frame time ``t`` of the episode. Metadata (episodes, tasks,
 index ranges) must match too. Problems are collected, not raised, so one run reports them all.
+
+Data rows are compared by value and logical type, not by Arrow representation: LeRobot's own
+converter writes ``list<float>`` where v2.1 files hold ``fixed_size_list<float>[n]`` (and other
+writers use large strings or dictionary encoding). Such differences are reported as notes; a
+different value, dtype or column set is a problem.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
 
+import pyarrow as pa
 from tqdm import tqdm
 
 from . import video
@@ -36,8 +43,9 @@ def verify(src: str, dst: str, workers: int | None = None, executor: str = "thre
     old = load_meta(src)
     new = load_meta(dst)
     problems = _check_meta(old, new)
+    notes: Counter[str] = Counter()
     if problems:
-        return _report(src, dst, old, new, problems, 0, 0)
+        return _report(src, dst, old, new, problems, 0, 0, notes)
     jobs: list[tuple[str, Any]] = [("data", f) for f in new.data_files]
     jobs += [("video", (k, f)) for k in new.video_keys for f in _files_of(new, k)]
     workers = default_workers() if workers is None else max(1, workers)
@@ -46,31 +54,33 @@ def verify(src: str, dst: str, workers: int | None = None, executor: str = "thre
     try:
         with worker_pool(min(workers, max(1, len(jobs))), executor) as pool:
             if pool is None:
-                results: Iterator[tuple[int, list[str]]] = (
+                results: Iterator[tuple[int, list[str], list[str]]] = (
                     _check_file(src, dst, kind, arg) for kind, arg in jobs)
             else:
                 results = pool.map(_check_file, [src] * len(jobs), [dst] * len(jobs),
                                    [k for k, _ in jobs], [a for _, a in jobs])
-            for (kind, _), (count, found) in zip(jobs, results, strict=True):
+            for (kind, _), (count, found, noted) in zip(jobs, results, strict=True):
                 if kind == "data":
                     frames += count
                 else:
                     videos += count
                 problems.extend(found)
+                notes.update(noted)
                 bar.update(1)
     finally:
         bar.close()
     if frames != old.total_frames and not problems:
         problems.append(f"checked {frames} frames, SRC has {old.total_frames}")
-    return _report(src, dst, old, new, problems, frames, videos)
+    return _report(src, dst, old, new, problems, frames, videos, notes)
 
 
 def _report(src: str, dst: str, old: DatasetMeta, new: DatasetMeta, problems: list[str],
-            frames: int, videos: int) -> dict[str, Any]:
+            frames: int, videos: int, notes: Counter[str]) -> dict[str, Any]:
     return {
         "src": src, "dst": dst, "ok": not problems, "episodes": len(old.episodes),
         "frames_checked": frames, "episode_videos_checked": videos,
         "problems": problems[:MAX_PROBLEMS], "problem_count": len(problems),
+        "notes": [f"{n} [{c} data files]" if c > 1 else n for n, c in sorted(notes.items())],
     }
 
 
@@ -108,18 +118,19 @@ def _check_meta(old: DatasetMeta, new: DatasetMeta) -> list[str]:
     return problems
 
 
-def _check_file(src: str, dst: str, kind: str, arg: Any) -> tuple[int, list[str]]:
-    """Check one DST file against SRC; returns (frames or episode videos checked, problems)."""
+def _check_file(src: str, dst: str, kind: str, arg: Any) -> tuple[int, list[str], list[str]]:
+    """Check one DST file against SRC; returns (frames or episode videos checked, problems,
+    notes)."""
     old = _cached_meta(src)
     new = _cached_meta(dst)
     try:
         if kind == "data":
             return _check_data(old, new, arg)
-        return _check_video(old, new, *arg)
+        return (*_check_video(old, new, *arg), [])
     except DatasetError as e:
-        return 0, [str(e)]
+        return 0, [str(e)], []
     except FileNotFoundError as e:
-        return 0, [f"{e.filename or arg}: missing"]
+        return 0, [f"{e.filename or arg}: missing"], []
 
 
 @functools.lru_cache(maxsize=4)
@@ -128,13 +139,15 @@ def _cached_meta(root: str) -> DatasetMeta:
     return load_meta(root)
 
 
-def _check_data(old: DatasetMeta, new: DatasetMeta, rel: str) -> tuple[int, list[str]]:
+def _check_data(old: DatasetMeta, new: DatasetMeta, rel: str
+                ) -> tuple[int, list[str], list[str]]:
     sfs, sbase = get_fs(old.root)
     dfs, dbase = get_fs(new.root)
     path = join(dbase, rel)
     table = read_table(dfs, path).replace_schema_metadata(None)
     eps = [ep for ep in new.episodes if ep.data_file == rel]
     problems = []
+    notes: set[str] = set()
     frames = 0
     covered = 0
     for ep in eps:
@@ -142,13 +155,16 @@ def _check_data(old: DatasetMeta, new: DatasetMeta, rel: str) -> tuple[int, list
         want = read_table(sfs, join(sbase, src_ep.data_file)).replace_schema_metadata(None)
         got = table.slice(ep.row_start, ep.length)
         covered += ep.length
-        if got.schema != want.schema:
-            problems.append(f"{path}: episode {ep.index}: schema differs from SRC")
+        bad, noted = compare_schemas(got.schema, want.schema)
+        notes.update(noted)
+        if bad:
+            problems.append(f"{path}: episode {ep.index}: {'; '.join(bad)}")
             continue
-        if not got.equals(want):
-            cols = [c for c in want.column_names if not got.column(c).equals(want.column(c))]
+        cols = [c for c in want.column_names
+                if not canonical(got.column(c)).equals(canonical(want.column(c)))]
+        if cols:
             problems.append(f"{path}: episode {ep.index} rows {ep.row_start}-"
-                            f"{ep.row_start + ep.length}: columns {cols} differ from SRC")
+                            f"{ep.row_start + ep.length}: values of {cols} differ from SRC")
             continue
         index = got.column("index").to_numpy()
         if len(index) and (index[0] != ep.dataset_from or index[-1] != ep.dataset_to - 1):
@@ -157,7 +173,54 @@ def _check_data(old: DatasetMeta, new: DatasetMeta, rel: str) -> tuple[int, list
         frames += ep.length
     if covered != table.num_rows:
         problems.append(f"{path}: {table.num_rows} rows, its episodes account for {covered}")
-    return frames, problems
+    return frames, problems, sorted(notes)
+
+
+def logical_type(t: pa.DataType) -> pa.DataType:
+    """The type with representation choices taken out: any list kind is a list, large strings
+    and binaries are plain ones, a dictionary is its values' type."""
+    if pa.types.is_dictionary(t):
+        return logical_type(t.value_type)
+    if pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t) or pa.types.is_list(t):
+        return pa.list_(logical_type(t.value_type))
+    if pa.types.is_large_string(t) or str(t) == "string_view":
+        return pa.string()
+    if pa.types.is_large_binary(t) or str(t) == "binary_view":
+        return pa.binary()
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, logical_type(f.type)) for f in t])
+    return t
+
+
+def canonical(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A column in its logical type's representation, so equal values compare equal."""
+    want = logical_type(col.type)
+    return col if col.type == want else col.cast(want)
+
+
+def compare_schemas(got: pa.Schema, want: pa.Schema) -> tuple[list[str], list[str]]:
+    """(problems, notes) of DST's frame schema against SRC's: missing or extra columns and
+    different logical types are problems; representation, order and nullability are notes."""
+    problems, notes = [], []
+    missing = [n for n in want.names if n not in got.names]
+    extra = [n for n in got.names if n not in want.names]
+    if missing:
+        problems.append(f"columns {missing} missing")
+    if extra:
+        problems.append(f"columns {extra} not in SRC")
+    common = [n for n in want.names if n in got.names]
+    if not missing and not extra and got.names != want.names:
+        notes.append("columns in another order than in SRC")
+    for name in common:
+        a, b = got.field(name), want.field(name)
+        if logical_type(a.type) != logical_type(b.type):
+            problems.append(f"column {name!r} is {a.type}, SRC has {b.type}")
+        elif a.type != b.type:
+            notes.append(f"column {name!r} stored as {a.type} in DST, {b.type} in SRC: the "
+                         "same logical type, values compared")
+        if a.nullable != b.nullable:
+            notes.append(f"column {name!r} nullable={a.nullable}, SRC nullable={b.nullable}")
+    return problems, notes
 
 
 def _check_video(old: DatasetMeta, new: DatasetMeta, key: str, rel: str
