@@ -133,18 +133,23 @@ def load(path: str | os.PathLike | None = None) -> Cluster:
         doc = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{p}: not valid TOML: {e}") from None
-    c = doc.get("cluster", {})
-    meta = tuple(_server(p, "meta", i, t) for i, t in enumerate(doc.get("meta", [])))
-    storage = tuple(_server(p, "storage", i, t) for i, t in enumerate(doc.get("storage", [])))
+    c = _check(p, "cluster", doc.get("cluster", {}), dict)
+    for key, kinds in _CLUSTER_KEYS.items():
+        if key in c:
+            _check(p, f"cluster.{key}", c[key], kinds)
+    meta = tuple(_server(p, "meta", i, t) for i, t in enumerate(_servers(p, doc, "meta")))
+    storage = tuple(_server(p, "storage", i, t)
+                    for i, t in enumerate(_servers(p, doc, "storage")))
     if not meta:
-        raise ValueError(f"{p}: no [[meta]] shards")
+        raise ValueError(f"{p}: no [[meta]] shards (add one table per shard: [[meta]] with "
+                         'address = "HOST:PORT")')
     secret_file = c.get("secret_file", "secret")
     secret_path = (p.parent / secret_file).expanduser()
     try:
         secret = secret_path.read_bytes().strip()
     except OSError as e:
         raise ValueError(f"{p}: cannot read the secret file {secret_path}: {e.strerror}") from None
-    replicas = int(c.get("replicas", 1))
+    replicas = c.get("replicas", 1)
     if replicas < 1:
         raise ValueError(f"{p}: replicas must be at least 1")
     if storage and replicas > len(storage):
@@ -154,19 +159,72 @@ def load(path: str | os.PathLike | None = None) -> Cluster:
         storage=storage,
         secret=secret,
         replicas=replicas,
-        chunk_size=parse_size(c.get("chunk_size", DEFAULT_CHUNK_SIZE)),
+        chunk_size=_chunk_size(p, c.get("chunk_size", DEFAULT_CHUNK_SIZE)),
         name=str(c.get("name", "jpfs")),
         path=p.resolve(),
         secret_file=secret_file,
     )
 
 
+_CLUSTER_KEYS: dict[str, tuple[type, ...]] = {
+    "name": (str,), "secret_file": (str,), "replicas": (int,), "chunk_size": (int, str),
+}
+_SERVER_KEYS = ("address", "data", "metrics")
+_KIND = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+         list: "an array", dict: "a table"}
+
+
+def _kind(value: object) -> str:
+    return next((name for t, name in _KIND.items() if isinstance(value, t)), type(value).__name__)
+
+
+def _check(path: Path, key: str, value, kinds: type | tuple[type, ...]):
+    """``value`` if it has one of the TOML types ``kinds``; else an error naming ``key``."""
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        want = " or ".join(_KIND[k].split(" ", 1)[1] for k in kinds)
+        raise ValueError(f"{path}: {key} must be {_KIND[kinds[0]].split(' ', 1)[0]} {want}, "
+                         f"not {_kind(value)} ({value!r})")
+    return value
+
+
+def _servers(path: Path, doc: dict, role: str) -> list[dict]:
+    """The ``[[meta]]``/``[[storage]]`` tables, each checked to be a table."""
+    tables = doc.get(role, [])
+    if not isinstance(tables, list):
+        raise ValueError(f"{path}: {role} must be an array of tables, one [[{role}]] with "
+                         f'address = "HOST:PORT" per {_ROLE[role]}, not {_kind(tables)} '
+                         f"({tables!r})")
+    for i, t in enumerate(tables):
+        if not isinstance(t, dict):
+            raise ValueError(f"{path}: {role}[{i}] must be a table with address = "
+                             f'"HOST:PORT" (one [[{role}]] per {_ROLE[role]}), not '
+                             f"{_kind(t)} ({t!r})")
+    return tables
+
+
+_ROLE = {"meta": "metadata shard", "storage": "storage node"}
+
+
+def _chunk_size(path: Path, value: int | str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"{path}: cluster.chunk_size: {e}") from None
+
+
 def _server(path: Path, role: str, i: int, t: dict) -> Server:
     if "address" not in t:
-        raise ValueError(f"{path}: [[{role}]] number {i} has no address")
-    parse_address(t["address"])
-    if t.get("metrics") is not None:
-        parse_address(t["metrics"])
+        raise ValueError(f'{path}: {role}[{i}] has no address (add address = "HOST:PORT")')
+    for key in _SERVER_KEYS:
+        if key in t:
+            _check(path, f"{role}[{i}].{key}", t[key], str)
+    for key in ("address", "metrics"):
+        if key in t:
+            try:
+                parse_address(t[key])
+            except ValueError as e:
+                raise ValueError(f"{path}: {role}[{i}].{key}: {e}") from None
     return Server(address=t["address"], data=t.get("data"), metrics=t.get("metrics"))
 
 
