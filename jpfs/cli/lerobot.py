@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import os
 import sys
+from collections.abc import Callable
 from typing import Any
+
+from jpfs.errors import JPFSError
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +108,44 @@ def _root(path: str) -> str:
     return to_url(to_path(path)) if is_jpfs(path) else path
 
 
+def _dataset(call: Callable[[], Any], *given: str) -> Any:
+    """``call()``, with "meta/info.json: missing" said as what it means for the path the user
+    gave: not a LeRobot dataset's root."""
+    from jpfs.lerobot.fsutil import DatasetError
+    from jpfs.lerobot.layout import INFO_PATH
+
+    try:
+        return call()
+    except DatasetError as e:
+        if e.message != "missing" or not e.path.endswith(INFO_PATH):
+            raise
+        root = e.path[:-len(INFO_PATH)].rstrip("/")
+        path = next((g for g in given if root in (_key(g), _key(g)[len("jpfs:"):],
+                                                  _key(g)[len("jpfs:/"):])), given[0])
+        raise JPFSError(errno.ENOENT, "not a LeRobot dataset: it has no meta/info.json (give "
+                        "the dataset's root, the folder that holds meta/ and data/)",
+                        path) from None
+
+
+def _key(path: str) -> str:
+    """A dataset root, local or JPFS, spelled one way for comparisons."""
+    from jpfs.uri import is_jpfs, to_path
+
+    if is_jpfs(path):
+        return "jpfs:" + to_path(path)
+    return os.path.realpath(path)
+
+
+def _check_destination(src: str, dst: str) -> None:
+    """A conversion writes a new dataset beside its source, never into it."""
+    s, d = _key(src), _key(dst)
+    if d == s or d.startswith(s.rstrip("/") + "/"):
+        where = "is the source" if d == s else f"is inside the source {src}"
+        raise JPFSError(errno.EINVAL, f"the destination {where}: convert writes a new v3.0 "
+                        f"dataset and never modifies SRC; choose a folder outside it, e.g. "
+                        f"{src.rstrip('/')}-v3.0", dst)
+
+
 def _emit(args: argparse.Namespace, figures: dict[str, Any]) -> None:
     if args.json:
         sys.stdout.flush()
@@ -113,11 +156,12 @@ def _convert(args: argparse.Namespace) -> int:
     from jpfs.config import format_size
     from jpfs.lerobot.convert import convert
 
-    figures = convert(_root(args.src), _root(args.dst), data_file_mb=args.data_file_mb,
-                      video_file_mb=args.video_file_mb, workers=args.workers,
-                      chunks_size=args.files_per_chunk, executor=args.executor,
-                      row_group_rows=args.row_group_rows,
-                      progress=not args.no_progress)
+    _check_destination(args.src, args.dst)
+    figures = _dataset(lambda: convert(
+        _root(args.src), _root(args.dst), data_file_mb=args.data_file_mb,
+        video_file_mb=args.video_file_mb, workers=args.workers,
+        chunks_size=args.files_per_chunk, executor=args.executor,
+        row_group_rows=args.row_group_rows, progress=not args.no_progress), args.src)
     if figures.get("already_done"):
         print(f"{args.dst} already holds the finished v3.0 dataset; nothing to do")
     else:
@@ -144,8 +188,8 @@ def _convert(args: argparse.Namespace) -> int:
 def _run_verify(args: argparse.Namespace) -> dict[str, Any]:
     from jpfs.lerobot.verify import verify
 
-    report = verify(_root(args.src), _root(args.dst), workers=args.workers,
-                    progress=not args.no_progress)
+    report = _dataset(lambda: verify(_root(args.src), _root(args.dst), workers=args.workers,
+                                     progress=not args.no_progress), args.src, args.dst)
     if report["ok"]:
         print(f"verified {report['episodes']} episodes: {report['frames_checked']} frames and "
               f"{report['episode_videos_checked']} episode videos match")
@@ -168,7 +212,7 @@ def _info(args: argparse.Namespace) -> int:
     from jpfs.config import format_size
     from jpfs.lerobot.summary import describe
 
-    d = describe(_root(args.path))
+    d = _dataset(lambda: describe(_root(args.path)), args.path)
     lengths = d["episode_length"]
     print(f"{args.path}: LeRobot {d['version']} ({d['robot_type']})")
     print(f"  episodes   {d['episodes']}  (length {lengths['min']}-{lengths['max']}, "
