@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Install what JPFS needs on a fresh Debian/Ubuntu machine: FUSE 3 (and rsync and iproute2 for
-# the tests) and a virtualenv with JPFS, its test tools and the torch extra. Safe to rerun; it
-# skips what is already there.
+# the tests) and a virtualenv with JPFS, its test tools and the torch extra. Safe to rerun: it
+# skips what is already there, and the package install when setup.cfg, pyproject.toml, the
+# extras and the interpreter are the ones of the last run (a stamp in the virtualenv).
+#
+#   VENV=.venv312 PYTHON=python3.12 EXTRAS=video,test ./scripts/setup.sh   # a second venv
+#
+# VENV (default .venv), PYTHON (the interpreter that creates it; default python3), EXTRAS
+# (default torch,video,test,plot; without "torch" no torch is installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+EXTRAS=${EXTRAS:-torch,video,test,plot}
 
 need_apt=()
 command -v fusermount3 >/dev/null || need_apt+=(fuse3)
@@ -19,11 +27,21 @@ if ((${#need_apt[@]})); then
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.jpfs-setup"
+want="$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1) extras=$EXTRAS \
+$("$VENV/bin/python" -c 'import sys; print(sys.version.split()[0])')"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/jpfs" ]; then
+  exit 0  # installed from these files already; the package itself is an editable install
 fi
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
-# torch first, pinned: this machine image carries a CPU build of this release on disk; an
-# unpinned torch would pull a multi-GB CUDA build. The package itself asks for a range.
-$VENV/bin/python -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
-$PIP install -q -e ".[torch,video,test,plot]"
+case ",$EXTRAS," in
+  *,torch,*)
+    # torch first, pinned: this machine image carries a CPU build of this release on disk; an
+    # unpinned torch would pull a multi-GB CUDA build. The package itself asks for a range.
+    "$VENV/bin/python" -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0" ;;
+esac
+$PIP install -q -e ".[$EXTRAS]"
+echo "$want" > "$stamp"
