@@ -1,19 +1,21 @@
-# Developer shortcuts. The README's two commands are the canonical ones.
+# Developer shortcuts. The README's two commands are the canonical ones; these call them.
 VENV ?= .venv
-PY := $(VENV)/bin/python
 
-.PHONY: setup test lint demo clean
+.PHONY: setup test test-fast lint demo clean
 
 setup:
 	./scripts/setup.sh
 
-test: setup
-	$(PY) -m pytest -q
+test:            # ruff, the suite on 3.11, then on 3.12 without torch (scripts/test.sh)
+	./scripts/test.sh
 
-lint:
+test-fast:       # ruff and the 3.11 suite without the long crash and model tests
+	./scripts/test.sh -m "not slow"
+
+lint: setup
 	$(VENV)/bin/ruff check .
 
-demo: setup
+demo:            # demo.sh runs setup itself
 	./scripts/demo.sh
 
 clean:
