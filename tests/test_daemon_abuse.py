@@ -104,6 +104,10 @@ def test_wrong_secret_is_refused_and_nothing_leaks(cluster_dir):
     ("write_chunks", [1, [[0, b"short", [0], 1, 1, 0]], 1, None], "EISDIR"),
     ("bulk_create", [1, [["bad"]], False], None),
     ("no_such_method", [], "ENOSYS"),
+    (999, [], "ENOSYS"),
+    (True, [1], "ENOSYS"),  # not method id 1
+    (3, [(1 << 64) - 1], "EXDEV"),  # by id: getattr
+    (4, [[1, True]], "EINVAL"),  # batch_getattr: every element checked
 ])
 def test_bad_requests_get_errors(cluster_dir, client, method, args, err):
     client.makedirs("/keep/me")

@@ -7,6 +7,7 @@ import functools
 import os
 import socket
 import struct
+from typing import Any, NamedTuple
 
 import msgpack
 import pytest
@@ -16,6 +17,7 @@ from jpfs.errors import AuthError, DeadlineError, JPFSError, Unavailable
 from jpfs.rpc import (
     Defer,
     FileSegment,
+    Handler,
     Later,
     Limits,
     Method,
@@ -29,20 +31,60 @@ from jpfs.rpc import frame as F
 
 SECRET = b"s3cret"
 
+class AnyArg(NamedTuple):
+    x: Any
+
+
+class TwoInts(NamedTuple):
+    a: int
+    b: int
+
+
+class Name(NamedTuple):
+    name: str
+
+
+class Seconds(NamedTuple):
+    seconds: float
+
+
+class NoArgs(NamedTuple):
+    pass
+
+
+class FileReq(NamedTuple):
+    path: str
+    offset: int
+    length: int
+
+
 METHODS = method_table(
-    Method("echo", (None,), idempotent=True),
-    Method("add", (int, int), idempotent=True),
-    Method("fail", (str,)),
-    Method("nap", ((int, float),), idempotent=True),
-    Method("blob", (), payload=True),
-    Method("file", (str, int, int)),
-    Method("crash", ()),
+    Method(1, "echo", AnyArg, idempotent=True),
+    Method(2, "add", TwoInts, int, idempotent=True, inline=True),
+    Method(3, "fail", Name),
+    Method(4, "nap", Seconds, float, idempotent=True, inline=True),
+    Method(5, "blob", NoArgs, int, payload=True),
+    Method(6, "file", FileReq, int),
+    Method(7, "crash", NoArgs),
 )
+
+
+def loose(spec: Method, n: int, payload: bool = False) -> Method:
+    """``spec`` as a client that sends ``n`` arguments of any type would declare it."""
+    rec = NamedTuple("Loose", [(f"a{i}", Any) for i in range(n)])
+    return Method(spec.id, spec.name, rec, payload=payload)
 
 
 class Echo:
     def __init__(self):
         self.calls = 0
+
+    def handlers(self) -> dict:
+        m = METHODS
+        return {m["echo"]: Handler(self.echo), m["add"]: Handler(self.add, self.add_now),
+                m["fail"]: Handler(self.fail), m["nap"]: Handler(self.nap, self.nap_now),
+                m["blob"]: Handler(self.blob), m["file"]: Handler(self.file),
+                m["crash"]: Handler(self.crash)}
 
     async def echo(self, x):
         self.calls += 1
@@ -77,7 +119,7 @@ class Echo:
 
 
 async def start(nursery, secret=SECRET, port=0, limits=Limits()):
-    svc = Service("test", METHODS, Echo())
+    svc = Service("test", METHODS, Echo().handlers())
     port = await nursery.start(functools.partial(serve, limits=limits), svc, "127.0.0.1", port,
                                secret)
     return port, svc
@@ -132,13 +174,13 @@ async def test_errors_carry_errno(pool):
         await pool.call(0, METHODS["fail"], ["ENOENT"])
     assert info.value.errno == errno.ENOENT and "ENOENT" in info.value.strerror
     with pytest.raises(JPFSError) as info:
-        await pool.call(0, Method("nope", ()), [])
+        await pool.call(0, Method(99, "nope", NoArgs), [])
     assert info.value.errno == errno.ENOSYS
     with pytest.raises(JPFSError) as info:
-        await pool.call(0, Method("add", (None, None)), ["a", 1])
+        await pool.call(0, loose(METHODS["add"], 2), ["a", 1])
     assert info.value.errno == errno.EINVAL
     with pytest.raises(JPFSError) as info:
-        await pool.call(0, Method("add", (None,)), [1])
+        await pool.call(0, loose(METHODS["add"], 1), [1])
     assert info.value.errno == errno.EINVAL
     with pytest.raises(JPFSError) as info:
         await pool.call(0, METHODS["crash"], [])
@@ -148,7 +190,8 @@ async def test_errors_carry_errno(pool):
 
 async def test_inline_handlers_and_deferral(nursery):
     impl = Echo()
-    port = await nursery.start(serve, Service("test", METHODS, impl), "127.0.0.1", 0, SECRET)
+    port = await nursery.start(serve, Service("test", METHODS, impl.handlers()), "127.0.0.1", 0,
+                               SECRET)
     p = Pool(nursery, [f"127.0.0.1:{port}"], SECRET, role="test")
     assert await p.call(0, METHODS["add"], [40, 2]) == 42 and impl.calls == 1  # inline
     with pytest.raises(JPFSError) as info:
@@ -187,8 +230,9 @@ class Later_:
 
 async def test_later_answers_arrive_when_settled_and_deadlines_end_unanswered_calls(nursery):
     impl = Later_()
-    table = method_table(Method("echo", (None,)))
-    port = await nursery.start(serve, Service("test", table, impl), "127.0.0.1", 0, SECRET)
+    table = method_table(Method(1, "echo", AnyArg, inline=True))
+    service = Service("test", table, {table["echo"]: Handler(now=impl.echo_now)})
+    port = await nursery.start(serve, service, "127.0.0.1", 0, SECRET)
     p = Pool(nursery, [f"127.0.0.1:{port}"], SECRET, role="test")
     got: list = []
 
@@ -303,15 +347,17 @@ async def test_bad_requests_in_good_frames_keep_the_connection(server):
     def abuse():
         s = _raw_session(server)
         for body in ([7, "nope", [], None], [8, "add", ["x", 1], None], [9, "add", [1], None],
-                     [10, 5, [], None]):
+                     [10, 999, [], None], [11, True, [1, 2], None], [12, 2.0, [1, 2], None],
+                     [13, 2, [True, 1], None], [14, None, [], None]):
             raw = msgpack.packb(body)
             s.sendall(F.HEADER.pack(F.MAGIC, F.VERSION, F.REQUEST, len(raw), 0) + raw)
             err = _read_error(s)
             assert err[0] == body[0] and err[1] in ("ENOSYS", "EINVAL")
-        raw = msgpack.packb([11, "add", [1, 2], None])
-        s.sendall(F.HEADER.pack(F.MAGIC, F.VERSION, F.REQUEST, len(raw), 0) + raw)
-        head = _recv_exact(s, F.HEADER_SIZE)
-        assert msgpack.unpackb(_recv_exact(s, F.HEADER.unpack(head)[3])) == [11, 3]
+        for req_id, method in ((15, "add"), (16, 2)):  # by name (hand-written frames) or id
+            raw = msgpack.packb([req_id, method, [1, 2], None])
+            s.sendall(F.HEADER.pack(F.MAGIC, F.VERSION, F.REQUEST, len(raw), 0) + raw)
+            head = _recv_exact(s, F.HEADER_SIZE)
+            assert msgpack.unpackb(_recv_exact(s, F.HEADER.unpack(head)[3])) == [req_id, 3]
         s.close()
 
     await trio.to_thread.run_sync(abuse)
@@ -343,7 +389,7 @@ async def test_reconnects_after_restart_and_retries_idempotent(nursery):
 
     async def run_server(task_status=trio.TASK_STATUS_IGNORED):
         with scope:
-            await serve(Service("test", METHODS, Echo()), "127.0.0.1", port, SECRET,
+            await serve(Service("test", METHODS, Echo().handlers()), "127.0.0.1", port, SECRET,
                         task_status=task_status)
 
     await nursery.start(run_server)
@@ -375,3 +421,39 @@ async def test_unreachable_server_gives_up(nursery):
 
 def test_header_is_sixteen_bytes():
     assert F.HEADER_SIZE == 16 == struct.calcsize("!2sBBIQ")
+
+
+def test_declarations_check_what_the_request_record_says():
+    class Req(NamedTuple):
+        ino: int
+        inos: list[int]
+        ttl: float
+        version: int | None = None
+
+    m = Method(40, "m", Req, int)
+    assert m.check([1, [2, 3], 1]) == [1, [2, 3], 1]  # an int is a float
+    assert m.check([1, [], 0.5, None]) and m.check([1, [], 0.5, 7])
+    for bad in ([True, [], 1.0], [1, [2, "3"], 1.0], [1, [True], 1.0], [1, [], "1"], [1, []],
+                [1, [], 1.0, 2, 3], (1, [], 1.0), [1 << 64, [], 1.0]):
+        with pytest.raises(JPFSError) as info:
+            m.check(bad)
+        assert info.value.errno == errno.EINVAL
+    assert m.decode(5) == 5
+    with pytest.raises(JPFSError):
+        m.decode("five")  # an answer of the wrong type is the server's protocol error
+
+
+def test_every_declared_method_needs_exactly_one_handler():
+    impl = Echo()
+    handlers = impl.handlers()
+    del handlers[METHODS["crash"]]
+    with pytest.raises(TypeError, match="crash"):
+        Service("test", METHODS, handlers)
+    handlers = impl.handlers()
+    handlers[METHODS["echo"]] = Handler(impl.echo, impl.add_now)  # echo is not declared inline
+    with pytest.raises(TypeError, match="echo"):
+        Service("test", METHODS, handlers)
+    with pytest.raises(TypeError, match="nope"):
+        Service("test", METHODS, {**impl.handlers(), Method(99, "nope", NoArgs): Handler()})
+    with pytest.raises(ValueError):
+        method_table(Method(1, "a", NoArgs), Method(1, "b", NoArgs))

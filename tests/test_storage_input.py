@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import os
 import socket
+from typing import Any, NamedTuple
 
 import msgpack
 import pytest
@@ -18,6 +19,12 @@ from jpfs.errors import JPFSError
 from jpfs.proto import storage as P
 from jpfs.rpc import Method, Pool
 from jpfs.rpc import frame as F
+
+
+def loose(spec: Method, n: int) -> Method:
+    """``spec`` as a client that sends ``n`` arguments of any type would declare it."""
+    rec = NamedTuple("Loose", [(f"a{i}", Any) for i in range(n)])
+    return Method(spec.id, spec.name, rec, payload=spec.payload)
 
 
 @pytest.fixture
@@ -45,12 +52,13 @@ async def test_bad_arguments_get_clear_errors(node):
     xxh = xxhash.xxh3_64_intdigest(data)
     put, get = P.PUT_BLOBS, P.GET_BLOBS
     # wrong types at the top level (checked against the method table)
-    await expect(pool, Method("put_blobs", (None,), payload=True), ["x"], [data],
+    await expect(pool, loose(P.PUT_BLOBS, 1), ["x"], [data],
                  words=["argument 0"])
-    await expect(pool, Method("get_blobs", (None,)), [5])
-    await expect(pool, Method("get_blobs", (None, None)), [[], 1], words=["arguments"])
+    await expect(pool, loose(P.GET_BLOBS, 1), [5])
+    await expect(pool, loose(P.GET_BLOBS, 2), [[], 1], words=["arguments"])
     # wrong shapes inside
-    await expect(pool, put, [[bid, 1000, xxh]], [data], words=["[id, length, xxh]"])
+    await expect(pool, put, [[bid, 1000, xxh]], [data], words=["entries", "bytes"])
+    await expect(pool, put, [[[bid, 1000]]], [data], words=["[id, length, xxh]"])
     await expect(pool, put, [[[b"short", 1000, xxh]]], [data], words=["16 bytes"])
     await expect(pool, put, [[[bid, "1000", xxh]]], [data], words=["bad length"])
     await expect(pool, put, [[[bid, -1, xxh]]], [data])
@@ -59,8 +67,8 @@ async def test_bad_arguments_get_clear_errors(node):
     await expect(pool, P.LIST_BLOBS, [b"x" * 17, 10])
     await expect(pool, P.LIST_BLOBS, [b"", -1])
     await expect(pool, P.COMPACT, [2.0])
-    await expect(pool, Method("stats", (None,)), [1])
-    await expect(pool, Method("get_blobs", ()), [], payload=[b"x"], words=["payload"])
+    await expect(pool, loose(P.STATS, 1), [1])
+    await expect(pool, loose(P.GET_BLOBS, 0), [], payload=[b"x"], words=["payload"])
     # corrupted in transit: refused, nothing stored
     e = await expect(pool, put, [[[bid, 1000, xxh ^ 1]]], [data], err=errno.EIO,
                      words=["checksum", bid.hex()])
@@ -70,7 +78,7 @@ async def test_bad_arguments_get_clear_errors(node):
     await expect(pool, get, [many], err=errno.E2BIG)
     await expect(pool, P.DELETE_BLOBS, [many], err=errno.E2BIG)
     # unknown method
-    await expect(pool, Method("format_disk", ()), [], err=errno.ENOSYS)
+    await expect(pool, Method(99, "format_disk", P.NoArgs), [], err=errno.ENOSYS)
     # still serving, and none of it stored anything
     assert (await pool.call(0, P.STATS, []))["blobs"] == 0
     assert await pool.call(0, put, [[[bid, 1000, xxh]]], [data]) == [1, 0]

@@ -23,7 +23,7 @@ import os
 import trio
 
 from jpfs.errors import JPFSError, Unavailable, error
-from jpfs.proto.meta import METHODS
+from jpfs.proto import meta as P
 from jpfs.rpc import Pool
 
 from ..common import fault_point
@@ -121,11 +121,13 @@ class Coordinator:
         return created
 
     async def _participant(self, shard: int, step: str, txid: bytes, plan_ops=None):
-        if shard == self.shard:
-            return await getattr(self, f"tx_{step}")(
-                *((txid, self.shard, plan_ops) if step == "prepare" else (txid,)))
+        method, local = {"prepare": (P.TX_PREPARE, self.tx_prepare),
+                         "commit": (P.TX_COMMIT, self.tx_commit),
+                         "abort": (P.TX_ABORT, self.tx_abort)}[step]
         args = [txid, self.shard, plan_ops] if step == "prepare" else [txid]
-        return await self.peers.call(shard, METHODS[f"tx_{step}"], args, timeout=60.0)
+        if shard == self.shard:
+            return await local(*args)
+        return await self.peers.call(shard, method, args, timeout=60.0)
 
     async def _finish(self, txid: bytes, shards: list[int], commit: bool) -> None:
         """Tell participants the decision; leave what does not answer in time to the resolver."""
@@ -188,7 +190,7 @@ class Coordinator:
             delay = 0.1
             while True:
                 try:
-                    state = await self.peers.call(coord, METHODS["tx_status"], [txid])
+                    state = await self.peers.call(coord, P.TX_STATUS, [txid])
                     break
                 except JPFSError:
                     await trio.sleep(delay)

@@ -20,8 +20,9 @@ import trio
 from jpfs import config
 from jpfs.errors import JPFSError, error
 from jpfs.placement import new_dir_shard, shard_of
-from jpfs.proto.meta import METHODS, RENAME_EXCHANGE, RENAME_NOREPLACE, check_name
-from jpfs.rpc import Defer, Later, Pool, Service, serve
+from jpfs.proto import meta as P
+from jpfs.proto.meta import RENAME_EXCHANGE, RENAME_NOREPLACE, check_name
+from jpfs.rpc import Defer, Handler, Method, Pool, Service, serve
 from jpfs.types import ROOT_INO, Attr
 
 from . import layout as L
@@ -68,7 +69,7 @@ def _getparent(t: Txn, ino: int) -> int:
 
 
 class MetaShard:
-    """The implementation behind the meta Service of one shard."""
+    """One shard's handlers for the methods of ``jpfs.proto.meta`` (see ``handlers``)."""
 
     def __init__(self, store: Store, peers: Pool | None, chunk_size: int):
         self.store = store
@@ -77,6 +78,9 @@ class MetaShard:
         self.peers = peers
         self.coord = Coordinator(store, peers)
         self.chunk_size = chunk_size
+        self._local = {P.LOOKUP: self.lookup, P.GETATTR: self.getattr, P.GETPARENT: self.getparent,
+                       P.RENAME_LOCK: self.rename_lock, P.RENAME_UNLOCK: self.rename_unlock}
+        """Async handlers of the methods this shard calls on itself (``_call``)."""
 
     def _mine(self, ino: int) -> int:
         if shard_of(ino) != self.shard:
@@ -84,29 +88,91 @@ class MetaShard:
                                      f"not {self.shard} (misrouted request)")
         return ino
 
-    # ---- reads ----------------------------------------------------------------------------------
+    def _mine_all(self, inos: list) -> list:
+        for ino in inos:
+            self._mine(ino)
+        return inos
 
-    async def lookup(self, parent: int, name: bytes) -> list:
-        return await self.store.view(ns.lookup, self._mine(parent), name)
+    def _now(self, fn, *args):
+        try:
+            return self.store.read(fn, *args)
+        except Locked:
+            raise Defer from None
 
-    async def batch_lookup(self, parent: int, names: list) -> list:
-        return await self.store.view(ns.batch_lookup, self._mine(parent), names)
+    def _read(self, fn, *extra, batch: bool = False) -> Handler:
+        """A read of one shard: ``fn(txn, key, *args, *extra)`` where ``key`` (the first
+        argument, an inode or a list of them) must belong to this shard. Answered inline; a
+        read that meets a lock held by a cross-shard transaction waits in a task instead."""
+        mine = self._mine_all if batch else self._mine
+        store = self.store
+
+        def now(key, *args):
+            return self._now(fn, mine(key), *args, *extra)
+
+        async def run(key, *args):
+            return await store.view(fn, mine(key), *args, *extra)
+
+        return Handler(run, now)
+
+    def _write(self, fn, *extra, run=None) -> Handler:
+        """A single-shard change: ``fn(txn, key, *args, *extra)`` queued to the next group
+        commit and answered once it is durable (``run`` takes over when ``fn`` defers)."""
+        mine, write_later = self._mine, self.store.write_later
+
+        def now(key, *args):
+            return write_later(fn, mine(key), *args, *extra)
+
+        return Handler(run, now)
+
+    def handlers(self) -> dict:
+        """Every method of ``jpfs.proto.meta`` bound to its handler."""
+        cs = self.chunk_size
+        return {
+            P.LOOKUP: self._read(ns.lookup),
+            P.BATCH_LOOKUP: self._read(ns.batch_lookup),
+            P.GETATTR: self._read(ns.getattr_),
+            P.BATCH_GETATTR: self._read(ns.batch_getattr, batch=True),
+            P.READDIR: self._read(ns.readdir),
+            P.READLINK: self._read(ns.readlink),
+            P.GETPARENT: Handler(self.getparent),
+            P.STATFS: Handler(self.statfs),
+            P.GETXATTR: Handler(self.getxattr),
+            P.LISTXATTR: Handler(self.listxattr),
+            P.CREATE: self._write(ns.create),
+            P.MKNOD: self._write(ns.mknod),
+            P.MKDIR: Handler(self.mkdir),
+            P.SYMLINK: self._write(ns.symlink),
+            P.LINK: Handler(self.link),
+            P.UNLINK: self._write(_unlink_here, run=self.unlink),
+            P.RMDIR: Handler(self.rmdir),
+            P.RENAME: Handler(self.rename),
+            P.SETATTR: self._write(ns.setattr_, cs),
+            P.SETXATTR: self._write(ns.setxattr),
+            P.REMOVEXATTR: self._write(ns.removexattr),
+            P.GET_LAYOUT: self._read(L.get_layout, cs),
+            P.BATCH_LAYOUT: self._read(L.batch_layout, cs, batch=True),
+            P.LOOKUP_LAYOUTS: self._read(L.lookup_layouts, cs),
+            P.WRITE_CHUNKS: self._write(L.write_chunks, cs),
+            P.BULK_CREATE: self._write(L.bulk_create, cs),
+            P.TX_PREPARE: Handler(self.coord.tx_prepare),
+            P.TX_COMMIT: Handler(self.coord.tx_commit),
+            P.TX_ABORT: Handler(self.coord.tx_abort),
+            P.TX_STATUS: Handler(self.coord.tx_status),
+            P.RENAME_LOCK: Handler(self.rename_lock),
+            P.RENAME_UNLOCK: Handler(self.rename_unlock),
+            P.SCAN: Handler(self.scan),
+            P.PENDING: Handler(self.pending),
+            P.REPAIR: Handler(self.repair),
+            P.SHARD_INFO: Handler(self.shard_info),
+        }
+
+    # ---- reads that are not answered inline ------------------------------------------------------
 
     async def getattr(self, ino: int) -> list:
         return await self.store.view(ns.getattr_, self._mine(ino))
 
-    async def batch_getattr(self, inos: list) -> list:
-        for ino in inos:
-            if not isinstance(ino, int):
-                raise error(errno.EINVAL, "inode ids are integers")
-            self._mine(ino)
-        return await self.store.view(ns.batch_getattr, inos)
-
-    async def readdir(self, parent: int, after: bytes, limit: int, plus: bool) -> list:
-        return await self.store.view(ns.readdir, self._mine(parent), after, limit, plus)
-
-    async def readlink(self, ino: int) -> bytes:
-        return await self.store.view(ns.readlink, self._mine(ino))
+    async def lookup(self, parent: int, name: bytes) -> list:
+        return await self.store.view(ns.lookup, self._mine(parent), name)
 
     async def getparent(self, ino: int) -> int:
         return await self.store.view(_getparent, self._mine(ino))
@@ -119,96 +185,6 @@ class MetaShard:
 
     async def listxattr(self, ino: int) -> list:
         return await self.store.view(ns.listxattr, self._mine(ino))
-
-    async def get_layout(self, ino: int) -> list:
-        return await self.store.view(L.get_layout, self._mine(ino), self.chunk_size)
-
-    async def lookup_layouts(self, parent: int, names: list) -> list:
-        return await self.store.view(L.lookup_layouts, self._mine(parent), names,
-                                     self.chunk_size)
-
-    def lookup_layouts_now(self, parent: int, names: list) -> list:
-        return self._now(L.lookup_layouts, self._mine(parent), names, self.chunk_size)
-
-    async def batch_layout(self, inos: list) -> list:
-        for ino in inos:
-            if not isinstance(ino, int):
-                raise error(errno.EINVAL, "inode ids are integers")
-            self._mine(ino)
-        return await self.store.view(L.batch_layout, inos, self.chunk_size)
-
-    # ---- the same reads answered inline by the RPC server (no task per request); a read
-    # that meets a lock held by a cross-shard transaction is deferred to the async version
-
-    def _now(self, fn, *args):
-        try:
-            return self.store.read(fn, *args)
-        except Locked:
-            raise Defer from None
-
-    def lookup_now(self, parent: int, name: bytes) -> list:
-        return self._now(ns.lookup, self._mine(parent), name)
-
-    def batch_lookup_now(self, parent: int, names: list) -> list:
-        return self._now(ns.batch_lookup, self._mine(parent), names)
-
-    def getattr_now(self, ino: int) -> list:
-        return self._now(ns.getattr_, self._mine(ino))
-
-    def batch_getattr_now(self, inos: list) -> list:
-        for ino in inos:
-            if not isinstance(ino, int):
-                raise error(errno.EINVAL, "inode ids are integers")
-            self._mine(ino)
-        return self._now(ns.batch_getattr, inos)
-
-    def readdir_now(self, parent: int, after: bytes, limit: int, plus: bool) -> list:
-        return self._now(ns.readdir, self._mine(parent), after, limit, plus)
-
-    def readlink_now(self, ino: int) -> bytes:
-        return self._now(ns.readlink, self._mine(ino))
-
-    def get_layout_now(self, ino: int) -> list:
-        return self._now(L.get_layout, self._mine(ino), self.chunk_size)
-
-    def batch_layout_now(self, inos: list) -> list:
-        for ino in inos:
-            if not isinstance(ino, int):
-                raise error(errno.EINVAL, "inode ids are integers")
-            self._mine(ino)
-        return self._now(L.batch_layout, inos, self.chunk_size)
-
-    # ---- single-shard changes: queued to the next group commit, answered when it is durable ----
-
-    def create_now(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
-                   exclusive: bool) -> Later:
-        return self.store.write_later(ns.create, self._mine(parent), name, mode, uid, gid,
-                                      exclusive)
-
-    def mknod_now(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
-                  rdev: int) -> Later:
-        return self.store.write_later(ns.mknod, self._mine(parent), name, mode, uid, gid, rdev)
-
-    def symlink_now(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Later:
-        return self.store.write_later(ns.symlink, self._mine(parent), name, target, uid, gid)
-
-    def setattr_now(self, ino: int, fields: dict) -> Later:
-        return self.store.write_later(ns.setattr_, self._mine(ino), fields, self.chunk_size)
-
-    def setxattr_now(self, ino: int, name: bytes, value: bytes, flags: int) -> Later:
-        return self.store.write_later(ns.setxattr, self._mine(ino), name, value, flags)
-
-    def removexattr_now(self, ino: int, name: bytes) -> Later:
-        return self.store.write_later(ns.removexattr, self._mine(ino), name)
-
-    def write_chunks_now(self, ino: int, chunks: list, size: int,
-                         expect_version: int | None) -> Later:
-        return self.store.write_later(L.write_chunks, self._mine(ino), chunks, size,
-                                      expect_version, self.chunk_size)
-
-    def bulk_create_now(self, parent: int, entries: list, replace: bool) -> Later:
-        return self.store.write_later(L.bulk_create, self._mine(parent), entries, replace,
-                                      self.chunk_size)
 
     # ---- changes that may span shards -----------------------------------------------------------
 
@@ -247,9 +223,6 @@ class MetaShard:
 
         await self._run(plan)
         return await self._getattr(ino)
-
-    def unlink_now(self, parent: int, name: bytes) -> Later:
-        return self.store.write_later(_unlink_here, self._mine(parent), name)
 
     async def unlink(self, parent: int, name: bytes) -> None:
         """The general case (the inode on another shard): planned, and run by 2PC if needed."""
@@ -297,17 +270,17 @@ class MetaShard:
         finally:
             if owner is not None:
                 with trio.CancelScope(shield=True):
-                    await self._call(0, "rename_unlock", [owner])
+                    await self._call(0, P.RENAME_UNLOCK, [owner])
 
     async def _plan_rename(self, sp: int, sn: bytes, dp: int, dn: bytes, flags: int):
         src_ino, src_kind, _ = await self.store.view(ns.lookup, sp, sn)
         try:
-            dst_ino, dst_kind, _ = await self._call(shard_of(dp), "lookup", [dp, dn])
+            dst_ino, dst_kind, _ = await self._call(shard_of(dp), P.LOOKUP, [dp, dn])
         except JPFSError as e:
             if e.errno != errno.ENOENT:
                 raise
             dst_ino = dst_kind = None
-            await self._call(shard_of(dp), "getattr", [dp])  # the target directory must exist
+            await self._call(shard_of(dp), P.GETATTR, [dp])  # the target directory must exist
         if (sp, sn) == (dp, dn) or dst_ino == src_ino:
             return {}  # POSIX: renaming a file onto itself (or a link to it) does nothing
         exchange = bool(flags & RENAME_EXCHANGE)
@@ -355,13 +328,13 @@ class MetaShard:
                 raise error(errno.EINVAL, "cannot move a directory into itself")
             if cur == ROOT_INO:
                 return
-            cur = await self._call(shard_of(cur), "getparent", [cur])
+            cur = await self._call(shard_of(cur), P.GETPARENT, [cur])
             seen += 1
             if seen > 10_000:
                 raise error(errno.ELOOP, "directory ancestry too deep (corrupt parent links?)")
 
     async def _rename_lock(self, owner: bytes) -> None:
-        await self._call(0, "rename_lock", [owner, 30.0])
+        await self._call(0, P.RENAME_LOCK, [owner, 30.0])
 
     async def _run(self, planner) -> list[int]:
         """Plan and run; plan again when the namespace changed under the plan."""
@@ -379,27 +352,16 @@ class MetaShard:
         raise error(errno.EAGAIN, "the namespace kept changing under this operation; try again")
 
     async def _getattr(self, ino: int) -> list:
-        return await self._call(shard_of(ino), "getattr", [ino])
+        return await self._call(shard_of(ino), P.GETATTR, [ino])
 
-    async def _call(self, shard: int, method: str, args: list):
-        """Call a method on ``shard``: directly when it is this one."""
+    async def _call(self, shard: int, method: Method, args: list):
+        """Call ``method`` on ``shard``, answered in its wire form: straight to this shard's
+        async handler when it is this one."""
         if shard == self.shard:
-            return await getattr(self, method)(*args)
-        return await self.peers.call(shard, METHODS[method], args)
+            return await self._local[method](*args)
+        return await self.peers.call(shard, method, args)
 
     # ---- cross-shard transactions ---------------------------------------------------------------
-
-    async def tx_prepare(self, txid: bytes, coordinator: int, plan_ops: list) -> list:
-        return await self.coord.tx_prepare(txid, coordinator, plan_ops)
-
-    async def tx_commit(self, txid: bytes) -> bool:
-        return await self.coord.tx_commit(txid)
-
-    async def tx_abort(self, txid: bytes) -> bool:
-        return await self.coord.tx_abort(txid)
-
-    async def tx_status(self, txid: bytes) -> str:
-        return await self.coord.tx_status(txid)
 
     async def rename_lock(self, owner: bytes, ttl: float) -> bool:
         if self.shard != 0:
@@ -460,7 +422,7 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
             shard = MetaShard(store, peers, chunk_size)
             await nursery.start(shard.coord.resolver)
             nursery.start_soon(shard.coord.orphan_checker)
-            service = Service("meta", METHODS, shard)
+            service = Service("meta", P.METHODS, shard.handlers())
             bound = await nursery.start(serve, service, host, port, cluster.secret)
             if metrics:
                 from ..metrics import serve_metrics

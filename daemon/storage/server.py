@@ -43,7 +43,7 @@ import xxhash
 from jpfs import config
 from jpfs.errors import JPFSError, error
 from jpfs.proto import storage as P
-from jpfs.rpc import FileSegment, Limits, Reply, Service, serve
+from jpfs.rpc import FileSegment, Handler, Limits, Reply, Service, serve
 
 from .. import common
 from .store import (
@@ -190,6 +190,18 @@ class StorageServer:
     def close(self) -> None:
         self.files.close()
         os.close(self._devnull)
+
+    def handlers(self) -> dict:
+        """Every method of ``jpfs.proto.storage`` bound to its handler (none answers inline:
+        each may wait on the disk or the group commit)."""
+        return {
+            P.PUT_BLOBS: Handler(self.put_blobs),
+            P.GET_BLOBS: Handler(self.get_blobs),
+            P.DELETE_BLOBS: Handler(self.delete_blobs),
+            P.LIST_BLOBS: Handler(self.list_blobs),
+            P.COMPACT: Handler(self.compact),
+            P.STATS: Handler(self.stats),
+        }
 
     # ------------------------------------------------------------------ put
 
@@ -487,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.run)
-                service = Service("storage", P.METHODS, server)
+                service = Service("storage", P.METHODS, server.handlers())
                 await nursery.start(
                     functools.partial(serve, limits=Limits(max_payload=P.MAX_PUT_BYTES)),
                     service, host, port, cluster.secret)

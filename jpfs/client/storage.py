@@ -193,7 +193,7 @@ class StorageClient:
             into = [memoryview(bytearray(chunks[i].blob_len)) for i in batch]
         try:
             statuses, payload = await self.pool.call_payload(
-                node, P.GET_BLOBS, [ids], into=into,
+                node, P.GET_BLOBS, P.IdsReq(ids), into=into,
                 retry_for=self.retry_for if last else self.read_retry_for)
         except (Unavailable, DeadlineError) as e:
             self._mark_down(node, e)
@@ -205,16 +205,21 @@ class StorageClient:
             for i in batch:
                 failures[i].append(f"node {node}: {e.strerror}")
             return
-        if not isinstance(statuses, list) or len(statuses) != len(batch):
+        try:
+            statuses = P.GET_BLOBS.decode(statuses)
+        except JPFSError:
+            statuses = None
+        if statuses is None or len(statuses) != len(batch):
             for i in batch:
                 failures[i].append(f"node {node}: malformed answer")
             return
+        found = P.BlobStatuses.found
         views = None
         if isinstance(payload, list):
             # Scattered into our buffers: valid only if every blob came with the expected size.
             views = payload
             for s, i in zip(statuses, batch, strict=True):
-                if type(s) is not list or len(s) != 2 or s[0] != chunks[i].blob_len:
+                if not found(s) or s[0] != chunks[i].blob_len:
                     payload = memoryview(b"".join(payload))
                     views = None
                     break
@@ -225,10 +230,10 @@ class StorageClient:
                 payload = memoryview(b"")
             size = len(payload)
             for s in statuses:
-                if isinstance(s, list) and len(s) == 2 and isinstance(s[0], int) and \
-                        0 <= s[0] <= size - pos:
-                    views.append(payload[pos:pos + s[0]])
-                    pos += s[0]
+                length = s[0] if found(s) else -1  # [length, xxh]
+                if 0 <= length <= size - pos:
+                    views.append(payload[pos:pos + length])
+                    pos += length
                 else:
                     views.append(None)
         got = [v for v in views if v is not None]
@@ -331,8 +336,8 @@ class StorageClient:
     async def _put_batch(self, node, batch, blobs, views, xxhs, stored, failures, fatal) -> None:
         entries = [[blobs[i][0], len(views[i]), xxhs[i]] for i in batch]
         try:
-            await self.pool.call(node, P.PUT_BLOBS, [entries], [views[i] for i in batch],
-                                 retry_for=self.write_retry_for)
+            await self.pool.call(node, P.PUT_BLOBS, P.PutBlobsReq(entries),
+                                 [views[i] for i in batch], retry_for=self.write_retry_for)
         except (Unavailable, DeadlineError) as e:
             self._mark_down(node, e)
             for i in batch:
@@ -366,7 +371,8 @@ class StorageClient:
 
         async def one(node: int, ids: list[bytes]) -> None:
             try:
-                await self.pool.call(node, P.DELETE_BLOBS, [ids], retry_for=self.write_retry_for)
+                await self.pool.call(node, P.DELETE_BLOBS, P.IdsReq(ids),
+                                     retry_for=self.write_retry_for)
             except (Unavailable, DeadlineError) as e:
                 self._mark_down(node, e)
                 failed[node] = e.strerror
@@ -384,17 +390,18 @@ class StorageClient:
     ) -> list[tuple[bytes, float]]:
         """One page of the blob ids stored on ``node`` (greater than ``after``), with their
         creation times; an empty page at the end."""
-        page = await self.pool.call(node, P.LIST_BLOBS, [after, limit])
-        return [(bid, created) for bid, created in page]
+        return P.LIST_BLOBS.decode(await self.pool.call(node, P.LIST_BLOBS,
+                                                        P.ListBlobsReq(after, limit)))
 
     async def compact(self, node: int, min_dead_ratio: float = 0.3,
                       timeout: float = 3600.0) -> dict:
         """Rewrite ``node``'s volumes whose dead share is at least ``min_dead_ratio``."""
-        return await self.pool.call(node, P.COMPACT, [float(min_dead_ratio)], timeout=timeout)
+        return P.COMPACT.decode(await self.pool.call(
+            node, P.COMPACT, P.CompactReq(float(min_dead_ratio)), timeout=timeout))
 
     async def stats(self, node: int) -> dict:
         """``node``'s counters and space (see ``jpfs.proto.storage.STATS_KEYS``)."""
-        return await self.pool.call(node, P.STATS, [])
+        return P.STATS.decode(await self.pool.call(node, P.STATS, P.NoArgs()))
 
 
 def _hash_all(views: Sequence[memoryview]) -> list[int]:

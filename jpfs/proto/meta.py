@@ -1,66 +1,335 @@
-"""The metadata service's methods: names, argument types, retry safety.
+"""The metadata service: every method on the wire, with its request and response records.
 
-Names are ``bytes``; inode ids, times (ns) and ids are ints; attributes travel as
-``Attr.to_wire()`` lists. Reads and the 2PC steps are idempotent (safe to retry after a lost
-connection); namespace changes are not, so a client never repeats one that may have reached the
-server.
+A request is the request record's fields as a msgpack array, in order; names are ``bytes``,
+inode ids, times (ns) and ids are ints, attributes travel as ``Attr.to_wire()`` lists. Reads and
+the 2PC steps are idempotent (safe to retry after a lost connection); namespace changes are not,
+so a client never repeats one that may have reached the server. ``inline`` methods are answered
+on the shard's request loop (reads, and single-shard writes queued to the group commit); the
+others run in a task of their own (they may wait on other shards).
+
+Per-name and per-inode batch answers carry an errno *name* (``"ENOENT"``) in place of an item
+that failed, so one bad name does not fail the batch.
 """
 
 from __future__ import annotations
 
 import errno
+from typing import NamedTuple
 
-from ..errors import error
+from ..errors import error, from_name
 from ..rpc import Method, method_table
-from ..types import NAME_MAX
+from ..types import NAME_MAX, Attr, DirEntry, Layout
 
-B = bytes
-L = list
-N = type(None)
+# ---- response records ------------------------------------------------------------------------
+
+
+def _attr(w) -> Attr | None:
+    return Attr.from_wire(w) if w is not None else None
+
+
+class Entry(NamedTuple):
+    """``lookup``: a directory entry; ``attr`` is None when the inode lives on another shard.
+
+    Wire: ``[ino, kind, attr or None]``."""
+
+    ino: int
+    kind: int
+    attr: Attr | None
+
+    @classmethod
+    def from_wire(cls, w: list) -> Entry:
+        ino, kind, attr = w
+        return cls(ino, kind, Attr.from_wire(attr) if attr is not None else None)
+
+
+class Created(NamedTuple):
+    """``create``/``mknod``: the entry and whether this call made it (False: it existed and
+    ``exclusive`` was off). Wire: ``[ino, kind, attr or None, created]``."""
+
+    ino: int
+    kind: int
+    attr: Attr | None
+    created: bool
+
+    @classmethod
+    def from_wire(cls, w: list) -> Created:
+        ino, kind, attr, created = w
+        return cls(ino, kind, Attr.from_wire(attr) if attr is not None else None, created)
+
+
+class DirPage(NamedTuple):
+    """``readdir``: entries in name order (``attr`` set for inodes of this shard when ``plus``)
+    and whether more follow. Wire: ``[[DirEntry.to_wire(), ...], more]``."""
+
+    entries: list[DirEntry]
+    more: bool
+
+    @classmethod
+    def from_wire(cls, w: list) -> DirPage:
+        entries, more = w
+        return cls([DirEntry.from_wire(e) for e in entries], more)
+
+
+class Entries:
+    """``batch_lookup``: per name an ``Entry``, or the OSError its errno name stands for."""
+
+    @staticmethod
+    def from_wire(w: list) -> list[Entry | OSError]:
+        return [from_name(r) if type(r) is str else Entry.from_wire(r) for r in w]
+
+
+class Attrs:
+    """``batch_getattr``: per inode its ``Attr``, or None where it does not exist."""
+
+    @staticmethod
+    def from_wire(w: list) -> list[Attr | None]:
+        return [Attr.from_wire(r) if r is not None else None for r in w]
+
+
+class AttrsOrErrors:
+    """``bulk_create``: per entry the new file's ``Attr``, or the OSError of why it failed."""
+
+    @staticmethod
+    def from_wire(w: list) -> list[Attr | OSError]:
+        return [from_name(r) if type(r) is str else Attr.from_wire(r) for r in w]
+
+
+class Layouts:
+    """``batch_layout``: per inode its ``Layout``, or None (no such inode, or a directory)."""
+
+    @staticmethod
+    def from_wire(w: list) -> list[Layout | None]:
+        return [Layout.from_wire(r) if r is not None else None for r in w]
+
+
+class NamedLayouts:
+    """``lookup_layouts``: per name a ``Layout``; an ``(ino, kind)`` tuple where another call
+    is needed (not a regular file, or an inode on another shard); or the OSError of its errno
+    name. Wire: ``Layout.to_wire()``, ``[ino, kind]`` or an errno name."""
+
+    @staticmethod
+    def from_wire(w: list) -> list[Layout | OSError | tuple[int, int]]:
+        out: list = []
+        for r in w:
+            if type(r) is str:
+                out.append(from_name(r))
+            elif len(r) == 2:
+                out.append((r[0], r[1]))
+            else:
+                out.append(Layout.from_wire(r))
+        return out
+
+
+# ---- request records -------------------------------------------------------------------------
+# Names are not checked here (their errors differ per method: see check_name); inode ids are
+# checked to belong to the shard asked.
+
+class InoReq(NamedTuple):
+    ino: int
+
+
+class InosReq(NamedTuple):
+    inos: list[int]
+
+
+class NameReq(NamedTuple):
+    parent: int
+    name: bytes
+
+
+class NamesReq(NamedTuple):
+    parent: int
+    names: list
+    """bytes each; a bad name gets its own errno in the answer."""
+
+
+class NoArgs(NamedTuple):
+    pass
+
+
+class ReaddirReq(NamedTuple):
+    parent: int
+    after: bytes
+    """Entries after this name (b"" from the start)."""
+    limit: int
+    plus: bool
+    """With attributes (readdirplus)."""
+
+
+class XattrReq(NamedTuple):
+    ino: int
+    name: bytes
+
+
+class CreateReq(NamedTuple):
+    parent: int
+    name: bytes
+    mode: int
+    uid: int
+    gid: int
+    exclusive: bool
+
+
+class MknodReq(NamedTuple):
+    parent: int
+    name: bytes
+    mode: int
+    uid: int
+    gid: int
+    rdev: int
+
+
+class MkdirReq(NamedTuple):
+    parent: int
+    name: bytes
+    mode: int
+    uid: int
+    gid: int
+
+
+class SymlinkReq(NamedTuple):
+    parent: int
+    name: bytes
+    target: bytes
+    uid: int
+    gid: int
+
+
+class LinkReq(NamedTuple):
+    ino: int
+    parent: int
+    name: bytes
+
+
+class RenameReq(NamedTuple):
+    src_parent: int
+    src_name: bytes
+    dst_parent: int
+    dst_name: bytes
+    flags: int
+    """RENAME_NOREPLACE, RENAME_EXCHANGE."""
+
+
+class SetattrReq(NamedTuple):
+    ino: int
+    fields: dict
+    """Some of SETATTR_FIELDS, each an int."""
+
+
+class SetxattrReq(NamedTuple):
+    ino: int
+    name: bytes
+    value: bytes
+    flags: int
+    """XATTR_CREATE, XATTR_REPLACE."""
+
+
+class WriteChunksReq(NamedTuple):
+    ino: int
+    chunks: list[list]
+    """``Chunk.to_wire()`` each."""
+    size: int
+    expect_version: int | None
+    """ESTALE unless the file is still at this version (None: any)."""
+
+
+class BulkCreateReq(NamedTuple):
+    parent: int
+    entries: list
+    """``[name, mode, uid, gid, mtime_ns, size, [Chunk.to_wire(), ...]]`` each."""
+    replace: bool
+
+
+class TxPrepareReq(NamedTuple):
+    txid: bytes
+    coordinator: int
+    ops: list[list]
+
+
+class TxReq(NamedTuple):
+    txid: bytes
+
+
+class RenameLockReq(NamedTuple):
+    owner: bytes
+    ttl: float
+
+
+class OwnerReq(NamedTuple):
+    owner: bytes
+
+
+class ScanReq(NamedTuple):
+    kind: str
+    after: bytes
+    limit: int
+
+
+class RepairReq(NamedTuple):
+    kind: str
+    args: list
+
+
+# ---- the methods (ids are stable: never reuse one) --------------------------------------------
+
+def _read(id_: int, name: str, req: type, rsp: object) -> Method:
+    return Method(id_, name, req, rsp, idempotent=True, inline=True)
+
+
+# namespace reads (one shard each)
+LOOKUP = _read(1, "lookup", NameReq, Entry)
+BATCH_LOOKUP = _read(2, "batch_lookup", NamesReq, Entries)
+GETATTR = _read(3, "getattr", InoReq, Attr)
+BATCH_GETATTR = _read(4, "batch_getattr", InosReq, Attrs)
+READDIR = _read(5, "readdir", ReaddirReq, DirPage)
+READLINK = _read(6, "readlink", InoReq, bytes)
+GETPARENT = Method(7, "getparent", InoReq, int, idempotent=True)
+STATFS = Method(8, "statfs", NoArgs, dict, idempotent=True)
+"""Counts of this shard (``inodes``, ...); the client sums them over shards."""
+GETXATTR = Method(9, "getxattr", XattrReq, bytes, idempotent=True)
+LISTXATTR = Method(10, "listxattr", InoReq, list, idempotent=True)
+# namespace changes (coordinated by the parent directory's shard); the inline ones are one
+# local transaction, queued to the next group commit and answered when it is durable
+CREATE = Method(11, "create", CreateReq, Created, inline=True)
+MKNOD = Method(12, "mknod", MknodReq, Created, inline=True)
+MKDIR = Method(13, "mkdir", MkdirReq, Attr)
+SYMLINK = Method(14, "symlink", SymlinkReq, Attr, inline=True)
+LINK = Method(15, "link", LinkReq, Attr)
+UNLINK = Method(16, "unlink", NameReq, None, inline=True)
+"""Inline when the file's inode is on the directory's shard; deferred to 2PC otherwise."""
+RMDIR = Method(17, "rmdir", NameReq, None)
+RENAME = Method(18, "rename", RenameReq, None)
+SETATTR = Method(19, "setattr", SetattrReq, Attr, inline=True)
+SETXATTR = Method(20, "setxattr", SetxattrReq, None, inline=True)
+REMOVEXATTR = Method(21, "removexattr", XattrReq, None, inline=True)
+# file data layout
+GET_LAYOUT = _read(22, "get_layout", InoReq, Layout)
+BATCH_LAYOUT = _read(23, "batch_layout", InosReq, Layouts)
+LOOKUP_LAYOUTS = _read(24, "lookup_layouts", NamesReq, NamedLayouts)
+WRITE_CHUNKS = Method(25, "write_chunks", WriteChunksReq, Attr, inline=True)
+BULK_CREATE = Method(26, "bulk_create", BulkCreateReq, AttrsOrErrors, inline=True)
+# cross-shard transactions (shard to shard)
+TX_PREPARE = Method(27, "tx_prepare", TxPrepareReq, list, idempotent=True)
+"""Answers the inodes the prepared ops created."""
+TX_COMMIT = Method(28, "tx_commit", TxReq, bool, idempotent=True)
+TX_ABORT = Method(29, "tx_abort", TxReq, bool, idempotent=True)
+TX_STATUS = Method(30, "tx_status", TxReq, str, idempotent=True)
+RENAME_LOCK = Method(31, "rename_lock", RenameLockReq, bool, idempotent=True)
+RENAME_UNLOCK = Method(32, "rename_unlock", OwnerReq, bool, idempotent=True)
+# maintenance: fsck, gc, status
+SCAN = Method(33, "scan", ScanReq, list, idempotent=True)
+"""``[[item, ...], next cursor or None]``."""
+PENDING = Method(34, "pending", NoArgs, dict, idempotent=True)
+REPAIR = Method(35, "repair", RepairReq, object)
+SHARD_INFO = Method(36, "shard_info", NoArgs, dict, idempotent=True)
 
 METHODS = method_table(
-    # ---- namespace reads (one shard each)
-    Method("lookup", (int, B), idempotent=True),
-    Method("batch_lookup", (int, L), idempotent=True),
-    Method("getattr", (int,), idempotent=True),
-    Method("batch_getattr", (L,), idempotent=True),
-    Method("readdir", (int, B, int, bool), idempotent=True),
-    Method("readlink", (int,), idempotent=True),
-    Method("getparent", (int,), idempotent=True),
-    Method("statfs", (), idempotent=True),
-    Method("getxattr", (int, B), idempotent=True),
-    Method("listxattr", (int,), idempotent=True),
-    # ---- namespace changes (coordinated by the parent directory's shard)
-    Method("create", (int, B, int, int, int, bool)),
-    Method("mknod", (int, B, int, int, int, int)),
-    Method("mkdir", (int, B, int, int, int)),
-    Method("symlink", (int, B, B, int, int)),
-    Method("link", (int, int, B)),
-    Method("unlink", (int, B)),
-    Method("rmdir", (int, B)),
-    Method("rename", (int, B, int, B, int)),
-    Method("setattr", (int, dict)),
-    Method("setxattr", (int, B, B, int)),
-    Method("removexattr", (int, B)),
-    # ---- file data layout
-    Method("get_layout", (int,), idempotent=True),
-    Method("batch_layout", (L,), idempotent=True),
-    Method("lookup_layouts", (int, L), idempotent=True),
-    Method("write_chunks", (int, L, int, (int, N))),
-    Method("bulk_create", (int, L, bool)),
-    # ---- cross-shard transactions (shard to shard)
-    Method("tx_prepare", (B, int, L), idempotent=True),
-    Method("tx_commit", (B,), idempotent=True),
-    Method("tx_abort", (B,), idempotent=True),
-    Method("tx_status", (B,), idempotent=True),
-    Method("rename_lock", (B, (int, float)), idempotent=True),
-    Method("rename_unlock", (B,), idempotent=True),
-    # ---- maintenance: fsck, gc, status
-    Method("scan", (str, B, int), idempotent=True),
-    Method("pending", (), idempotent=True),
-    Method("repair", (str, L)),
-    Method("shard_info", (), idempotent=True),
+    LOOKUP, BATCH_LOOKUP, GETATTR, BATCH_GETATTR, READDIR, READLINK, GETPARENT, STATFS, GETXATTR,
+    LISTXATTR, CREATE, MKNOD, MKDIR, SYMLINK, LINK, UNLINK, RMDIR, RENAME, SETATTR, SETXATTR,
+    REMOVEXATTR, GET_LAYOUT, BATCH_LAYOUT, LOOKUP_LAYOUTS, WRITE_CHUNKS, BULK_CREATE, TX_PREPARE,
+    TX_COMMIT, TX_ABORT, TX_STATUS, RENAME_LOCK, RENAME_UNLOCK, SCAN, PENDING, REPAIR, SHARD_INFO,
 )
+"""Every metadata method by name."""
 
 # rename flags (as renameat2)
 RENAME_NOREPLACE = 1

@@ -25,6 +25,7 @@ Wire shapes (msgpack; ids are 16-byte ``bytes``):
 from __future__ import annotations
 
 import errno
+from typing import NamedTuple
 
 from ..errors import error
 from ..rpc import Method, method_table
@@ -43,21 +44,83 @@ MAX_GET_BYTES = 1 << 30
 MAX_LIST = 100_000
 """Most ids one ``list_blobs`` answer carries."""
 
-METHODS = method_table(
-    Method("put_blobs", (list,), idempotent=True, payload=True),
-    Method("get_blobs", (list,), idempotent=True),
-    Method("delete_blobs", (list,), idempotent=True),
-    Method("list_blobs", (bytes, int), idempotent=True),
-    Method("compact", ((int, float),), idempotent=True),
-    Method("stats", (), idempotent=True),
-)
+# ---- request and response records --------------------------------------------------------------
 
-PUT_BLOBS = METHODS["put_blobs"]
-GET_BLOBS = METHODS["get_blobs"]
-DELETE_BLOBS = METHODS["delete_blobs"]
-LIST_BLOBS = METHODS["list_blobs"]
-COMPACT = METHODS["compact"]
-STATS = METHODS["stats"]
+
+class PutBlobsReq(NamedTuple):
+    entries: list[list]
+    """``[id, length, xxh]`` per blob, in payload order."""
+
+
+class IdsReq(NamedTuple):
+    ids: list
+    """16-byte blob ids, at most MAX_BATCH_BLOBS (checked by ``check_ids``)."""
+
+
+class ListBlobsReq(NamedTuple):
+    after: bytes
+    limit: int
+
+
+class CompactReq(NamedTuple):
+    min_dead_ratio: float
+
+
+class NoArgs(NamedTuple):
+    pass
+
+
+class PutResult(NamedTuple):
+    """``put_blobs``: blobs newly stored and blobs that were there already.
+    Wire: ``[stored, already_present]``."""
+
+    stored: int
+    already_present: int
+
+    @classmethod
+    def from_wire(cls, w: list) -> PutResult:
+        stored, present = w
+        return cls(stored, present)
+
+
+class BlobStatuses:
+    """``get_blobs``: per id, in request order, ``[length, xxh]`` for a blob that follows in
+    the payload, or the errno name (``"ENOENT"``, ``"EIO"``) of why it is not served. Decoded
+    as is (no object per blob: a batch carries thousands); ``found`` tells the two apart."""
+
+    @staticmethod
+    def from_wire(w: list) -> list:
+        if type(w) is not list:
+            raise TypeError("get_blobs statuses must be a list")
+        return w
+
+    @staticmethod
+    def found(status: object) -> bool:
+        """Whether ``status`` is ``[length, xxh]`` (ints) rather than an errno name."""
+        return type(status) is list and len(status) == 2 and type(status[0]) is int \
+            and type(status[1]) is int
+
+
+class BlobPage:
+    """``list_blobs``: ``(id, created)`` pairs in id order; empty at the end.
+    Wire: ``[[id, created], ...]``."""
+
+    @staticmethod
+    def from_wire(w: list) -> list[tuple[bytes, float]]:
+        return [(bid, created) for bid, created in w]
+
+
+# ---- the methods (ids are stable: never reuse one) ---------------------------------------------
+
+PUT_BLOBS = Method(1, "put_blobs", PutBlobsReq, PutResult, idempotent=True, payload=True)
+GET_BLOBS = Method(2, "get_blobs", IdsReq, BlobStatuses, idempotent=True)
+DELETE_BLOBS = Method(3, "delete_blobs", IdsReq, int, idempotent=True)
+LIST_BLOBS = Method(4, "list_blobs", ListBlobsReq, BlobPage, idempotent=True)
+COMPACT = Method(5, "compact", CompactReq, dict, idempotent=True)
+STATS = Method(6, "stats", NoArgs, dict, idempotent=True)
+
+METHODS = method_table(PUT_BLOBS, GET_BLOBS, DELETE_BLOBS, LIST_BLOBS, COMPACT, STATS)
+"""Every storage method by name."""
 
 STATS_KEYS = (
     "node",             # this server's index in the cluster file

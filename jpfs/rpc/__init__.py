@@ -3,9 +3,9 @@
 from .client import Connection, Pool, connect
 from .frame import FileSegment, Limits
 from .server import serve
-from .service import Defer, Later, Method, Reply, Service, method_table
+from .service import Defer, Handler, Later, Method, Reply, Service, method_table
 
 __all__ = [
-    "Connection", "Defer", "FileSegment", "Later", "Limits", "Method", "Pool", "Reply", "Service",
-    "connect", "method_table", "serve",
+    "Connection", "Defer", "FileSegment", "Handler", "Later", "Limits", "Method", "Pool", "Reply",
+    "Service", "connect", "method_table", "serve",
 ]

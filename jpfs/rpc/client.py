@@ -174,7 +174,7 @@ class Connection:
 
     async def call(
         self,
-        method: str,
+        method: Method,
         args: list,
         payload: F.Payload = (),
         *,
@@ -185,14 +185,15 @@ class Connection:
         if self.broken is not None:
             raise self.broken
         req_id = next(self._ids)
-        call = _Pending(into, method, deadline)
+        call = _Pending(into, method.name, deadline)
         self._pending[req_id] = call
         if deadline < self._sweep_at:
             self._sweep_wake.set()
         remaining_ms = max(1, int((deadline - trio.current_time()) * 1000)) \
             if math.isfinite(deadline) else None
         try:
-            parts = self.fs.frame_parts(F.REQUEST, [req_id, method, args, remaining_ms], payload)
+            parts = self.fs.frame_parts(F.REQUEST, [req_id, method.id, args, remaining_ms],
+                                        payload)
             if len(self._pending) > 1 and not payload:
                 # other calls are in flight: more requests are likely issued in this same
                 # scheduler pass (tasks woken by answers that arrived together); one task then
@@ -362,7 +363,7 @@ class Pool:
         while True:
             try:
                 conn = await self._connection(index)
-                return await conn.call(method.name, args, payload, deadline=deadline, into=into)
+                return await conn.call(method, args, payload, deadline=deadline, into=into)
             except Unavailable as e:  # never reached the server: always safe to retry
                 last: JPFSError = e
             except _Sent as e:

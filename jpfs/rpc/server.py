@@ -17,7 +17,7 @@ import trio
 from ..errors import JPFSError, ProtocolError, Unavailable, error
 from . import frame as F
 from .auth import HANDSHAKE_TIMEOUT, server_handshake
-from .service import Defer, Later, Reply, Service, as_error
+from .service import Bound, Defer, Later, Reply, Service, as_error
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,8 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
             await _send_final_error(fs, e)
             return
         req_id, method, args, deadline = _parse_request(body)
-        spec = service.methods.get(method) if isinstance(method, str) else None
+        bound = service.lookup(method)
+        spec = bound.spec if bound is not None else None
         if spec is not None:
             service.requests[spec.name] += 1
         problem: JPFSError | None = None
@@ -137,7 +138,7 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
         elif spec is None:
             problem = error(errno.ENOSYS, f"unknown method {method!r} for a {service.role} server")
         elif payload_len and not spec.payload:
-            problem = error(errno.EINVAL, f"{method}: takes no payload")
+            problem = error(errno.EINVAL, f"{spec.name}: takes no payload")
         try:
             payload = None
             if problem is None and spec.payload:
@@ -153,10 +154,15 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
                 return
             outbox.add(_answer_parts(service, req_id, None, problem, spec, where))
             continue
-        now = service.inline.get(spec.name)
+        # the one check of the request against its declaration; handlers trust their arguments
+        try:
+            spec.check(args)
+        except JPFSError as e:
+            outbox.add(_answer_parts(service, req_id, None, e, spec, where))
+            continue
+        now = bound.now
         if now is not None:
             try:
-                spec.check(args)
                 result = now(*args)
             except Defer:
                 pass
@@ -167,13 +173,13 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
                 if isinstance(result, Later):
                     # answered from the callback; the slot bounds what one connection queues
                     await _take(slots)
-                    result.on_settled(_Answer(outbox, where, service, spec, req_id, args,
+                    result.on_settled(_Answer(outbox, where, service, bound, req_id, args,
                                               deadline, slots))
                 else:
                     outbox.add(_answer_parts(service, req_id, result, None, spec, where))
                 continue
         await _take(slots)
-        nursery.start_soon(_run, fs, where, service, spec, req_id, args, deadline, payload, slots)
+        nursery.start_soon(_run, fs, where, service, bound, req_id, args, deadline, payload, slots)
 
 
 async def _take(slots: trio.Semaphore) -> None:
@@ -226,26 +232,26 @@ class _Answer:
     """Turns a ``Later``'s outcome into an answer in the connection's outbox, or, settled with
     ``Defer``, runs the request's async handler. Never raises into the settling code."""
 
-    __slots__ = ("outbox", "where", "service", "spec", "req_id", "args", "deadline", "slots")
+    __slots__ = ("outbox", "where", "service", "bound", "req_id", "args", "deadline", "slots")
 
-    def __init__(self, outbox: _Outbox, where, service, spec, req_id, args, deadline,
+    def __init__(self, outbox: _Outbox, where, service, bound, req_id, args, deadline,
                  slots) -> None:
-        self.outbox, self.where, self.service, self.spec = outbox, where, service, spec
+        self.outbox, self.where, self.service, self.bound = outbox, where, service, bound
         self.req_id, self.args, self.deadline, self.slots = req_id, args, deadline, slots
 
     def __call__(self, result: object, exc: BaseException | None) -> None:
         if isinstance(exc, Defer):
             try:  # the async handler keeps the slot and releases it when done
                 self.outbox.nursery.start_soon(
-                    _run, self.outbox.fs, self.where, self.service, self.spec, self.req_id,
+                    _run, self.outbox.fs, self.where, self.service, self.bound, self.req_id,
                     self.args, self.deadline, None, self.slots)
                 return
             except RuntimeError:  # the connection is ending
                 self.slots.release()
                 return
         self.slots.release()
-        self.outbox.add_soon(_answer_parts(self.service, self.req_id, result, exc, self.spec,
-                                          self.where))
+        self.outbox.add_soon(_answer_parts(self.service, self.req_id, result, exc,
+                                          self.bound.spec, self.where))
 
 
 def _answer_parts(service: Service, req_id: int, result: object, exc: BaseException | None,
@@ -278,11 +284,14 @@ def _parse_request(body: object) -> tuple:
     return None, None, None, None
 
 
-async def _run(fs, where, service: Service, spec, req_id, args, deadline, payload, slots) -> None:
+async def _run(fs, where, service: Service, bound: Bound, req_id, args, deadline, payload,
+               slots) -> None:
+    spec = bound.spec
     try:
         try:
-            spec.check(args)
-            fn = service.handlers[spec.name]
+            fn = bound.run
+            if fn is None:
+                raise error(errno.EIO, f"{spec.name}: deferred, but there is no async handler")
             kwargs = {"payload": payload} if spec.payload else {}
             with trio.move_on_after(deadline / 1000 if deadline else float("inf")) as scope:
                 result = await fn(*args, **kwargs)

@@ -1,76 +1,161 @@
-"""Method specifications shared by servers (argument checks) and clients (retry policy)."""
+"""Method declarations shared by servers (argument checks, handler binding) and clients
+(retry policy, answer decoding).
+
+Every remote method is declared once, as 3FS's ``SERDE_SERVICE_METHOD`` does: a wire id, a name,
+a request record (a ``NamedTuple`` whose fields are the positional arguments, with their types),
+a response record (a class with ``from_wire``, or a plain type), and its call properties. The
+server derives its argument checks from the request record and checks every request once, before
+any handler runs; handlers are bound to declarations explicitly (``Handler``), never found by name.
+"""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+import types as _types
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import JPFSError, errno_name, error
+from ..errors import JPFSError, ProtocolError, errno_name, error
 from .frame import Payload
 
 _EINVAL = 22
+_INT_MIN, _INT_END = -(1 << 63), 1 << 64
 
 
-@dataclass(frozen=True)
+def _kinds(hint) -> tuple[frozenset | None, bool, frozenset | None]:
+    """(accepted types or None for any, None allowed, element types of a list or None)."""
+    if hint is typing.Any or hint is object:
+        return None, True, None
+    if hint is None or hint is type(None):
+        return frozenset({type(None)}), True, None
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is _types.UnionType:
+        kinds: set = set()
+        none = False
+        for h in typing.get_args(hint):
+            if h is type(None):
+                none = True
+                continue
+            k, _, elems = _kinds(h)
+            if k is None or elems is not None:
+                return None, True, None  # unions of lists or of anything: not checked deeper
+            kinds |= k
+        return frozenset(kinds), none, None
+    if origin is list:
+        (elem,) = typing.get_args(hint) or (object,)
+        ek, enone, eelems = _kinds(elem)
+        if ek is not None and (enone or eelems is not None):
+            ek = None  # only flat element types are checked
+        return frozenset({list}), False, ek
+    if origin is not None:
+        return frozenset({origin}), False, None
+    if hint is float:
+        return frozenset({int, float}), False, None  # as in typing: an int is a float
+    return frozenset({hint}), False, None
+
+
+@dataclass(frozen=True, eq=False)
 class Method:
-    """One remote method: its name, positional argument types and call properties.
+    """One remote method, declared once for both sides.
 
-    ``args`` holds one entry per positional argument: a type, a tuple of types, or ``None`` for
-    anything. The last ``optional`` arguments may be left out. ``idempotent`` methods are retried
-    by the client after a lost connection; ``payload`` methods receive the request payload as a
-    keyword argument.
+    ``request`` is a ``NamedTuple`` class: its fields are the positional arguments in order,
+    their annotations the accepted types (matched exactly, as msgpack decodes them, so a bool is
+    never taken for an int; ``float`` accepts ints; ``X | None`` accepts None; ``list[int]`` and
+    ``list[bytes]`` check every element), and fields with defaults may be left out.
+    ``response`` is what the answer decodes to: a class with ``from_wire`` (a record), or a plain
+    type the answer already is. ``idempotent`` methods are retried by the client after a lost
+    connection; ``payload`` methods receive the request payload as a keyword argument;
+    ``inline`` methods have a handler that answers on the request loop itself (see ``Handler``).
     """
 
+    id: int
     name: str
-    args: tuple = ()
-    optional: int = 0
+    request: type
+    response: object = None
     idempotent: bool = False
     payload: bool = False
+    inline: bool = False
+
+    def __post_init__(self) -> None:
+        if type(self.id) is not int or not 0 < self.id < (1 << 16):
+            raise ValueError(f"{self.name}: method ids are 1 to 65535")
+        hints = typing.get_type_hints(self.request)
+        fields = getattr(self.request, "_fields", None)
+        if fields is None:
+            raise TypeError(f"{self.name}: the request record must be a NamedTuple")
+        defaults = getattr(self.request, "_field_defaults", {})
+        checks = tuple(_kinds(hints[f]) for f in fields)
+        object.__setattr__(self, "_required", len(fields) - len(defaults))
+        object.__setattr__(self, "_fields", fields)
+        object.__setattr__(self, "_checks", checks)
+        decode = getattr(self.response, "from_wire", None)
+        object.__setattr__(self, "_decode", decode)
+        plain = None if decode is not None or self.response is None else _kinds(self.response)
+        object.__setattr__(self, "_plain", plain)
 
     def check(self, args: object) -> list:
-        """Raise EINVAL unless ``args`` fit this method's signature.
-
-        Types are matched exactly (what msgpack decodes to), so a bool is never taken for an
-        int; runs for every request, hence the precomputed type sets."""
+        """Raise EINVAL unless ``args`` fit the request record; runs once per request."""
         if type(args) is not list:
             raise error(_EINVAL, f"{self.name}: arguments must be a list")
-        lo, exact = self._exact
-        if not lo <= len(args) <= len(exact):
-            want = f"{lo}" if lo == len(exact) else f"{lo} to {len(exact)}"
+        checks = self._checks
+        lo = self._required
+        if not lo <= len(args) <= len(checks):
+            hi = len(checks)
+            want = f"{lo}" if lo == hi else f"{lo} to {hi}"
             raise error(_EINVAL, f"{self.name}: takes {want} arguments, got {len(args)}")
         for i, value in enumerate(args):
-            kinds = exact[i]
+            kinds, none, elems = checks[i]
             if kinds is None:
                 continue
             t = type(value)
             if t not in kinds:
-                if value is None and i >= lo:
+                if value is None and (none or i >= lo):
                     continue
-                raise error(_EINVAL, f"{self.name}: argument {i} has type {t.__name__}")
-            if t is int and not -(1 << 63) <= value < (1 << 64):
-                raise error(_EINVAL, f"{self.name}: argument {i} out of range")
+                raise error(_EINVAL, f"{self.name}: argument {i} ({self._fields[i]}) has "
+                                     f"type {t.__name__}")
+            if t is int:
+                if not _INT_MIN <= value < _INT_END:
+                    raise error(_EINVAL, f"{self.name}: argument {i} ({self._fields[i]}) out "
+                                         "of range")
+            elif elems is not None:
+                for v in value:
+                    te = type(v)
+                    if te not in elems or (te is int and not _INT_MIN <= v < _INT_END):
+                        raise error(_EINVAL, f"{self.name}: argument {i} ({self._fields[i]}) "
+                                             f"holds a bad {te.__name__}")
         return args
 
-    @functools.cached_property
-    def _exact(self) -> tuple[int, tuple[frozenset | None, ...]]:
-        """(required argument count, the set of accepted types per argument or None)."""
-        sets = tuple(None if k is None else frozenset(k if isinstance(k, tuple) else (k,))
-                     for k in self.args)
-        return len(self.args) - self.optional, sets
+    def decode(self, raw: object):
+        """The answer as its response record; ProtocolError if it does not have that shape."""
+        decode = self._decode
+        if decode is not None:
+            try:
+                return decode(raw)
+            except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+                raise ProtocolError(f"malformed answer to {self.name}: {e}") from None
+        plain = self._plain
+        if plain is not None:
+            kinds, none, _ = plain
+            if kinds is not None and type(raw) not in kinds and not (raw is None and none):
+                raise ProtocolError(f"malformed answer to {self.name}: "
+                                    f"{type(raw).__name__}")
+        return raw
+
+    def __repr__(self) -> str:
+        return f"Method({self.id}, {self.name!r})"
 
 
 class Defer(Exception):
-    """Raised by a ``<method>_now`` handler that cannot answer without waiting, or given as the
-    error that settles its ``Later``: the request is then run by the async handler in a task of
-    its own."""
+    """Raised by an inline handler that cannot answer without waiting, or given as the error
+    that settles its ``Later``: the request is then run by the async handler in a task of its
+    own."""
 
 
 class Later:
-    """Returned by a ``<method>_now`` handler whose answer comes from a callback, such as a write
-    queued to the next group commit: the server sends the answer from ``settle`` with no task
-    of its own per request (dropping a task, a cancel scope and an event per create made
-    creates 1.3-1.4x faster on one shard)."""
+    """Returned by an inline handler whose answer comes from a callback, such as a write queued
+    to the next group commit: the server sends the answer from ``settle`` with no task of its
+    own per request (dropping a task, a cancel scope and an event per create made creates
+    1.3-1.4x faster on one shard)."""
 
     __slots__ = ("_on_settled", "_outcome")
 
@@ -103,22 +188,39 @@ class Reply:
     """Optional callable run after the payload is on the wire (releases pinned volumes)."""
 
 
-@dataclass
-class Service:
-    """What a server offers: a role name and its methods, bound to an implementation object.
+@dataclass(frozen=True)
+class Handler:
+    """How a server answers one method, called with the request record's fields in order.
 
-    Each method ``m`` is served by ``impl.m(*args)`` (``payload=`` added for payload methods).
-    An implementation may also offer ``impl.m_now(*args)``, a plain function that answers at once,
-    returns a ``Later``, or raises ``Defer``: the server calls it inline, saving a task and a
-    scheduler pass per request (most metadata reads answer in microseconds). A method whose
-    ``m_now`` never defers needs no ``impl.m``.
+    ``now`` is a plain function the request loop calls inline (saving a task and a scheduler
+    pass; most metadata reads answer in microseconds): it answers at once, returns a ``Later``,
+    or raises ``Defer`` to hand the request to ``run``, an async function run in a task of its
+    own (``payload=`` added for payload methods). Methods declared ``inline`` must have ``now``;
+    the others must have ``run`` and no ``now``.
     """
 
+    run: Callable | None = None
+    now: Callable | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Bound:
+    """A method declaration with its handler: what the request loop looks up per request."""
+
+    spec: Method
+    run: Callable | None
+    now: Callable | None
+
+
+@dataclass
+class Service:
+    """What a server offers: a role name, its declared methods and a handler for each one."""
+
     role: str
-    methods: dict[str, Method]
-    impl: object
-    handlers: dict = field(init=False)
-    inline: dict = field(init=False)
+    methods: Mapping[str, Method]
+    handlers: Mapping[Method, Handler]
+    table: dict = field(init=False)
+    """Bound methods by wire id, and by name (for hand-written frames and tools)."""
     requests: dict[str, int] = field(init=False)
     """Requests received, by method (for metrics)."""
     errors: dict[str, int] = field(init=False)
@@ -131,24 +233,38 @@ class Service:
     def __post_init__(self):
         self.requests = dict.fromkeys(self.methods, 0)
         self.errors = {}
-        self.handlers, self.inline = {}, {}
-        for name in self.methods:
-            fn = getattr(self.impl, name, None)
-            now = getattr(self.impl, f"{name}_now", None)
-            if now is not None and self.methods[name].payload:
-                now = None
-            if fn is None and now is None:
-                raise TypeError(f"{type(self.impl).__name__} does not implement {name}")
-            if fn is not None:
-                self.handlers[name] = fn
-            if now is not None:
-                self.inline[name] = now
+        declared = set(self.methods.values())
+        extra = [m.name for m in self.handlers if m not in declared]
+        if extra:
+            raise TypeError(f"{self.role}: handlers for undeclared methods {extra}")
+        self.table = {}
+        for spec in self.methods.values():
+            h = self.handlers.get(spec)
+            if h is None:
+                raise TypeError(f"{self.role}: no handler for {spec.name}")
+            if spec.inline and h.now is None:
+                raise TypeError(f"{self.role}: {spec.name} is declared inline but has no `now`")
+            if not spec.inline and (h.now is not None or h.run is None):
+                raise TypeError(f"{self.role}: {spec.name} is not inline: give `run` only")
+            if spec.payload and spec.inline:
+                raise TypeError(f"{self.role}: payload method {spec.name} cannot be inline")
+            bound = Bound(spec, h.run, h.now)
+            self.table[spec.id] = bound
+            self.table[spec.name] = bound
+
+    def lookup(self, method: object) -> Bound | None:
+        """The bound method a request names (its id, or its name); None for anything else."""
+        t = type(method)
+        if t is int or t is str:  # exact types: True must not find method 1
+            return self.table.get(method)
+        return None
 
 
 def method_table(*methods: Method) -> dict[str, Method]:
+    """Methods by name; ids and names must be unique."""
     table = {m.name: m for m in methods}
-    if len(table) != len(methods):
-        raise ValueError("duplicate method names")
+    if len(table) != len(methods) or len({m.id for m in methods}) != len(methods):
+        raise ValueError("duplicate method names or ids")
     return table
 
 
@@ -161,5 +277,5 @@ def as_error(exc: BaseException) -> JPFSError | None:
     return None
 
 
-__all__: Sequence[str] = ["Defer", "Later", "Method", "Reply", "Service", "method_table",
-                          "as_error"]
+__all__: Sequence[str] = ["Bound", "Defer", "Handler", "Later", "Method", "Reply", "Service",
+                          "as_error", "method_table"]
