@@ -993,7 +993,7 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jpfs_bench.aggregate`` (what torchrun can start without the jpfs script)."""
-    from jpfs.cli.bench import standalone
+    from .entry import standalone
 
     return standalone(sys.modules[__name__], "aggregate", argv)
 

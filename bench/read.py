@@ -462,7 +462,7 @@ def report(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jpfs_bench.read`` (what torchrun can start without the jpfs script)."""
-    from jpfs.cli.bench import standalone
+    from .entry import standalone
 
     return standalone(sys.modules[__name__], "read", argv)
 

@@ -1,6 +1,7 @@
 """``jpfs bench NAME``: benchmarks and workload generators from the ``jpfs_bench`` package.
 
-Every module ``jpfs_bench.NAME`` listed in ``BENCHES`` provides::
+Every module in ``jpfs_bench.entry.COMMANDS`` (bench's own entry, also ``python -m jpfs_bench``)
+provides::
 
     HELP: str                                  one line for `jpfs bench --help`
     DESCRIPTION: str                           the subcommand's own --help text
@@ -15,12 +16,7 @@ last line of stdout, so scripts can parse it.
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import re
-import sys
-
-BENCHES = ("gen", "meta", "read", "loader", "aggregate", "convert", "mount")
 
 DESCRIPTION = """\
 Benchmarks and LeRobot-shaped workload generators. Each benchmark measures JPFS beside a
@@ -47,37 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     bsub = p.add_subparsers(dest="bench", metavar="NAME")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
-    for name in BENCHES:
-        try:
-            module = importlib.import_module(f"jpfs_bench.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"jpfs_bench.{name}":
-                continue
-            raise
+    from jpfs_bench import entry  # the one edge between cli and bench; bench never imports cli
+
+    for name, module in entry.COMMANDS.items():
         bp = bsub.add_parser(name, help=module.HELP,
                              description=_readable(module.DESCRIPTION),
                              formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(bp)
         bp.add_argument("--json", action="store_true",
                         help="print the figures as one JSON object on the last line")
-        bp.set_defaults(func=lambda args, m=module: _run(m, args))
-
-
-def standalone(module, name: str, argv: list[str] | None = None) -> int:
-    """Run one benchmark module as its own program (``python -m jpfs_bench.aggregate``, which
-    torchrun can start), with the same options and ``--json`` as ``jpfs bench NAME``."""
-    p = argparse.ArgumentParser(prog=f"jpfs bench {name}",
-                                description=_readable(module.DESCRIPTION),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    module.add_arguments(p)
-    p.add_argument("--json", action="store_true",
-                   help="print the figures as one JSON object on the last line")
-    return _run(module, p.parse_args(argv))
-
-
-def _run(module, args: argparse.Namespace) -> int:
-    result = module.run(args)
-    if args.json:
-        sys.stdout.flush()
-        print(json.dumps(result, sort_keys=True, default=str))
-    return 0
+        bp.set_defaults(func=lambda args, m=module: entry.run(m, args))

@@ -1,0 +1,61 @@
+"""Bench's own entry: every benchmark module, its options, and how one is run.
+
+``python -m jpfs_bench NAME ...`` and ``python -m jpfs_bench.NAME ...`` (what torchrun starts)
+run a benchmark without the ``jpfs`` command; ``jpfs bench NAME`` builds its parsers from
+``COMMANDS`` and runs them through ``run``. Bench never imports ``jpfs.cli``: the edge goes one
+way, cli -> bench.
+
+Every module in ``COMMANDS`` provides::
+
+    HELP: str                                  one line for `jpfs bench --help`
+    DESCRIPTION: str                           the subcommand's own --help text
+    def add_arguments(parser) -> None          its options (keep heavy imports out of module level)
+    def run(args) -> dict                      do the work, print a human-readable report, and
+                                               return the figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from . import aggregate, convert, gen, loader, meta, mount, read
+
+COMMANDS = {"gen": gen, "meta": meta, "read": read, "loader": loader, "aggregate": aggregate,
+            "convert": convert, "mount": mount}
+"""The benchmarks by subcommand name, in the order `--help` lists them."""
+
+
+def _plain(text: str) -> str:
+    """A module docstring (reStructuredText) as --help shows it: ``x`` -> x, ``::`` -> ``:``."""
+    return re.sub(r"::$", ":", re.sub(r"``([^`]+)``", r"\1", text), flags=re.M)
+
+
+def run(module, args: argparse.Namespace) -> int:
+    """Run one benchmark; with ``--json`` its figures end stdout as one JSON object."""
+    result = module.run(args)
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps(result, sort_keys=True, default=str))
+    return 0
+
+
+def standalone(module, name: str, argv: list[str] | None = None) -> int:
+    """Run one benchmark module as its own program, with the options of ``jpfs bench NAME``."""
+    p = argparse.ArgumentParser(prog=f"jpfs bench {name}", description=_plain(module.DESCRIPTION),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(p)
+    p.add_argument("--json", action="store_true",
+                   help="print the figures as one JSON object on the last line")
+    return run(module, p.parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jpfs_bench NAME [options]``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: python -m jpfs_bench {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)
+        return 2
+    return standalone(COMMANDS[argv[0]], argv[0], argv[1:])
