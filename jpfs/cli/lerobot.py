@@ -13,6 +13,8 @@ from typing import Any
 
 from jpfs.errors import JPFSError
 
+from .common import plural
+
 log = logging.getLogger(__name__)
 
 CONVERT_DESCRIPTION = """\
@@ -222,11 +224,11 @@ def _info(args: argparse.Namespace) -> int:
     print(f"  features   {', '.join(d['features'])}")
     for key, cam in d["cameras"].items():
         shape = "x".join(str(s) for s in cam["shape"] or [])
-        print(f"  camera     {key}: {shape} {cam['codec']}, {cam['files']} files")
+        print(f"  camera     {key}: {shape} {cam['codec']}, {plural(cam['files'], 'file')}")
     for part, v in d["parts"].items():
         if v["files"]:
-            print(f"  {part + '/':<10} {v['files']} files, {format_size(v['bytes'])}")
-    print(f"  total      {d['files']} files, {format_size(d['bytes'])}")
+            print(f"  {part + '/':<10} {plural(v['files'], 'file')}, {format_size(v['bytes'])}")
+    print(f"  total      {plural(d['files'], 'file')}, {format_size(d['bytes'])}")
     if d["version"] == "v3.0":
         print(f"  limits     data {d['data_files_size_in_mb']} MB, "
               f"video {d['video_files_size_in_mb']} MB")
