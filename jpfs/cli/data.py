@@ -21,13 +21,19 @@ from .common import PATH_RULE, add_json, connect, jpfs_path, plural, print_json,
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "import", help="copy a local tree into JPFS (parallel, packed, resumable)",
-        description="Make jpfs:/DST a copy of the local directory SRC (DST holds SRC's "
-        "entries). Each directory's small files are sent in name order in batches, so they are "
-        "packed next to each other on the storage nodes. A rerun skips files already there with "
-        "the same size and modification time, so an interrupted import resumes.")
+        "import", help="copy a local tree or an object store prefix into JPFS (parallel, packed, "
+        "resumable)",
+        description="Make jpfs:/DST a copy of SRC (DST holds SRC's entries): a local directory "
+        "or an fsspec URL (s3://bucket/prefix, gs://..., hf://datasets/..., https://...) whose "
+        "package is installed (s3fs, gcsfs, huggingface_hub, aiohttp). Each directory's small "
+        "files are sent in name order in batches, so they are packed next to each other on the "
+        "storage nodes. A rerun skips files already there with the same size and modification "
+        "time (size alone where the store keeps no time), so an interrupted import resumes.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="jpfs:/DST")
+    p.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option for the URL's filesystem, e.g. -o endpoint_url=http://host:9000 "
+                   "-o anon=true (values are JSON where they parse as JSON); repeatable")
     _transfer_options(p)
     p.set_defaults(func=cmd_import)
 
@@ -100,12 +106,21 @@ def _bar(args, total_files: int | None, total_bytes: int | None, desc: str):
                 postfix={"files": f"0/{total_files}" if total_files is not None else 0})
 
 
-def _run_transfer(args, fn, src, dst, totals) -> int:
+def _run_transfer(args, fn, src, dst, totals, **options) -> int:
     from ..client import transfer
 
     client = connect(args)
     files_done = 0
     bar = _bar(args, *totals, desc=args.command)
+    if options.pop("listed", False):  # a remote tree's totals come once it is listed
+        totals = [None, None]
+
+        def listed(files: int, nbytes: int) -> None:
+            totals[:] = [files, nbytes]
+            bar.total = nbytes
+            bar.refresh()
+
+        options["on_listed"] = listed
 
     def tick(files: int, nbytes: int) -> None:
         nonlocal files_done
@@ -117,7 +132,7 @@ def _run_transfer(args, fn, src, dst, totals) -> int:
     t0 = time.monotonic()
     try:
         stats = client.run(getattr(transfer, fn), src, dst, parallel=args.parallel,
-                           progress=tick)
+                           progress=tick, **options)
     finally:
         bar.close()
         client.close()
@@ -136,10 +151,31 @@ def _run_transfer(args, fn, src, dst, totals) -> int:
     return 1 if stats.errors else 0
 
 
+def _storage_options(pairs: list[str]) -> dict:
+    import json
+
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise JPFSError(errno.EINVAL, "a storage option is KEY=VALUE", pair)
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
 def cmd_import(args: argparse.Namespace) -> int:
-    from ..client.transfer import scan_local
+    from ..client.transfer import is_url, scan_local
 
     dst = _need_jpfs(args.dst, "the destination")
+    if is_url(args.src):
+        return _run_transfer(args, "import_tree", args.src, dst, (None, None), listed=True,
+                             storage_options=_storage_options(args.storage_option))
+    if args.storage_option:
+        raise JPFSError(errno.EINVAL, "--storage-option is for URL sources (s3://...)",
+                        args.src)
     if not os.path.isdir(args.src):
         if not os.path.exists(args.src):
             raise FileNotFoundError(errno.ENOENT, "no such local directory (jpfs import DIR "
