@@ -169,3 +169,45 @@ def test_import_url_errors_say_what_is_missing(make_cluster, tmp_path):
     r = subprocess.run(cli + [f"file://{tmp_path}/none", "jpfs:/x"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "no such directory" in r.stderr
+
+
+def test_import_over_http_from_a_directory_listing(make_cluster, tmp_path):
+    """https:// and http:// trees (a web server's directory index, read by fsspec's http
+    filesystem): no modification times there, so a rerun compares sizes."""
+    pytest.importorskip("aiohttp")
+    src = tmp_path / "site"
+    (src / "a" / "b").mkdir(parents=True)
+    files = {"top.txt": b"top", "a/one.bin": os.urandom(5000), "a/b/two.bin": os.urandom(70_000),
+             "a/b/three.json": b"{}"}
+    for rel, data in files.items():
+        (src / rel).write_bytes(data)
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1",
+                               str(port), "--directory", str(src)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None
+                time.sleep(0.1)
+        d = make_cluster(meta_shards=1, storage_nodes=1, chunk_size=CHUNK)
+        env = {**os.environ, "JPFS_CLUSTER": str(d)}
+        cmd = [sys.executable, "-m", "jpfs.cli.main", "import", f"http://127.0.0.1:{port}/",
+               "jpfs:/web", "--json"]
+        runs = []
+        for _ in range(2):
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr
+            runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        assert runs[0]["files"] == len(files) and runs[0]["errors"] == []
+        assert runs[1]["files"] == 0 and runs[1]["skipped"] == len(files)
+        with jpfs.connect(d) as c:
+            for rel, data in files.items():
+                assert c.read_bytes(f"/web/{rel}") == data, rel
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
