@@ -1,4 +1,4 @@
-"""The import direction of DESIGN.md, checked by reading every module's imports."""
+"""The import direction of docs/design.md, checked by reading every module's imports."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _area(mod: str) -> str:
     return "jpfs." + parts[1]
 
 
-# area -> areas it may import (besides itself and level 0): DESIGN.md's layering, exactly
+# area -> areas it may import (besides itself and level 0): docs/design.md's layering, exactly
 ALLOWED = {
     "jpfs": {"jpfs.client"},  # jpfs.connect() and jpfs.aconnect(), imported on use
     "jpfs.rpc": set(),
@@ -88,7 +88,7 @@ ALLOWED = {
     "jpfs_daemon": {"jpfs.rpc", "jpfs.proto"},
     "jpfs.client": {"jpfs.rpc", "jpfs.proto"},
     "jpfs.fuse": {"jpfs.client"},  # never rpc or proto: the VFS in jpfs.client speaks for it
-    # the dataset reads LeRobot metadata with jpfs.lerobot (a documented addition to DESIGN.md)
+    # the dataset reads LeRobot metadata with jpfs.lerobot (an addition: docs/design-notes.md)
     "jpfs.torch": {"jpfs.client", "jpfs.lerobot"},
     "jpfs.lerobot": set(),
     "jpfs.localcluster": set(),
