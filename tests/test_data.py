@@ -129,7 +129,7 @@ def test_writer_conflict_is_detected(dc):
         with pytest.raises(OSError) as e:
             a.flush()
         assert e.value.errno == 116  # ESTALE: nothing silently lost
-        a.raw._f._dirty.clear()  # drop the stale change so close() does not retry it
+        a.raw._f.writer.dirty_chunks.clear()  # drop the stale change so close() does not retry it
     assert dc.read_bytes("/conflict") == b"B" * 10
 
 
@@ -409,12 +409,12 @@ def test_prefetch_hint_serves_later_reads_from_memory(make_cluster):
 
         async def settled(ac):
             with trio.fail_after(30):
-                while ac.data.cache.stats.prefetched < len(files):
+                while ac.cache.stats.prefetched < len(files):
                     await trio.sleep(0.01)
-            return ac.data.cache.stats.prefetched
+            return ac.cache.stats.prefetched
 
         assert c.run(settled) == len(files)
         got = c.read_many(list(files))
         assert [bytes(g) for g in got] == list(files.values())
-        stats = c.aclient.data.cache.stats
+        stats = c.aclient.cache.stats
         assert stats.prefetch_hits == len(files) and stats.misses == 0

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 import urllib.request
@@ -236,7 +237,22 @@ def test_statfs_fsync(d):
 def test_fifo_and_device_nodes(d):
     os.mkfifo(d / "fifo")
     assert os.stat(d / "fifo").st_mode & 0o170000 == 0o010000
-    assert _errno(os.mknod, d / "dev", 0o020644, os.makedev(1, 3)) == errno.EPERM
+    os.mknod(d / "null", 0o020666, os.makedev(1, 3))  # /dev/null's twin
+    os.mknod(d / "blk", 0o060600, os.makedev(7, 0))
+    st = os.stat(d / "null")
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
+    assert stat.S_ISBLK(os.stat(d / "blk").st_mode)
+    # FUSE mounts are nodev (as fusermount3 makes them): device nodes are stored and copied,
+    # and opening one is refused by the kernel, as on any nodev filesystem
+    assert "nodev" in Path("/proc/self/mounts").read_text().split(str(d.parent), 1)[1] \
+        .splitlines()[0]
+    assert _errno(open, d / "null", "rb") == errno.EACCES
+    assert _errno(os.mknod, d / "null", 0o020666, os.makedev(1, 3)) == errno.EEXIST
+    src = d / "tree"
+    src.mkdir()
+    os.mknod(src / "zero", 0o020666, os.makedev(1, 5))
+    subprocess.run(["cp", "-a", str(src), str(d / "copy")], check=True)
+    assert os.stat(d / "copy" / "zero").st_rdev == os.makedev(1, 5)
 
 
 def test_shared_writers_on_one_mount(d):

@@ -197,9 +197,6 @@ class BlobCache:
         return blob in self._mem or blob in self._inflight or blob in self._disk \
             or blob in self._wq_blobs
 
-    def in_memory(self, blob: bytes) -> bool:
-        return blob in self._mem
-
     def needs(self, blob: bytes) -> bool:
         """Not in memory and not on its way there (it may be on disk)."""
         return blob not in self._mem and blob not in self._inflight and blob not in self._wq_blobs
@@ -232,10 +229,12 @@ class BlobCache:
     # ------------------------------------------------------------------ reads
 
     async def get(self, chunks: Sequence[Chunk], fetch: Fetch,
-                  sources: set[str] | None = None) -> list[memoryview]:
+                  sources: set[str] | None = None, *, keep: bool = True) -> list[memoryview]:
         """Whole blobs of ``chunks``, in order: from memory, disk, a fetch in flight, or ``fetch``
         (one call for all misses); read-only views. ``sources`` collects where they came from:
-        "memory", "prefetched", "disk", "joined" (a demand fetch in flight), "fetched"."""
+        "memory", "prefetched", "disk", "joined" (a demand fetch in flight), "fetched".
+        Without ``keep``, blobs fetched now are handed to the caller only, and prefetched ones
+        leave the memory cache (the caller holds them from now on)."""
         src = sources if sources is not None else set()
         out: list[memoryview | None] = [None] * len(chunks)
         waits: list[tuple[int, _InFlight]] = []
@@ -278,11 +277,13 @@ class BlobCache:
             missing += bad
         if missing:
             src.add("fetched")
-            await self._fetch(chunks, missing, out, fetch, prefetch=False)
+            await self._fetch(chunks, missing, out, fetch, prefetch=False, keep=keep)
         for i, f in waits:
             out[i] = await self._wait(chunks[i], f, fetch, src)
         for i, j in dups:
             out[i] = out[j]
+        if not keep:
+            self.delivered(first)
         return out  # type: ignore[return-value]
 
     async def prefetch(self, chunks: Sequence[Chunk], fetch: Fetch) -> int:
@@ -325,7 +326,7 @@ class BlobCache:
         raise f.error  # type: ignore[misc]
 
     async def _fetch(self, chunks: Sequence[Chunk], idx: list[int], out: list,
-                     fetch: Fetch, *, prefetch: bool) -> None:
+                     fetch: Fetch, *, prefetch: bool, keep: bool = True) -> None:
         flights = {}
         for i in idx:
             f = _InFlight(prefetch)
@@ -335,11 +336,14 @@ class BlobCache:
         try:
             views = await fetch(want)
         except BaseException as e:
+            # A cancellation belongs to the task that fetched, never to those that joined it
+            # (it may arrive wrapped in the fetch's exception group): they fetch again.
+            cancelled = _has_cancel(e)
             for i, f in flights.items():
                 self._inflight.pop(chunks[i].blob, None)
-                f.error = _Cancelled() if isinstance(e, trio.Cancelled) else e
+                f.error = _Cancelled() if cancelled or not isinstance(e, Exception) else e
                 f.event.set()
-            if prefetch and isinstance(e, trio.Cancelled):
+            if prefetch and cancelled:
                 self.stats.prefetch_cancelled += len(idx)
             raise
         st = self.stats
@@ -347,7 +351,8 @@ class BlobCache:
             view = view.toreadonly()
             b = chunks[i].blob
             self._inflight.pop(b, None)
-            self._insert(b, chunks[i].xxh, view, prefetch=prefetch)
+            if keep:
+                self._insert(b, chunks[i].xxh, view, prefetch=prefetch)
             f = flights[i]
             f.view = view
             f.event.set()
@@ -543,6 +548,15 @@ class BlobCache:
                  prefetched_unused_bytes=self.prefetched_unused_bytes,
                  write_queue_bytes=self._wq_bytes)
         return d
+
+
+def _has_cancel(e: BaseException) -> bool:
+    """Whether ``e`` is a trio cancellation or an exception group holding one."""
+    if isinstance(e, trio.Cancelled):
+        return True
+    if isinstance(e, BaseExceptionGroup):
+        return any(_has_cancel(x) for x in e.exceptions)
+    return False
 
 
 # ---- worker-thread helpers (no shared state: arguments in, results out) -------------------------

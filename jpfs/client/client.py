@@ -22,9 +22,12 @@ import trio
 from .. import config, uri
 from ..errors import JPFSError, error
 from ..types import ROOT_INO, Attr, Layout
+from .cache import BlobCache
 from .data import DataPath
 from .files import AsyncFile, parse_mode
 from .meta import MetaClient
+from .prefetch import PrefetchConfig, Prefetcher
+from .reader import Reader
 from .storage import StorageClient
 
 log = logging.getLogger(__name__)
@@ -70,16 +73,44 @@ def _parts(p: str) -> list[bytes]:
     return [os.fsencode(c) for c in uri.split(p)]
 
 
+MEMORY_CACHE = 256 << 20
+"""The native client's blob cache: read-ahead windows and prefetch hints wait here (it only
+grows as they use it; whole-file reads hand their blobs to the caller instead)."""
+
+
 class AsyncClient:
-    """Namespace operations by path, over a MetaClient (and, for file bytes, a StorageClient)."""
+    """Namespace operations by path, over a MetaClient, and file bytes through one Reader, one
+    BlobCache and one Prefetcher (the same parts the mount's VFS reads through).
+
+    Args:
+        nursery: runs connections and prefetch tasks; the client lives as long as it.
+        cluster: where the shards and storage nodes are.
+        dir_cache_ttl: how long resolved directories are trusted (seconds).
+        cache: the blob cache to read through (an opened one, possibly with a disk part; the
+            mount passes its own). Default: memory only, ``MEMORY_CACHE`` bytes at most.
+        keep_whole: whether whole-file reads leave their blobs in the cache (the mount's case).
+        prefetch: prefetch limits and switches.
+        kernel_has: ``(ino, version) -> bool``: the reader's side holds that version already
+            (the mount's page cache), so prefetch skips it.
+    """
 
     def __init__(self, nursery: trio.Nursery, cluster: config.Cluster, *,
-                 dir_cache_ttl: float = 1.0):
+                 dir_cache_ttl: float = 1.0, cache: BlobCache | None = None,
+                 keep_whole: bool = False, prefetch: PrefetchConfig | None = None,
+                 kernel_has=None):
         self.cluster = cluster
         self.nursery = nursery
         self.meta = MetaClient(nursery, cluster)
         self.storage = StorageClient(nursery, cluster) if cluster.n_nodes else None
         self.data = DataPath(self.meta, self.storage, cluster) if self.storage else None
+        self.cache = cache if cache is not None else BlobCache(MEMORY_CACHE)
+        self.reader = Reader(self.cache, self.storage.get, keep_whole=keep_whole) \
+            if self.storage else None
+        self.prefetcher = Prefetcher(self.meta, self.storage.get, self.cache,
+                                     prefetch or PrefetchConfig(small_file=cluster.chunk_size),
+                                     kernel_has) if self.storage else None
+        if self.prefetcher is not None:
+            nursery.start_soon(self.prefetcher.run)
         self.dir_cache_ttl = dir_cache_ttl
         self._dirs: dict[str, tuple[int, float]] = {}
         self.umask = _umask()
@@ -88,12 +119,18 @@ class AsyncClient:
         self.meta.close()
         if self.storage:
             self.storage.close()
+        self.cache.close()
 
     def _data(self) -> DataPath:
         if self.data is None:
             raise error(errno.ENODEV, "this cluster has no storage nodes: file contents cannot "
                         "be stored or read")
         return self.data
+
+    def _reader(self) -> Reader:
+        self._data()
+        assert self.reader is not None
+        return self.reader
 
     # ---- resolution ---------------------------------------------------------------------------
 
@@ -409,11 +446,11 @@ class AsyncClient:
 
     # ---- file contents ---------------------------------------------------------------------
 
-    async def open(self, path: str, mode: str = "rb", *, readahead: int | None = None,
-                   perm: int = 0o666) -> AsyncFile:
+    async def open(self, path: str, mode: str = "rb", *, perm: int = 0o666) -> AsyncFile:
         """Open a file (binary modes: r, w, a, x, with + and b)."""
         readable, writable, kind = parse_mode(mode)
         data = self._data()
+        reader = self._reader()
         if kind == "r":
             attr = await self.stat(path)
             parent = 0
@@ -434,26 +471,25 @@ class AsyncClient:
         if attr.is_dir:
             raise error(errno.EISDIR, "is a directory", path)
         layout = await self.meta.get_layout(attr.ino)
-        return AsyncFile(data, _path(path), mode, layout, parent, nursery=self.nursery,
-                         **({"readahead": readahead} if readahead else {}))
+        return AsyncFile(reader, data, self.prefetcher, _path(path), mode, layout, parent)
 
     async def layout(self, path: str) -> Layout:
         return await self.meta.get_layout((await self.stat(path)).ino)
 
     async def read_bytes(self, path: str) -> bytes:
         """The whole content of a file."""
-        data = self._data()
+        reader = self._reader()
         layout = await self.layout(path)
         if layout.attr.is_dir:
             raise error(errno.EISDIR, "is a directory", path)
-        (view,) = await data.read_layouts([layout])
+        (view,) = await reader.whole([layout])
         return bytes(view)
 
     async def read_many(self, paths: list[str]) -> list[memoryview]:
         """The contents of many files in as few round trips as possible: per directory one call
         that looks the names up and returns their layouts (directories in parallel), then one
         batched blob read per storage node. Returns read-only views (bytes-like)."""
-        data = self._data()
+        reader = self._reader()
         layouts = await self._by_directory(paths, self.meta.lookup_layouts)
 
         async def the_long_way(i: int) -> None:  # a symlink, or an inode on another shard
@@ -469,26 +505,21 @@ class AsyncClient:
         for p, lay in zip(paths, layouts, strict=True):
             if isinstance(lay, OSError):
                 raise error(lay.errno, lay.strerror, p)
-        return await data.read_layouts(layouts)
+        return await reader.whole(layouts)
 
-    async def prefetch(self, paths: list[str], *, memory_cache: int = 512 << 20) -> int:
+    async def prefetch(self, paths: list[str]) -> int:
         """Hint: these files will be read soon. Their bytes are fetched in the background (one
-        batched call per directory and per storage node) into this client's memory cache,
-        bounded at ``memory_cache`` bytes (set on first use), so later ``read_many``,
-        ``read_bytes`` and ``open`` reads of them are served locally. Returns the number of
-        files queued; paths that cannot be read are skipped (a hint never fails a reader)."""
-        data = self._data()
-        if data.cache is None:
-            from .cache import BlobCache
-
-            data.cache = BlobCache(memory_cache)
-            await data.cache.open(self.nursery)
+        batched call per directory and per storage node) into this client's blob cache
+        (``cache``, bounded in bytes), so later ``read_many``, ``read_bytes`` and ``open`` reads
+        of them are served locally. Returns the number of files queued; paths that cannot be
+        read are skipped (a hint never fails a reader)."""
+        reader = self._reader()
 
         async def fetch() -> None:
-            got = await self._by_directory(paths, self.meta.lookup_layouts)
-            chunks = [c for lay in got if isinstance(lay, Layout) for c in lay.chunks]
             try:
-                await data.cache.prefetch(chunks, data.storage.get)
+                got = await self._by_directory(paths, self.meta.lookup_layouts)
+                chunks = [c for lay in got if isinstance(lay, Layout) for c in lay.chunks]
+                await self.cache.prefetch(chunks, reader.fetch)
             except JPFSError as e:
                 log.debug("prefetch hint failed: %s", e.strerror)
 
@@ -498,7 +529,7 @@ class AsyncClient:
     async def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[memoryview]:
         """Byte ranges ``[start, end)`` of files, in one batched read: each needed chunk is
         fetched once however many ranges touch it. Negative offsets count from the end."""
-        data = self._data()
+        reader = self._reader()
         paths = list(dict.fromkeys(p for p, _, _ in ranges))
         attrs = await self.stat_many(paths)
         for p, a in zip(paths, attrs, strict=True):
@@ -509,7 +540,6 @@ class AsyncClient:
                 attrs[i] = await self.stat(paths[i])
         layouts = dict(zip(paths, await self.meta.batch_layout([a.ino for a in attrs]),
                            strict=True))
-        wanted: dict[bytes, object] = {}
         spans = []
         for p, start, end in ranges:
             lay = layouts[p]
@@ -520,21 +550,7 @@ class AsyncClient:
             s = max(0, size + start if start < 0 else min(start, size))
             e = max(s, size + end if end < 0 else min(end, size))
             spans.append((lay, s, e))
-            cs = lay.chunk_size
-            for c in lay.chunks:
-                if c.index * cs < e and (c.index + 1) * cs > s:
-                    wanted.setdefault(c.blob, c)
-        blobs = dict(zip(wanted, await data.read_chunks(list(wanted.values())), strict=True))
-        out = []
-        for lay, s, e in spans:
-            buf = bytearray(e - s)
-            cs = lay.chunk_size
-            for c in lay.chunks:
-                lo, hi = max(s, c.index * cs), min(e, c.index * cs + c.length)
-                if lo < hi:
-                    buf[lo - s:hi - s] = blobs[c.blob][lo - c.index * cs:hi - c.index * cs]
-            out.append(memoryview(buf))
-        return out
+        return await reader.ranges(spans)
 
     async def write_bytes(self, path: str, content, *, perm: int = 0o666) -> Attr:
         """Make ``content`` the whole content of ``path`` (created if missing). Atomic for
@@ -583,10 +599,10 @@ class AsyncClient:
         return await self.meta.setattr(attr.ino, mtime_ns=st.st_mtime_ns,
                                        mode=st.st_mode & 0o7777)
 
-    async def get(self, remote: str, local: str | os.PathLike, *, window: int = 4) -> int:
+    async def get(self, remote: str, local: str | os.PathLike) -> int:
         """Copy a JPFS file to a local path (written to a temporary name, then renamed); the
-        next ``window`` chunks are fetched while the current ones are written."""
-        f = await self.open(remote, "rb", readahead=window)
+        chunks ahead are fetched (read-ahead) while the current ones are written."""
+        f = await self.open(remote, "rb")
         attr = await self.meta.getattr(f.ino)
         tmp = f"{os.fspath(local)}.jpfs-part"
         buf = memoryview(bytearray(f.cs))

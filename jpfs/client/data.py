@@ -1,10 +1,8 @@
-"""File bytes: layouts from the metadata service, blobs from the storage nodes.
+"""Storing file bytes: blobs on R storage nodes first, then the metadata that points at them.
 
-Reads fetch whole blobs (a chunk is one blob, at most ``chunk_size``), verified end to end by the
-storage client, and assemble files from them; a one-chunk file is handed out as a view of its
-blob, without a copy. Writes store blobs first (on R nodes) and only then point the file at them
-in one metadata transaction: a crash in between leaves unreferenced blobs for ``jpfs gc``, never a
-file that points at missing bytes.
+A crash between the two leaves unreferenced blobs for ``jpfs gc``, never a file that points at
+missing bytes. Reading is ``reader.Reader``'s; buffered writes to open files are
+``writer.FileWriter``'s, which store through here.
 """
 
 from __future__ import annotations
@@ -15,66 +13,23 @@ from collections.abc import Sequence
 
 from ..config import Cluster
 from ..placement import chunk_nodes, n_chunks
-from ..types import Attr, Chunk, Layout
-from .cache import BlobCache
+from ..types import Attr, Chunk
 from .meta import MetaClient
 from .storage import StorageClient
-
-_ZEROS = memoryview(bytes(1 << 20))
 
 
 def new_blob_id() -> bytes:
     return os.urandom(16)
 
 
-def assemble(layout: Layout, blobs: Sequence[memoryview]) -> memoryview:
-    """A file's bytes from its chunks' blobs: holes and the tail past the last chunk read as 0."""
-    size = layout.attr.size
-    chunks = layout.chunks
-    if len(chunks) == 1 and chunks[0].index == 0 and chunks[0].length >= size:
-        return blobs[0][:size]
-    out = bytearray(size)
-    cs = layout.chunk_size
-    for c, blob in zip(chunks, blobs, strict=True):
-        start = c.index * cs
-        if start >= size:
-            continue
-        n = min(c.length, size - start)
-        out[start:start + n] = blob[:n]
-    return memoryview(out)
-
-
 class DataPath:
-    """Read and write file contents given inodes (the path-level client sits on top)."""
+    """Store file contents given inodes (the path-level client and the writers sit on top)."""
 
-    def __init__(self, meta: MetaClient, storage: StorageClient, cluster: Cluster,
-                 cache: BlobCache | None = None):
+    def __init__(self, meta: MetaClient, storage: StorageClient, cluster: Cluster):
         self.meta = meta
         self.storage = storage
         self.cluster = cluster
         self.chunk_size = cluster.chunk_size
-        self.cache = cache
-        """Reads go through this blob cache when set (the FUSE mount sets its own)."""
-
-    async def _blobs(self, chunks: Sequence[Chunk]) -> list[memoryview]:
-        if self.cache is not None:
-            return await self.cache.get(chunks, self.storage.get)
-        return await self.storage.get(chunks)
-
-    # ---- reads
-    async def read_layouts(self, layouts: Sequence[Layout]) -> list[memoryview]:
-        """The whole contents of each file, fetched in one batched storage call."""
-        chunks = [c for lay in layouts for c in lay.chunks]
-        blobs = await self._blobs(chunks) if chunks else []
-        out, k = [], 0
-        for lay in layouts:
-            n = len(lay.chunks)
-            out.append(assemble(lay, blobs[k:k + n]))
-            k += n
-        return out
-
-    async def read_chunks(self, chunks: Sequence[Chunk]) -> list[memoryview]:
-        return await self._blobs(chunks) if chunks else []
 
     # ---- writes
     def placement(self, ino: int, parent: int, index: int, total: int) -> tuple[int, ...]:
@@ -113,7 +68,3 @@ class DataPath:
         pieces = [(i, view[i * cs:(i + 1) * cs]) for i in range(total)]
         chunks = await self.store(attr.ino, parent, pieces, total)
         return await self.meta.write_chunks(attr.ino, chunks, len(view))
-
-
-def zeros(n: int) -> memoryview:
-    return _ZEROS[:n] if n <= len(_ZEROS) else memoryview(bytes(n))

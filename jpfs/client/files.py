@@ -1,12 +1,12 @@
 """Open files on the native client: ``AsyncFile`` (trio) and ``RawFile`` (blocking, io-compatible).
 
-A file holds its layout (chunk records) from open time. Reads fetch whole chunks, a few ahead at
-once (``readahead`` chunks, striped over the nodes, so one sequential reader uses every node);
-a sequential reader also has the *next* window in flight while it consumes this one.
-Writes collect modified chunks in memory and, on ``flush``/``close`` (or past ``flush_bytes``),
-store them as new blobs and commit them in one metadata transaction guarded by the version read
-at open: another writer's change in between fails the commit with ESTALE instead of being lost.
-Data becomes visible to other clients at flush or close (close-to-open consistency).
+A file reads through the client's ``Reader`` (the one chunk-assembly path, over the one blob
+cache) and, when open for writing, changes through a ``FileWriter`` (dirty chunks committed on
+``flush``/``close`` or past ``flush_bytes`` in one metadata transaction guarded by the version read
+at open: another writer's change in between fails the commit with ESTALE instead of being lost).
+Sequential reads of a large file are read ahead by the client's prefetcher, several chunks at
+once over several nodes. Data becomes visible to other clients at flush or close
+(close-to-open consistency).
 """
 
 from __future__ import annotations
@@ -14,19 +14,15 @@ from __future__ import annotations
 import errno
 import io
 import logging
-from collections import OrderedDict
-
-import trio
 
 from ..errors import error
-from ..placement import n_chunks
-from ..types import Attr, Chunk, Layout
-from .data import DataPath, zeros
+from ..types import Layout
+from .data import DataPath
+from .prefetch import Prefetcher
+from .reader import Reader, chunk_map
+from .writer import FLUSH_BYTES, FileWriter
 
 log = logging.getLogger(__name__)
-
-READAHEAD_CHUNKS = 4
-FLUSH_BYTES = 64 << 20
 
 
 def parse_mode(mode: str) -> tuple[bool, bool, str]:
@@ -46,113 +42,56 @@ def parse_mode(mode: str) -> tuple[bool, bool, str]:
 class AsyncFile:
     """A binary file open on JPFS. Not safe for concurrent use by several tasks."""
 
-    def __init__(self, data: DataPath, path: str, mode: str, layout: Layout, parent: int, *,
-                 readahead: int = READAHEAD_CHUNKS, flush_bytes: int = FLUSH_BYTES,
-                 nursery: trio.Nursery | None = None):
-        self.data = data
-        self.nursery = nursery
+    def __init__(self, reader: Reader, data: DataPath, prefetcher: Prefetcher | None, path: str,
+                 mode: str, layout: Layout, parent: int, *, flush_bytes: int = FLUSH_BYTES):
+        self.reader = reader
+        self.prefetcher = prefetcher
         self.name = path
         self.mode = mode
         self.readable, self.writable, kind = parse_mode(mode)
         self.append = kind == "a"
         self.ino = layout.attr.ino
-        self.parent = parent
-        self.size = layout.attr.size
-        self.version = layout.attr.version
         self.cs = layout.chunk_size
-        self.pos = self.size if self.append else 0
-        self.readahead = max(1, readahead)
-        self.flush_bytes = flush_bytes
+        self._layout = layout
+        self._chunks = chunk_map(layout.chunks)
+        self._size = layout.attr.size
+        self.writer = FileWriter(data, reader, layout, parent, path, flush_bytes=flush_bytes) \
+            if self.writable else None
+        self.pos = self._size if self.append else 0
         self.closed = False
-        self._chunks: dict[int, Chunk] = {c.index: c for c in layout.chunks}
-        self._blobs: OrderedDict[int, memoryview] = OrderedDict()
-        self._dirty: dict[int, bytearray] = {}
-        self._dirty_bytes = 0
-        self._size_dirty = False
-        self._coming: dict[int, trio.Event] = {}  # chunks being fetched ahead
-        self._last = -2  # the chunk read last (sequential detection)
+
+    @property
+    def size(self) -> int:
+        return self.writer.size if self.writer is not None else self._size
+
+    @property
+    def version(self) -> int:
+        return self.writer.version if self.writer is not None else self._layout.attr.version
 
     # ---- reading
-    async def _chunk(self, index: int) -> memoryview | None:
-        """Chunk ``index``'s bytes as the file has them now (None for a hole)."""
-        if index in self._dirty:
-            return memoryview(self._dirty[index])
-        sequential = index in (self._last, self._last + 1)
-        self._last = index
-        blob = self._blobs.get(index)
-        if blob is None and index in self._coming:
-            await self._coming[index].wait()
-            blob = self._blobs.get(index)
-        if blob is None:
-            if index not in self._chunks:
-                return None
-            want = self._window(index)
-            for c, b in zip(want, await self.data.read_chunks(want), strict=True):
-                self._blobs[c.index] = b[:c.length]
-            blob = self._blobs[index]
-        self._blobs.move_to_end(index)
-        if sequential:
-            self._fetch_ahead(index)
-        while len(self._blobs) > self.readahead * 3:
-            self._blobs.popitem(last=False)
-        return blob
-
-    def _window(self, index: int) -> list[Chunk]:
-        """Stored chunks from ``index`` on, up to ``readahead``, not held or coming already."""
-        return [self._chunks[j] for j in range(index, index + self.readahead)
-                if j in self._chunks and j not in self._blobs and j not in self._dirty
-                and j not in self._coming]
-
-    def _fetch_ahead(self, index: int) -> None:
-        """Start fetching the window after the one holding ``index`` unless it is on its way."""
-        nxt = (index // self.readahead + 1) * self.readahead
-        want = self._window(nxt)
-        if not want or self.nursery is None:
-            return
-        done = trio.Event()
-        for c in want:
-            self._coming[c.index] = done
-        self.nursery.start_soon(self._fetch_window, want, done)
-
-    async def _fetch_window(self, want: list[Chunk], done: trio.Event) -> None:
-        try:
-            got = await self.data.read_chunks(want)
-            if not self.closed:
-                for c, b in zip(want, got, strict=True):
-                    if c.index not in self._dirty and self._chunks.get(c.index) is c:
-                        self._blobs[c.index] = b[:c.length]
-        except OSError as e:  # the reader fetches it again itself, and sees the error then
-            log.debug("read-ahead of %s failed: %s", self.name, e)
-        finally:
-            for c in want:
-                self._coming.pop(c.index, None)
-            done.set()
-
     async def readinto(self, buf) -> int:
         self._check(self.readable, "not open for reading")
         dest = memoryview(buf).cast("B")
-        n = max(0, min(len(dest), self.size - self.pos))
-        done = 0
-        while done < n:
-            index, off = divmod(self.pos + done, self.cs)
-            take = min(n - done, self.cs - off)
-            chunk = await self._chunk(index)
-            have = 0 if chunk is None else max(0, min(take, len(chunk) - off))
-            if have:
-                dest[done:done + have] = chunk[off:off + have]
-            if have < take:
-                dest[done + have:done + take] = zeros(take - have)
-            done += take
-        self.pos += n
-        return n
+        got = await self._read(len(dest))
+        dest[:len(got)] = got
+        return len(got)
 
     async def read(self, n: int = -1) -> bytes:
+        self._check(self.readable, "not open for reading")
         if n is None or n < 0:
             n = max(0, self.size - self.pos)
-        buf = bytearray(min(n, max(0, self.size - self.pos)))
-        got = await self.readinto(buf)
-        del buf[got:]
-        return bytes(buf)
+        return bytes(await self._read(n))
+
+    async def _read(self, n: int):
+        off = self.pos
+        if self.writer is not None:
+            out = await self.writer.read(off, n)
+        else:
+            if self.prefetcher is not None and self._size > self.cs:
+                self.prefetcher.read(self, self._layout, off, n)
+            out = await self.reader.read(self._chunks, self._size, self.cs, off, n)
+        self.pos += len(out)
+        return out
 
     # ---- position
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
@@ -171,73 +110,23 @@ class AsyncFile:
     # ---- writing
     async def write(self, data) -> int:
         self._check(self.writable, "not open for writing")
-        src = memoryview(data).cast("B")
+        assert self.writer is not None
         if self.append:
-            self.pos = self.size
-        done = 0
-        while done < len(src):
-            index, off = divmod(self.pos + done, self.cs)
-            take = min(len(src) - done, self.cs - off)
-            buf = self._dirty.get(index)
-            if buf is None:
-                old = await self._chunk(index)
-                buf = bytearray(old) if old is not None else bytearray()
-                # bytes the file has past this chunk's stored length read as zeros
-                end_here = min(self.cs, max(0, self.size - index * self.cs))
-                if len(buf) < end_here:
-                    buf.extend(bytes(end_here - len(buf)))
-                self._dirty[index] = buf
-                self._blobs.pop(index, None)
-                self._dirty_bytes += self.cs
-            if len(buf) < off:
-                buf.extend(bytes(off - len(buf)))
-            buf[off:off + take] = src[done:done + take]
-            done += take
-        self.pos += len(src)
-        if self.pos > self.size:
-            self.size = self.pos
-            self._size_dirty = True
-        if self._dirty_bytes >= self.flush_bytes:
-            await self.flush()
-        return len(src)
+            self.pos = self.writer.size
+        n = await self.writer.write(self.pos, data)
+        self.pos += n
+        return n
 
     async def truncate(self, size: int | None = None) -> int:
         self._check(self.writable, "not open for writing")
+        assert self.writer is not None
         size = self.pos if size is None else size
-        if size < 0:
-            raise error(errno.EINVAL, "negative size", self.name)
-        await self.flush()
-        attr = await self.data.meta.setattr(self.ino, size=size)
-        self._reload(attr, await self.data.meta.get_layout(self.ino))
+        await self.writer.truncate(size)
         return size
 
     async def flush(self) -> None:
-        if self.closed or not (self._dirty or self._size_dirty):
-            return
-        pieces = [(i, memoryview(b)) for i, b in sorted(self._dirty.items())]
-        total = n_chunks(self.size, self.cs)
-        chunks = await self.data.store(self.ino, self.parent, pieces, total)
-        try:
-            attr = await self.data.meta.write_chunks(self.ino, chunks, self.size,
-                                                     expect_version=self.version)
-        except OSError as e:
-            if e.errno == errno.ESTALE:
-                raise error(errno.ESTALE, "the file was changed by another writer since it was "
-                            "opened; reopen it and write again", self.name) from None
-            raise
-        self.version = attr.version
-        for c, (_, view) in zip(chunks, pieces, strict=True):
-            self._chunks[c.index] = c
-            self._blobs[c.index] = view
-        self._dirty.clear()
-        self._dirty_bytes = 0
-        self._size_dirty = False
-
-    def _reload(self, attr: Attr, layout: Layout) -> None:
-        self.size, self.version = attr.size, attr.version
-        self._chunks = {c.index: c for c in layout.chunks}
-        self._blobs.clear()
-        self.pos = min(self.pos, self.size) if not self.writable else self.pos
+        if not self.closed and self.writer is not None:
+            await self.writer.commit()
 
     async def close(self) -> None:
         if self.closed:
@@ -246,7 +135,8 @@ class AsyncFile:
             await self.flush()
         finally:
             self.closed = True
-            self._blobs.clear()
+            if self.prefetcher is not None:
+                self.prefetcher.closed(self)
 
     def _check(self, allowed: bool, why: str) -> None:
         if self.closed:

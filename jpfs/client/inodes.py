@@ -1,4 +1,4 @@
-"""What the mount knows about each inode the kernel holds.
+"""What the VFS knows about each inode its kernel holds.
 
 FUSE inode numbers are JPFS inode ids. The kernel counts lookups (every entry we hand it) and
 sends FORGET when it drops an inode; a node is kept while the kernel holds it or a handle is open
@@ -6,6 +6,10 @@ on it. A node remembers its last attributes and when they were fetched, the name
 under (the path is needed to learn co-access patterns), its layout, and which version of the file's
 bytes the kernel's page cache may hold: opening an unchanged file then lets the kernel keep its
 pages and never ask us for them again.
+
+Attributes are answered from the node only while they are fresh: every change the VFS makes
+marks the nodes it touched (the target, its old and new parents) ``stale``, so a process reads
+its own changes at once; only other nodes' changes wait for the attribute timeout.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from ..types import ROOT_INO, Attr, Layout
+from .writer import FileWriter
 
 
 @dataclass(slots=True, eq=False)
@@ -29,17 +34,19 @@ class Node:
     layout: Layout | None = None
     kernel_version: int | None = None
     """The file version whose bytes the kernel may have cached (None: it caches none)."""
-    writer: object | None = None
-    """The shared write state while handles write this file (see handles.WriteState)."""
+    writer: FileWriter | None = None
+    """The writer that handles writing this file on this mount share."""
 
 
 class Inodes:
-    """The node table, with paths of directories computed from names and cached."""
+    """The node table, with paths of directories computed from names and cached, and the
+    names each inode was handed out under (to find what an unlink or rename changed)."""
 
     def __init__(self, root: Attr):
         self._nodes: dict[int, Node] = {ROOT_INO: Node(ROOT_INO, root, time.monotonic(),
                                                        lookups=1 << 62)}
         self._paths: dict[int, str] = {ROOT_INO: ""}
+        self._names: dict[tuple[int, bytes], int] = {}
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -52,6 +59,8 @@ class Inodes:
         """Record an entry handed to the kernel (``lookup``: it counts one more lookup)."""
         now = time.monotonic() if fetched is None else fetched
         node = self._nodes.get(attr.ino)
+        if parent:
+            self._names[(parent, name)] = attr.ino
         if node is None:
             node = self._nodes[attr.ino] = Node(attr.ino, attr, now, parent, name)
         else:
@@ -72,6 +81,23 @@ class Inodes:
             node.attr, node.fetched = attr, time.monotonic()
         return node
 
+    def child(self, parent: int, name: bytes) -> Node | None:
+        """The node last handed out as ``name`` in ``parent``, if it is still held."""
+        ino = self._names.get((parent, name))
+        return self._nodes.get(ino) if ino is not None else None
+
+    def unname(self, parent: int, name: bytes) -> Node | None:
+        """``name`` left ``parent`` (unlinked or renamed away); returns its node if held."""
+        ino = self._names.pop((parent, name), None)
+        return self._nodes.get(ino) if ino is not None else None
+
+    def stale(self, *inos: int) -> None:
+        """These inodes changed: their next getattr asks the metadata service."""
+        for ino in inos:
+            node = self._nodes.get(ino)
+            if node is not None:
+                node.fetched = float("-inf")
+
     def forget(self, ino: int, n: int) -> None:
         node = self._nodes.get(ino)
         if node is None or ino == ROOT_INO:
@@ -84,6 +110,10 @@ class Inodes:
                 and node.ino != ROOT_INO:
             self._nodes.pop(node.ino, None)
             self._paths.pop(node.ino, None)
+            if self._names.get((node.parent, node.name)) == node.ino:
+                del self._names[(node.parent, node.name)]
+            if len(self._names) > 2 * len(self._nodes) + 1024:  # names of dropped hard links
+                self._names = {k: v for k, v in self._names.items() if v in self._nodes}
 
     def moved(self) -> None:
         """A directory was renamed or removed: cached paths may be wrong."""

@@ -33,10 +33,9 @@ import trio
 
 from .. import config
 from ..client.cache import BlobCache
-from ..client.client import AsyncClient
-from ..client.prefetch import PrefetchConfig, Prefetcher
-from ..errors import JPFSError, error
-from ..types import ROOT_INO
+from ..client.vfs import VFS, VFSConfig
+from ..errors import error
+from .notifier import KernelNotifier
 from .operations import FuseConfig, Operations
 
 log = logging.getLogger(__name__)
@@ -68,6 +67,7 @@ class MountOptions:
     metrics: str | None = None
     log_file: str | None = None
     max_tasks: int = 256
+    nonempty: bool = False
 
     def child_argv(self) -> list[str]:
         """Arguments for ``jpfs`` that run this mount in the foreground."""
@@ -83,7 +83,8 @@ class MountOptions:
             if value is not None:
                 a += [flag, str(value)]
         for flag, on in (("--read-only", self.read_only), ("--allow-other", self.allow_other),
-                         ("--no-notify-store", not self.notify_store)):
+                         ("--no-notify-store", not self.notify_store),
+                         ("--nonempty", self.nonempty)):
             if on:
                 a.append(flag)
         return a
@@ -209,38 +210,53 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
     """Mount and serve until unmounted or signalled; ``ready`` is called once the mount is live."""
     cluster = config.load(opts.cluster)
     mp = os.path.abspath(opts.mountpoint)
-    if not os.path.isdir(mp):
-        raise error(errno.ENOTDIR, "the mount point is not a directory", mp)
+    check_mountpoint(mp, opts.nonempty)
     entry_t, attr_t, neg_t = _timeouts(opts)
     small = opts.small_file or cluster.chunk_size
     cache_dir = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir(cluster)
     if not cluster.n_nodes:
         raise error(errno.ENODEV, "this cluster has no storage nodes: nothing to mount")
     async with trio.open_nursery() as nursery:
-        client = AsyncClient(nursery, cluster, dir_cache_ttl=entry_t)
         cache = BlobCache(opts.memory_cache, cache_dir if opts.cache_size > 0 else None,
                           opts.cache_size)
+        vfs: VFS | None = None
         try:
-            assert client.data is not None and client.storage is not None
             await cache.open(nursery)
-            client.data.cache = cache
-            pf = Prefetcher(client.meta, client.storage.get, cache,
-                            PrefetchConfig(enabled=opts.prefetch, small_file=small,
-                                           layouts=opts.read_only))
-            await nursery.start(pf.run)
-            root = await client.meta.getattr(ROOT_INO)
-            ops = Operations(client, cache, pf, FuseConfig(
-                mountpoint=mp, read_only=opts.read_only, entry_timeout=entry_t,
-                attr_timeout=attr_t, negative_timeout=neg_t, open_cache=opts.open_cache,
-                small_file=small, notify_store=opts.notify_store), root)
+            vfs = await VFS.connect(nursery, cluster, cache, VFSConfig(
+                read_only=opts.read_only, attr_timeout=attr_t, entry_timeout=entry_t,
+                open_cache=opts.open_cache, small_file=small, notify_store=opts.notify_store),
+                KernelNotifier(), prefetch=opts.prefetch)
+            ops = Operations(vfs, FuseConfig(mountpoint=mp, entry_timeout=entry_t,
+                                             attr_timeout=attr_t, negative_timeout=neg_t))
             fuse_options = {f"fsname={FSNAME}", f"subtype={FSNAME}", "default_permissions"}
             if opts.allow_other:
                 fuse_options.add("allow_other")
             await _serve_mounted(ops, mp, opts, fuse_options, nursery, cache_dir, ready)
         finally:
+            if vfs is not None:
+                vfs.close()
             cache.close()
-            client.close()
             nursery.cancel_scope.cancel()
+
+
+def check_mountpoint(mp: str, nonempty: bool = False) -> None:
+    """A mount point must be an existing directory, and empty unless ``nonempty`` (a mount
+    hides what is under it)."""
+    if not os.path.exists(mp):
+        raise error(errno.ENOENT, "the mount point does not exist (create it with mkdir -p)",
+                    mp)
+    if not os.path.isdir(mp):
+        raise error(errno.ENOTDIR, "the mount point is not a directory", mp)
+    if not nonempty and not is_jpfs_mount(mp):
+        try:
+            with os.scandir(mp) as it:
+                busy = next(it, None) is not None
+        except OSError as e:
+            raise error(e.errno or errno.EIO, f"cannot read the mount point: {e.strerror}",
+                        mp) from None
+        if busy:
+            raise error(errno.ENOTEMPTY, "the mount point is not empty: mounting would hide "
+                        "its files (pass --nonempty to mount over them anyway)", mp)
 
 
 async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_options: set[str],
@@ -252,13 +268,13 @@ async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_opti
         nursery.start_soon(_tune_after_init, ops, mp, opts.read_ahead)
         sf.parent.mkdir(parents=True, exist_ok=True)
         sf.write_text(json.dumps({"pid": os.getpid(), "mountpoint": mp,
-                                  "cluster": str(ops.client.cluster.path),
+                                  "cluster": str(ops.vfs.client.cluster.path),
                                   "log_file": opts.log_file, "cache_dir": str(cache_dir),
                                   "started": time.time()}))
         nursery.start_soon(_on_signals, ops)
         if opts.metrics:
             _serve_metrics(ops, opts.metrics)
-        log.info("mounted %s at %s (%s, prefetch %s)", ops.client.cluster.path, mp,
+        log.info("mounted %s at %s (%s, prefetch %s)", ops.vfs.client.cluster.path, mp,
                  "read-only" if opts.read_only else "read-write",
                  "on" if opts.prefetch else "off")
         if ready is not None:
@@ -266,7 +282,7 @@ async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_opti
         await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(30):
-            await commit_all(ops)
+            await ops.vfs.commit_all()
         pyfuse3.close(unmount=True)
         try:
             st = json.loads(sf.read_text())
@@ -277,24 +293,12 @@ async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_opti
         log.info("unmounted %s", mp)
 
 
-async def commit_all(ops: Operations) -> None:
-    """Commit every file with buffered writes (before an unmount)."""
-    for h in ops.handles.values():
-        st = getattr(h, "write", None)
-        if st is not None:
-            try:
-                await ops._commit(h.node, st)
-            except JPFSError as e:
-                log.error("could not commit %s before unmounting: %s", ops._name(h.node),
-                          e.strerror)
-
-
 async def _on_signals(ops: Operations) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("signal %s: committing writes and unmounting",
                      signal.Signals(signum).name)
-            await commit_all(ops)
+            await ops.vfs.commit_all()
             pyfuse3.terminate()
             return
 
@@ -343,12 +347,11 @@ def _clear_dead_mount(mountpoint: str) -> None:
 def start_background(opts: MountOptions, *, verbose: int = 0) -> int:
     """Start the mount in a new session and wait until it is live; returns the daemon's pid."""
     mp = os.path.abspath(opts.mountpoint)
-    if not os.path.isdir(mp):
-        raise error(errno.ENOTDIR, "the mount point is not a directory", mp)
     if is_jpfs_mount(mp):
         if daemon_pid(mp) is not None:
             raise error(errno.EBUSY, "already mounted (jpfs umount it first)", mp)
         _clear_dead_mount(mp)
+    check_mountpoint(mp, opts.nonempty)
     log_file = Path(opts.log_file) if opts.log_file else default_log_file(mp)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     opts.log_file = str(log_file)
@@ -452,5 +455,6 @@ def _abort_connection(device: str) -> None:
         log.warning("cannot abort the FUSE connection (%s): %s", path, e.strerror)
 
 
-__all__ = ["MountOptions", "daemon_pid", "default_cache_dir", "is_jpfs_mount", "mount_entry",
-           "run_foreground", "serve", "start_background", "state_dir", "unmount"]
+__all__ = ["MountOptions", "check_mountpoint", "daemon_pid", "default_cache_dir",
+           "is_jpfs_mount", "mount_entry", "run_foreground", "serve", "start_background",
+           "state_dir", "unmount"]

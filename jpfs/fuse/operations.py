@@ -1,23 +1,15 @@
-"""pyfuse3 Operations over the JPFS client: what the kernel asks a mount, answered.
+"""pyfuse3 Operations: the kernel's requests, translated to VFS calls.
 
-The cost of a mount is FUSE requests per file (PERF.md: one pyfuse3 daemon answers ~7.5k mixed
-requests/s), so the handlers are built to be asked rarely and to answer from memory:
+This layer decides nothing about files. Each handler translates pyfuse3's arguments, calls
+``jpfs.client.vfs.VFS`` and translates the answer (attributes with the kernel's timeouts, open
+flags, directory entries). The ``.jpfs`` control directory (stats, metrics, prefetch hints) is a
+mount feature and is answered here, before the VFS is asked.
 
-- entries and attributes carry timeouts (long with ``read_only``), and lookups in directories
-  being read are answered from prefetched listings;
-- an open of a file whose bytes the kernel already caches (same version) is answered at once with
-  ``keep_cache``: a re-read costs OPEN and RELEASE only; with ``read_only``, FLUSH is answered
-  ENOSYS once, so the kernel stops sending it;
-- a small file is fetched whole at open (usually already prefetched) and pushed into the kernel's
-  page cache (``notify_store``), so its reads never reach us.
-
-Errors: handlers raise ``JPFSError`` (or let the client's through); the ``fuse_op`` decorator is the
-one place where they become ``FUSEError``. Unreachable servers read as EIO.
-
-Write semantics: writes are buffered per file on this mount and committed on close (FLUSH),
-fsync and when 64 MiB are dirty; a commit is one metadata transaction guarded by the version the
-writer started from, so other nodes see the old bytes or the new, never a mix. Another node sees
-the new bytes when it next opens the file (an open revalidates the layout unless ``read_only``).
+Errors become ``FUSEError`` at one place, the ``fuse_op`` decorator, and nothing a handler raises
+can end the mount: an errno-carrying error is answered as its errno; anything else (a bug, an
+exception group, a cancellation that leaked from another task) is answered EIO and logged with
+the operation, the path and the cause, and the mount goes on. Only a cancellation of the mount
+itself (unmount, a signal) passes through.
 """
 
 from __future__ import annotations
@@ -26,8 +18,6 @@ import errno
 import functools
 import logging
 import os
-import stat
-import time
 from collections import deque
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -36,16 +26,10 @@ import pyfuse3
 import trio
 from prometheus_client import generate_latest
 
-from ..client.cache import BlobCache
-from ..client.client import AsyncClient
-from ..client.data import assemble, zeros
-from ..client.files import AsyncFile
-from ..client.prefetch import Prefetcher
+from ..client.vfs import VFS
 from ..errors import JPFSError, errno_name, error
-from ..types import ROOT_INO, Attr, Layout
+from ..types import ROOT_INO, Attr
 from . import control
-from .handles import ControlHandle, DirHandle, FileHandle, Handles, WriteState
-from .inodes import Inodes, Node
 from .stats import MountStats, registry_for
 
 log = logging.getLogger(__name__)
@@ -53,36 +37,47 @@ log = logging.getLogger(__name__)
 BLKSIZE = 1 << 20
 """st_blksize: tools size their I/O by it (Python's buffers, cp), and bigger I/O means fewer
 requests."""
-READDIR_PAGE = 1000
 HINT_BUFFER_MAX = 16 << 20
-
-_ACL = b"system.posix_acl_"
+CONTROL_FH = 1 << 62
+"""Handles of control files are numbered from here (VFS handles count up from 1)."""
 
 _TO_EIO = frozenset({errno.EHOSTUNREACH, errno.ETIMEDOUT, errno.EPROTO, errno.ECONNREFUSED,
                      errno.ECONNRESET, errno.ENOTCONN, errno.EPIPE})
 _EXPECTED = frozenset({errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.ENODATA, errno.EISDIR,
                        errno.ENOTDIR, errno.EROFS, errno.ENOSYS, errno.EINVAL, errno.EPERM,
                        errno.EACCES, errno.EXDEV, errno.ENAMETOOLONG, errno.ERANGE,
-                       errno.EOPNOTSUPP, errno.EBADF})
+                       errno.EOPNOTSUPP, errno.EBADF, errno.ELOOP})
+_FH_OPS = frozenset({"read", "write", "flush", "fsync", "release", "readdir", "releasedir",
+                     "fsyncdir", "fallocate"})
 
 
 @dataclass
 class FuseConfig:
-    """How the mount answers; see ``jpfs.fuse.mount.MountOptions`` for the user-facing knobs."""
+    """How the mount answers the kernel; see ``jpfs.fuse.mount.MountOptions``."""
 
     mountpoint: str = ""
-    read_only: bool = False
     entry_timeout: float = 1.0
     attr_timeout: float = 1.0
     negative_timeout: float = 0.0
-    open_cache: float = 0.0
-    """Read-write mounts: trust a file's layout this long at open instead of revalidating."""
-    small_file: int = 4 << 20
-    notify_store: bool = True
+
+
+@dataclass(slots=True, eq=False)
+class ControlHandle:
+    ino: int
+    content: bytes = b""
+    pending: bytearray | None = None
+    writable: bool = False
+
+
+def _leaves(e: BaseException) -> list[BaseException]:
+    if isinstance(e, BaseExceptionGroup):
+        return [x for sub in e.exceptions for x in _leaves(sub)]
+    return [e]
 
 
 def fuse_op(name: str):
-    """Count the request, and turn errors into FUSEError: the one place where that happens."""
+    """Count the request, and turn whatever the handler raised into the kernel's answer: the
+    one place where errors become FUSEError."""
 
     def deco(fn):
         @functools.wraps(fn)
@@ -92,73 +87,79 @@ def fuse_op(name: str):
                 return await fn(self, *args)
             except pyfuse3.FUSEError:
                 raise
-            except OSError as e:
-                err = e.errno or errno.EIO
-                if err in _TO_EIO:
-                    err = errno.EIO
-                if err not in _EXPECTED:
-                    log.warning("%s: %s", name, e.strerror or e)
-                self.stats.errors[errno_name(err)] = self.stats.errors.get(errno_name(err), 0) + 1
-                raise pyfuse3.FUSEError(err) from None
-            except Exception:
-                log.exception("%s failed", name)
-                self.stats.errors["EIO"] = self.stats.errors.get("EIO", 0) + 1
-                raise pyfuse3.FUSEError(errno.EIO) from None
+            except BaseException as e:  # noqa: BLE001 - the boundary: nothing may end the mount
+                raise self._answer(name, args, e) from None
 
         return handler
 
     return deco
 
 
-def _outcome(sources: set[str]) -> str:
-    for s in ("fetched", "joined", "disk", "prefetched"):
-        if s in sources:
-            return s
-    return "memory"
-
-
 class Operations(pyfuse3.Operations):
-    """The mount's request handlers; all state lives on the trio loop that runs pyfuse3."""
+    """The mount's request handlers, over one VFS; all state lives on pyfuse3's trio loop."""
 
     supports_dot_lookup = False
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, client: AsyncClient, cache: BlobCache, prefetcher: Prefetcher,
-                 config: FuseConfig, root: Attr):
+    def __init__(self, vfs: VFS, config: FuseConfig):
         super().__init__()
-        if client.data is None or client.storage is None:
-            raise error(errno.ENODEV, "this cluster has no storage nodes")
-        self.client = client
-        self.meta = client.meta
-        self.data = client.data
-        self.fetch = client.storage.get
-        self.cache = cache
-        self.prefetcher = prefetcher
+        self.vfs = vfs
         self.config = config
-        self.ro = config.read_only
-        self.inodes = Inodes(root)
-        self.handles = Handles()
         self.stats = MountStats()
         self.hint_errors: deque[str] = deque(maxlen=20)
-        self._listing_age = float("inf") if self.ro else config.entry_timeout
-        self._attr_age = float("inf") if self.ro else config.attr_timeout
-        self._statfs: tuple[float, pyfuse3.StatvfsData | None] = (0.0, None)
         self.registry = registry_for(self.snapshot)
         self.initialized = trio.Event()
         """Set when the kernel's INIT has been answered (its settings then apply)."""
-        prefetcher.kernel_has = self.inodes.kernel_has
+        self._controls: dict[int, ControlHandle] = {}
+        self._next_control = CONTROL_FH
 
     def init(self) -> None:
         self.initialized.set()
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ the error boundary
 
-    def _entry(self, a: Attr, node: Node | None = None) -> pyfuse3.EntryAttributes:
+    def _answer(self, op: str, args: tuple, e: BaseException) -> pyfuse3.FUSEError:
+        """The FUSEError for an exception out of handler ``op``; re-raises what must end the
+        mount (our own cancellation, KeyboardInterrupt, SystemExit)."""
+        leaves = _leaves(e)
+        if any(isinstance(x, KeyboardInterrupt | SystemExit | GeneratorExit) for x in leaves):
+            raise e
+        if any(isinstance(x, trio.Cancelled) for x in leaves) \
+                and trio.current_effective_deadline() == float("-inf"):
+            raise e  # the mount itself is being cancelled (unmount, signal)
+        os_errors = [x for x in leaves if isinstance(x, OSError)]
+        if len(leaves) == 1 and os_errors and os_errors[0].errno:
+            err = os_errors[0].errno
+            if err in _TO_EIO:
+                err = errno.EIO
+            if err not in _EXPECTED:
+                log.warning("%s of %s: %s", op, self._what(op, args),
+                            os_errors[0].strerror or os_errors[0])
+        else:
+            err = errno.EIO
+            log.error("%s of %s failed; answered EIO", op, self._what(op, args),
+                      exc_info=(type(e), e, e.__traceback__))
+        name = errno_name(err)
+        self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
+        return pyfuse3.FUSEError(err)
+
+    def _what(self, op: str, args: tuple) -> str:
+        """The path (or inode) a request was about, for log lines."""
+        if not args or not isinstance(args[0], int):
+            return "the mount"
+        first = args[0]
+        if op in _FH_OPS:
+            h = self.vfs.handles.get(first)
+            node = getattr(h, "node", None)
+            return self.vfs.name_of(node) if node is not None else f"handle {first}"
+        node = self.vfs.inodes.get(first)
+        return self.vfs.name_of(node) if node is not None else f"inode {first}"
+
+    # ------------------------------------------------------------------ translation
+
+    def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
-        size = a.size
-        if node is not None and node.writer is not None:
-            size = node.writer.file.size
         e.st_ino = a.ino
         e.generation = 0
         e.entry_timeout = self.config.entry_timeout
@@ -168,9 +169,9 @@ class Operations(pyfuse3.Operations):
         e.st_uid = a.uid
         e.st_gid = a.gid
         e.st_rdev = a.rdev
-        e.st_size = size
+        e.st_size = a.size
         e.st_blksize = BLKSIZE
-        e.st_blocks = (size + 511) // 512
+        e.st_blocks = a.blocks
         e.st_atime_ns = a.atime_ns
         e.st_mtime_ns = a.mtime_ns
         e.st_ctime_ns = a.ctime_ns
@@ -189,34 +190,27 @@ class Operations(pyfuse3.Operations):
         self.stats.requests[op] -= 1
         self.stats.control_requests += 1
 
-    def _writable(self) -> None:
-        if self.ro:
-            raise error(errno.EROFS, "the mount is read-only")
-
-    def _changed_dir(self, ino: int) -> None:
-        self.prefetcher.forget_dir(ino)
-
-    async def _node(self, ino: int) -> Node:
-        node = self.inodes.get(ino)
-        if node is None:
-            attr = await self.meta.getattr(ino)
-            node = self.inodes.get(ino) or self.inodes.remember(attr, 0, b"", lookup=False)
-        return node
+    @staticmethod
+    def _no_control(parent: int, name: bytes) -> None:
+        if control.is_control(parent) or (parent == ROOT_INO and name == control.CONTROL_NAME):
+            raise error(errno.EPERM, "the .jpfs control directory cannot be changed")
 
     def snapshot(self) -> dict:
         """Everything the mount counts, as one JSON-able object."""
-        cfg = self.config
+        vfs = self.vfs
+        v = vfs.snapshot()
         return {
             "mount": {
-                "mountpoint": cfg.mountpoint, "read_only": cfg.read_only,
-                "entry_timeout": cfg.entry_timeout, "attr_timeout": cfg.attr_timeout,
-                "small_file": cfg.small_file, "notify_store": cfg.notify_store,
-                "inodes": len(self.inodes), "handles": len(self.handles),
-                "cluster": str(self.client.cluster.path or ""),
+                "mountpoint": self.config.mountpoint, "read_only": vfs.config.read_only,
+                "entry_timeout": self.config.entry_timeout,
+                "attr_timeout": self.config.attr_timeout,
+                "small_file": vfs.config.small_file, "notify_store": vfs.config.notify_store,
+                "inodes": v["inodes"], "handles": v["handles"] + len(self._controls),
+                "cluster": str(vfs.client.cluster.path or ""),
             },
-            "fuse": self.stats.as_dict(),
-            "cache": self.cache.as_dict(),
-            "prefetch": self.prefetcher.as_dict(),
+            "fuse": self.stats.as_dict(v),
+            "cache": vfs.cache.as_dict(),
+            "prefetch": vfs.prefetcher.as_dict(),
         }
 
     # ------------------------------------------------------------------ names
@@ -231,51 +225,29 @@ class Operations(pyfuse3.Operations):
             if ino is None:
                 raise error(errno.ENOENT, "no such control file")
             return self._entry(control.attr(ino))
-        lst = self.prefetcher.listings.get(parent, self._listing_age)
-        if lst is not None:
-            i = lst.pos.get(name)
-            if i is not None:
-                node = self.inodes.remember(lst.attrs[i], parent, name, fetched=lst.fetched)
-                return self._entry(node.attr, node)
-            if lst.complete:
-                return self._negative()
         try:
-            attr = await self.meta.lookup(parent, name)
+            return self._entry(await self.vfs.lookup(parent, name))
         except JPFSError as e:
             if e.errno == errno.ENOENT:
                 return self._negative()
             raise
-        node = self.inodes.remember(attr, parent, name)
-        return self._entry(node.attr, node)
 
     @fuse_op("forget")
     async def forget(self, inode_list) -> None:
-        for ino, n in inode_list:
-            self.inodes.forget(ino, n)
+        self.vfs.forget(inode_list)
 
     @fuse_op("getattr")
     async def getattr(self, inode: int, ctx) -> pyfuse3.EntryAttributes:
         if control.is_control(inode):
             self._ctl("getattr")
             return self._entry(control.attr(inode))
-        node = self.inodes.get(inode)
-        if node is not None and time.monotonic() - node.fetched < self._attr_age:
-            return self._entry(node.attr, node)
-        try:
-            attr = await self.meta.getattr(inode)
-        except JPFSError as e:
-            if e.errno == errno.ENOENT and node is not None and (node.opens or node.writer):
-                return self._entry(node.attr.with_(nlink=0), node)  # removed, still open
-            raise
-        node = self.inodes.update(attr)
-        return self._entry(attr, node)
+        return self._entry(await self.vfs.getattr(inode))
 
     @fuse_op("setattr")
     async def setattr(self, inode: int, attr, fields, fh, ctx) -> pyfuse3.EntryAttributes:
         if control.is_control(inode):
             self._ctl("setattr")
             raise error(errno.EPERM, "control files cannot be changed")
-        self._writable()
         changes: dict[str, int] = {}
         if fields.update_mode:
             changes["mode"] = attr.st_mode & 0o7777
@@ -289,117 +261,51 @@ class Operations(pyfuse3.Operations):
             changes["mtime_ns"] = attr.st_mtime_ns
         if fields.update_ctime:
             changes["ctime_ns"] = attr.st_ctime_ns
-        node = self.inodes.get(inode)
-        st: WriteState | None = node.writer if node is not None else None  # type: ignore
-        before = node.attr.version if node is not None else None
-        if fields.update_size:
-            if st is not None:
-                async with st.lock:
-                    await st.file.truncate(attr.st_size)
-                self._committed(node, st)
-            else:
-                changes["size"] = attr.st_size
-        elif st is not None and ("mtime_ns" in changes or "atime_ns" in changes):
-            await self._commit(node, st)  # a later commit would overwrite the times set now
-        if changes:
-            new = await self.meta.setattr(inode, **changes)
-        else:
-            new = await self.meta.getattr(inode)
-        node = self.inodes.update(new)
-        if node is not None and node.kernel_version == before and fields.update_size:
-            node.kernel_version = new.version  # the kernel truncated its own pages
-            node.layout = None
-        if node is not None and node.parent:
-            self._changed_dir(node.parent)
-        return self._entry(new, node)
+        size = attr.st_size if fields.update_size else None
+        return self._entry(await self.vfs.setattr(inode, changes, size))
 
     @fuse_op("readlink")
     async def readlink(self, inode: int, ctx) -> bytes:
-        return await self.meta.readlink(inode)
+        return await self.vfs.readlink(inode)
 
     @fuse_op("mknod")
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx):
-        self._writable()
         self._no_control(parent, name)
-        if stat.S_IFMT(mode) not in (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK):
-            raise error(errno.EPERM, "JPFS stores no device files")
-        attr, _ = await self.meta.create(parent, name, mode, ctx.uid, ctx.gid, exclusive=True)
-        self._changed_dir(parent)
-        node = self.inodes.remember(attr, parent, name)
-        return self._entry(attr, node)
+        return self._entry(await self.vfs.mknod(parent, name, mode, rdev, ctx.uid, ctx.gid))
 
     @fuse_op("mkdir")
     async def mkdir(self, parent: int, name: bytes, mode: int, ctx):
-        self._writable()
         self._no_control(parent, name)
-        attr = await self.meta.mkdir(parent, name, mode & 0o7777, ctx.uid, ctx.gid)
-        self._changed_dir(parent)
-        node = self.inodes.remember(attr, parent, name)
-        return self._entry(attr, node)
+        return self._entry(await self.vfs.mkdir(parent, name, mode, ctx.uid, ctx.gid))
 
     @fuse_op("symlink")
     async def symlink(self, parent: int, name: bytes, target: bytes, ctx):
-        self._writable()
         self._no_control(parent, name)
-        attr = await self.meta.symlink(parent, name, target, ctx.uid, ctx.gid)
-        self._changed_dir(parent)
-        node = self.inodes.remember(attr, parent, name)
-        return self._entry(attr, node)
+        return self._entry(await self.vfs.symlink(parent, name, target, ctx.uid, ctx.gid))
 
     @fuse_op("link")
     async def link(self, inode: int, new_parent: int, new_name: bytes, ctx):
-        self._writable()
         self._no_control(new_parent, new_name)
         if control.is_control(inode):
             raise error(errno.EPERM, "control files cannot be linked")
-        attr = await self.meta.link(inode, new_parent, new_name)
-        self._changed_dir(new_parent)
-        node = self.inodes.remember(attr, new_parent, new_name)
-        return self._entry(attr, node)
+        return self._entry(await self.vfs.link(inode, new_parent, new_name))
 
     @fuse_op("unlink")
     async def unlink(self, parent: int, name: bytes, ctx) -> None:
-        self._writable()
         self._no_control(parent, name)
-        await self.meta.unlink(parent, name)
-        self._changed_dir(parent)
+        await self.vfs.unlink(parent, name)
 
     @fuse_op("rmdir")
     async def rmdir(self, parent: int, name: bytes, ctx) -> None:
-        self._writable()
         self._no_control(parent, name)
-        await self.meta.rmdir(parent, name)
-        self._changed_dir(parent)
-        self.inodes.moved()
+        await self.vfs.rmdir(parent, name)
 
     @fuse_op("rename")
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
                      flags: int, ctx) -> None:
-        self._writable()
         self._no_control(parent_old, name_old)
         self._no_control(parent_new, name_new)
-        await self.meta.rename(parent_old, name_old, parent_new, name_new, flags)
-        self._changed_dir(parent_old)
-        self._changed_dir(parent_new)
-        self.inodes.moved()
-        # keep the names of moved inodes right: co-access learning works on paths
-        pairs = [(parent_new, name_new)]
-        if flags & pyfuse3.RENAME_EXCHANGE:
-            pairs.append((parent_old, name_old))
-        for p, n in pairs:
-            try:
-                a = await self.meta.lookup(p, n)
-            except JPFSError:
-                continue
-            node = self.inodes.get(a.ino)
-            if node is not None:
-                node.parent, node.name = p, n
-                self.inodes.update(a)
-                self.prefetcher.forget_dir(a.ino)
-
-    def _no_control(self, parent: int, name: bytes) -> None:
-        if control.is_control(parent) or (parent == ROOT_INO and name == control.CONTROL_NAME):
-            raise error(errno.EPERM, "the .jpfs control directory cannot be changed")
+        await self.vfs.rename(parent_old, name_old, parent_new, name_new, flags)
 
     # ------------------------------------------------------------------ files
 
@@ -407,319 +313,65 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx) -> pyfuse3.FileInfo:
         if control.is_control(inode):
             self._ctl("open")
-            return await self._control_open(inode, flags)
-        node = self.inodes.get(inode)
-        if node is None:
-            node = await self._node(inode)
-        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-            return await self._open_write(node, flags)
-        if node.writer is not None:  # being written on this mount: reads go through it
-            node.opens += 1
-            self.stats.opens["memory"] += 1
-            return pyfuse3.FileInfo(fh=self.handles.add(FileHandle(node)), keep_cache=True)
-        if self.ro and node.kernel_version == node.attr.version and node.layout is not None:
-            # the kernel holds these bytes: nothing to fetch, nothing to check
-            node.opens += 1
-            self.stats.opens["kernel"] += 1
-            return pyfuse3.FileInfo(fh=self.handles.add(FileHandle(node, node.layout)),
-                                    keep_cache=True)
-        return await self._open_read(node, ctx.pid)
-
-    async def _open_read(self, node: Node, stream: int) -> pyfuse3.FileInfo:
-        ino = node.ino
-        cfg = self.config
-        layout: Layout | None = None
-        if self.ro:
-            layout = node.layout or self.prefetcher.layout(ino)
-        elif cfg.open_cache > 0 and node.layout is not None \
-                and time.monotonic() - node.fetched < cfg.open_cache:
-            layout = node.layout
-        if layout is None:
-            layout = await self.meta.get_layout(ino)
-            self.inodes.update(layout.attr)
-        elif node.attr.version != layout.attr.version:
-            self.inodes.update(layout.attr)
-        node.layout = layout
-        attr = layout.attr
-        version = attr.version
-        keep = node.kernel_version == version
-        stale = node.kernel_version is not None and not keep
-        h = FileHandle(node, layout)
-        fh = self.handles.add(h)
-        node.opens += 1
-        try:
-            if node.parent and self.prefetcher.enabled:
-                path = self.inodes.path(node)
-                if path is not None:
-                    ready = all(not self.cache.needs(c.blob) for c in layout.chunks)
-                    self.prefetcher.opened(stream, ino, node.parent, node.name, path, attr,
-                                           ready)
-            if keep:
-                outcome = "kernel"
-            elif not layout.chunks or attr.size == 0:
-                outcome = "empty"
-            elif attr.size <= cfg.small_file:
-                outcome = await self._fetch_whole(h, layout)
-                if h.data is not None and not stale and node.opens == 1 and cfg.notify_store:
-                    # Only when no other handle is open: then no READ of this inode can hold
-                    # page locks that the store would wait for while we cannot answer.
-                    try:
-                        pyfuse3.notify_store(ino, 0, h.data)
-                    except OSError as e:
-                        log.debug("notify_store of inode %d failed: %s", ino, e)
-                    else:
-                        keep = True
-                        self.stats.notify_store_bytes += len(h.data)
-                        self.cache.delivered([c.blob for c in layout.chunks])
-            else:
-                outcome = "deferred"
-        except BaseException:
-            self.handles.pop(fh)
-            node.opens -= 1
-            raise
-        if stale and not self.ro:
-            try:  # the kernel's size may be stale too: make it ask again
-                pyfuse3.invalidate_inode(ino, attr_only=True)
-            except OSError:
-                pass
-        node.kernel_version = version
-        self.stats.opens[outcome] += 1
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
-
-    async def _fetch_whole(self, h: FileHandle, layout: Layout) -> str:
-        sources: set[str] = set()
-        try:
-            blobs = await self.cache.get(layout.chunks, self.fetch, sources)
-        except JPFSError as e:
-            log.warning("cannot read %s: %s", self._name(h.node), e.strerror)
-            raise
-        h.data = assemble(layout, blobs)
-        return _outcome(sources)
-
-    def _name(self, node: Node) -> str:
-        return self.inodes.path(node) or f"inode {node.ino}"
-
-    async def _open_write(self, node: Node, flags: int, *, new: Layout | None = None
-                          ) -> pyfuse3.FileInfo:
-        self._writable()
-        if node.attr.is_dir:
-            raise error(errno.EISDIR, "is a directory")
-        st: WriteState | None = node.writer  # type: ignore[assignment]
-        if st is None:
-            layout = new or await self.meta.get_layout(node.ino)
-            st = node.writer  # type: ignore[assignment]
-            if st is None:
-                f = AsyncFile(self.data, self._name(node), "r+b", layout, node.parent)
-                st = node.writer = WriteState(f)
-                self.inodes.update(layout.attr)
-        st.refs += 1
-        node.opens += 1
-        h = FileHandle(node, write=st, readable=flags & os.O_ACCMODE == os.O_RDWR)
-        fh = self.handles.add(h)
-        try:
-            if flags & os.O_TRUNC and (st.file.size or st.dirty):
-                async with st.lock:
-                    await st.file.truncate(0)
-                self._committed(node, st)
-        except BaseException:
-            self.handles.pop(fh)
-            await self._drop_writer(node, st)
-            raise
-        keep = node.kernel_version == st.file.version
-        node.kernel_version = st.file.version
-        self.stats.opens["write"] += 1
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+            return self._control_open(inode, flags)
+        f = await self.vfs.open(inode, flags, ctx.pid)
+        return pyfuse3.FileInfo(fh=f.fh, keep_cache=f.keep_cache)
 
     @fuse_op("create")
     async def create(self, parent: int, name: bytes, mode: int, flags: int, ctx):
-        self._writable()
         self._no_control(parent, name)
-        attr, created = await self.meta.create(parent, name, mode, ctx.uid, ctx.gid,
-                                               exclusive=bool(flags & os.O_EXCL))
-        self._changed_dir(parent)
-        node = self.inodes.remember(attr, parent, name)
-        if created:
-            node.kernel_version = attr.version
-        new = Layout(attr, self.data.chunk_size, ()) if created else None
-        fi = await self._open_write(node, flags, new=new)
-        return fi, self._entry(node.attr, node)
+        f, attr = await self.vfs.create(parent, name, mode, flags, ctx.uid, ctx.gid)
+        return pyfuse3.FileInfo(fh=f.fh, keep_cache=f.keep_cache), self._entry(attr)
 
     @fuse_op("read")
     async def read(self, fh: int, off: int, size: int):
-        h = self.handles.get(fh)
-        if h is None:
-            raise error(errno.EBADF, "no such handle")
-        if type(h) is ControlHandle:
+        if fh >= CONTROL_FH:
             self._ctl("read")
-            return h.content[off:off + size]
-        assert type(h) is FileHandle
-        if h.data is not None:
-            out = h.data[off:off + size]
-            self.stats.read_bytes += len(out)
-            return out
-        node = h.node
-        st: WriteState | None = node.writer  # type: ignore[assignment]
-        if st is not None:
-            async with st.lock:
-                st.file.seek(off)
-                out = await st.file.read(size)
-            self.stats.read_bytes += len(out)
-            return out
-        layout = h.layout
-        if layout is None:
-            layout = h.layout = node.layout or await self.meta.get_layout(node.ino)
-        out = await self._read_layout(fh, h, layout, off, size)
-        self.stats.read_bytes += len(out)
-        return out
-
-    async def _read_layout(self, fh: int, h: FileHandle, layout: Layout, off: int, size: int):
-        fsize = layout.attr.size
-        if off >= fsize or size <= 0:
-            return b""
-        n = min(size, fsize - off)
-        if fsize <= self.config.small_file:
-            blobs = await self.cache.get(layout.chunks, self.fetch)
-            h.data = assemble(layout, blobs)
-            return h.data[off:off + n]
-        cs = layout.chunk_size
-        chunks = h.chunks
-        if chunks is None:
-            chunks = h.chunks = {c.index: c for c in layout.chunks}
-        self.prefetcher.read(fh, layout, off, n)
-        first, last = off // cs, (off + n - 1) // cs
-        if first == last:
-            out = await self._piece(chunks.get(first), off - first * cs, n)
-        else:
-            out = bytearray(n)
-            pos = 0
-            for i in range(first, last + 1):
-                start = max(off, i * cs) - i * cs
-                take = min(cs - start, n - pos)
-                out[pos:pos + take] = await self._piece(chunks.get(i), start, take)
-                pos += take
-        end = off + n
-        if end % cs == 0 or end == fsize:
-            # read to the end of a chunk: the kernel's page cache holds it now (keep_cache),
-            # so the chunk's memory goes back for the next one (see BlobCache.delivered)
-            done = chunks.get(last)
-            if done is not None:
-                self.cache.delivered([done.blob])
-        return out
-
-    async def _piece(self, c, start: int, n: int):
-        """``n`` bytes of a chunk from ``start`` (zeros for a hole or past its stored length)."""
-        if c is None:
-            return zeros(n)
-        view = self.cache.peek(c)
-        if view is None:
-            (view,) = await self.cache.get([c], self.fetch)
-        end = start + n
-        if end <= c.length:
-            return view[start:end]
-        have = max(0, c.length - start)
-        return bytes(view[start:start + have]) + bytes(n - have)
+            return self._control(fh).content[off:off + size]
+        return await self.vfs.read(fh, off, size)
 
     @fuse_op("write")
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        h = self.handles.get(fh)
-        if h is None:
-            raise error(errno.EBADF, "no such handle")
-        if type(h) is ControlHandle:
+        if fh >= CONTROL_FH:
             self._ctl("write")
-            return await self._hint_write(h, buf)
-        assert type(h) is FileHandle
-        st = h.write
-        if st is None:
-            raise error(errno.EBADF, "not open for writing")
-        async with st.lock:
-            st.file.seek(off)
-            n = await st.file.write(buf)
-        if st.file.version != h.node.attr.version:
-            self._committed(h.node, st)  # it passed the dirty bound and committed
-        self.stats.write_bytes += n
-        return n
+            return await self._hint_write(self._control(fh), buf)
+        return await self.vfs.write(fh, off, buf)
 
     @fuse_op("flush")
     async def flush(self, fh: int) -> None:
-        h = self.handles.get(fh)
-        if type(h) is ControlHandle:
+        if fh >= CONTROL_FH:
             self._ctl("flush")
+            h = self._control(fh)
             if h.pending:
                 await self._hint_submit(h, bytes(h.pending))
             return
-        if self.ro:
-            # nothing to commit, ever: ENOSYS tells the kernel to stop sending FLUSH
+        if self.vfs.ro:  # nothing to commit, ever: ENOSYS tells the kernel to stop sending FLUSH
             raise error(errno.ENOSYS, "flush is not needed")
-        if type(h) is FileHandle and h.write is not None:
-            await self._commit(h.node, h.write)
+        await self.vfs.flush(fh)
 
     @fuse_op("fsync")
     async def fsync(self, fh: int, datasync: bool) -> None:
-        h = self.handles.get(fh)
-        if type(h) is FileHandle and h.write is not None:
-            await self._commit(h.node, h.write)
+        if fh < CONTROL_FH:
+            await self.vfs.fsync(fh)
 
     @fuse_op("release")
     async def release(self, fh: int) -> None:
-        h = self.handles.pop(fh)
-        if h is None:
-            return
-        if type(h) is ControlHandle:
+        if fh >= CONTROL_FH:
             self._ctl("release")
-            if h.pending:
+            h = self._controls.pop(fh, None)
+            if h is not None and h.pending:
                 try:
                     await self._hint_submit(h, bytes(h.pending))
                 except JPFSError:
                     pass  # logged; release cannot report it
             return
-        assert type(h) is FileHandle
-        node = h.node
-        node.opens -= 1
-        st = h.write
-        if st is not None:
-            await self._drop_writer(node, st)
-        elif h.chunks is not None:
-            self.prefetcher.closed(fh)
-        if node.lookups <= 0:
-            self.inodes.drop_if_unused(node)
+        await self.vfs.release(fh)
 
-    async def _drop_writer(self, node: Node, st: WriteState) -> None:
-        st.refs -= 1
-        if st.refs > 0:
-            return
-        try:
-            await self._commit(node, st)
-        finally:
-            if st.refs == 0 and node.writer is st:
-                node.writer = None
-                if node.lookups <= 0:
-                    self.inodes.drop_if_unused(node)
-
-    async def _commit(self, node: Node, st: WriteState) -> None:
-        async with st.lock:
-            if not st.dirty or st.discarded:
-                return
-            try:
-                await st.file.flush()
-            except JPFSError as e:
-                if e.errno != errno.ENOENT:
-                    raise
-                st.discarded = True  # removed while open: its bytes go with it, as in POSIX
-                log.debug("%s was removed while open; its unwritten bytes are dropped",
-                          self._name(node))
-                return
-        self._committed(node, st)
-
-    def _committed(self, node: Node, st: WriteState) -> None:
-        f = st.file
-        now = time.time_ns()
-        node.attr = node.attr.with_(size=f.size, version=f.version, mtime_ns=now, ctime_ns=now)
-        node.fetched = 0.0  # ask the metadata service next time
-        node.layout = None
-        node.kernel_version = f.version  # the kernel's pages were written through it
-        self.stats.commits += 1
-        if node.parent:
-            self._changed_dir(node.parent)
+    @fuse_op("fallocate")
+    async def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
+        if fh >= CONTROL_FH:
+            raise error(errno.EOPNOTSUPP, "control files take no space")
+        await self.vfs.fallocate(fh, mode, off, length)
 
     # ------------------------------------------------------------------ directories
 
@@ -727,114 +379,54 @@ class Operations(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx) -> int:
         if control.is_control(inode):
             self._ctl("opendir")
-            h = DirHandle(inode, [(n, control.attr(i)) for n, i in control.FILES.items()],
-                          done=True)
-            return self.handles.add(h)
-        return self.handles.add(DirHandle(inode))
+            return self._add_control(ControlHandle(inode))
+        return self.vfs.opendir(inode)
 
     @fuse_op("readdir")
     async def readdir(self, fh: int, start_id: int, token) -> None:
-        h = self.handles.get(fh)
-        if type(h) is not DirHandle:
-            raise error(errno.EBADF, "not a directory handle")
-        ctl = control.is_control(h.ino)
-        if ctl:
+        if fh >= CONTROL_FH:
             self._ctl("readdir")
-        # ids: 1 after ".", 2 after "..", then 3 + i after entry i
-        if start_id == 0:
-            me = control.attr(h.ino) if ctl else (await self._node(h.ino)).attr
-            if not pyfuse3.readdir_reply(token, b".", self._entry(me), 1):
-                return
-        if start_id <= 1:
-            up = self._parent_attr(h.ino)
-            if not pyfuse3.readdir_reply(token, b"..", self._entry(up), 2):
-                return
-        i = max(0, start_id - 2)
-        if i < h.base:  # rewound past what is kept: list again from the start
-            h.entries, h.base, h.done, h.after = [], 0, False, b""
-        elif i - h.base > READDIR_PAGE:  # keep a window, not a million entries
-            cut = min(i - h.base, len(h.entries))
-            del h.entries[:cut]
-            h.base += cut
-        while True:
-            if i - h.base >= len(h.entries) and not h.done:
-                await self._more(h, i)
-            k = i - h.base
-            if k >= len(h.entries):
-                return
-            name, attr = h.entries[k]
-            if not pyfuse3.readdir_reply(token, name, self._entry(attr), i + 3):
-                return
-            if not ctl:
-                self.inodes.remember(attr, h.ino, name)
-            i += 1
-
-    def _parent_attr(self, ino: int) -> Attr:
-        if control.is_control(ino):
-            return self.inodes.get(ROOT_INO).attr  # type: ignore[union-attr]
-        node = self.inodes.get(ino)
-        up = self.inodes.get(node.parent) if node is not None and node.parent else None
-        return (up or node or self.inodes.get(ROOT_INO)).attr  # type: ignore[union-attr]
-
-    async def _more(self, h: DirHandle, want: int) -> None:
-        """Fetch pages until entry ``want`` is held (or the directory ends)."""
-        while not h.done and want - h.base >= len(h.entries):
-            got, raw = [], 0
-            async with aclosing(self.meta.readdir(h.ino, plus=True, page=READDIR_PAGE,
-                                                  after=h.after)) as it:
-                async for e in it:
-                    raw += 1
-                    if e.attr is not None and not (h.ino == ROOT_INO
-                                                   and e.name == control.CONTROL_NAME):
-                        got.append((e.name, e.attr))
-                    h.after = e.name
-                    if raw >= READDIR_PAGE:
-                        break
-            h.entries.extend(got)
-            if raw < READDIR_PAGE:
-                h.done = True
+            h = self._control(fh)
+            entries = [(b".", control.attr(h.ino)), (b"..", self.vfs.inodes.get(ROOT_INO).attr)]
+            entries += [(n, control.attr(i)) for n, i in control.FILES.items()]
+            for k in range(start_id, len(entries)):
+                name, a = entries[k]
+                if not pyfuse3.readdir_reply(token, name, self._entry(a), k + 1):
+                    return
+            return
+        root = self.vfs.inodes.get(ROOT_INO)
+        async with aclosing(self.vfs.readdir(fh, start_id)) as it:
+            async for name, attr, nxt in it:
+                if name == control.CONTROL_NAME and root is not None \
+                        and self.vfs.handles.get(fh).ino == ROOT_INO:  # type: ignore[union-attr]
+                    continue  # a stored entry of that name is hidden by the control directory
+                if not pyfuse3.readdir_reply(token, name, self._entry(attr), nxt):
+                    return
 
     @fuse_op("releasedir")
     async def releasedir(self, fh: int) -> None:
-        h = self.handles.pop(fh)
-        if type(h) is DirHandle and control.is_control(h.ino):
+        if fh >= CONTROL_FH:
             self._ctl("releasedir")
+            self._controls.pop(fh, None)
+            return
+        self.vfs.releasedir(fh)
 
     @fuse_op("fsyncdir")
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        return None
+        return None  # namespace changes are durable when answered
 
     # ------------------------------------------------------------------ filesystem
 
     @fuse_op("statfs")
     async def statfs(self, ctx) -> pyfuse3.StatvfsData:
-        at, cached = self._statfs
-        if cached is not None and time.monotonic() - at < 1.0:
-            return cached
-        totals = await self.meta.statfs()
-        storage = self.client.storage
-        nodes: list[dict] = []
-
-        async def one(i: int) -> None:
-            try:
-                nodes.append(await storage.stats(i))
-            except JPFSError:
-                pass
-
-        async with trio.open_nursery() as nursery:
-            for i in range(storage.n_nodes):
-                nursery.start_soon(one, i)
-        r = max(1, self.client.cluster.replicas)
-        bs = 4096
+        st = await self.vfs.statfs()
         s = pyfuse3.StatvfsData()
-        s.f_bsize = s.f_frsize = bs
-        s.f_blocks = sum(n.get("disk_total", 0) for n in nodes) // r // bs
-        s.f_bfree = s.f_bavail = sum(n.get("disk_free", 0) for n in nodes) // r // bs
-        free_inodes = 1 << 40
-        s.f_files = totals.get("inodes", 0) + free_inodes
-        s.f_ffree = s.f_favail = free_inodes
-        s.f_namemax = 255
-        self._statfs = (time.monotonic(), s)
+        s.f_bsize = s.f_frsize = st.block_size
+        s.f_blocks = st.blocks
+        s.f_bfree = s.f_bavail = st.blocks_free
+        s.f_files = st.files
+        s.f_ffree = s.f_favail = st.files_free
+        s.f_namemax = st.name_max
         return s
 
     @fuse_op("getxattr")
@@ -842,36 +434,42 @@ class Operations(pyfuse3.Operations):
         if control.is_control(inode):
             self._ctl("getxattr")
             raise error(errno.ENODATA, "no such attribute")
-        if name.startswith(_ACL):  # asked by ls and cp for every file; never stored
-            raise error(errno.ENODATA, "no such attribute")
-        return await self.meta.getxattr(inode, name)
+        return await self.vfs.getxattr(inode, name)
 
     @fuse_op("setxattr")
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx) -> None:
-        self._writable()
         if control.is_control(inode):
             raise error(errno.EPERM, "control files have no attributes")
-        if name.startswith(_ACL):
-            raise error(errno.EOPNOTSUPP, "JPFS has no POSIX ACLs (mode bits only)")
-        await self.meta.setxattr(inode, name, value, 0)
+        await self.vfs.setxattr(inode, name, value)
 
     @fuse_op("listxattr")
     async def listxattr(self, inode: int, ctx) -> list[bytes]:
         if control.is_control(inode):
             self._ctl("listxattr")
             return []
-        return await self.meta.listxattr(inode)
+        return await self.vfs.listxattr(inode)
 
     @fuse_op("removexattr")
     async def removexattr(self, inode: int, name: bytes, ctx) -> None:
-        self._writable()
         if control.is_control(inode):
             raise error(errno.EPERM, "control files have no attributes")
-        await self.meta.removexattr(inode, name)
+        await self.vfs.removexattr(inode, name)
 
     # ------------------------------------------------------------------ control files
 
-    async def _control_open(self, inode: int, flags: int) -> pyfuse3.FileInfo:
+    def _add_control(self, h: ControlHandle) -> int:
+        fh = self._next_control
+        self._next_control += 1
+        self._controls[fh] = h
+        return fh
+
+    def _control(self, fh: int) -> ControlHandle:
+        h = self._controls.get(fh)
+        if h is None:
+            raise error(errno.EBADF, "no such control handle")
+        return h
+
+    def _control_open(self, inode: int, flags: int) -> pyfuse3.FileInfo:
         writing = flags & os.O_ACCMODE != os.O_RDONLY
         if inode == control.CONTROL_DIR:
             raise error(errno.EISDIR, "is a directory")
@@ -882,12 +480,13 @@ class Operations(pyfuse3.Operations):
         elif inode == control.METRICS:
             content = generate_latest(self.registry)
         else:
-            content = control.prefetch_status(self.prefetcher.as_dict(), list(self.hint_errors))
-        h = ControlHandle(inode, content, writable=writing)
-        return pyfuse3.FileInfo(fh=self.handles.add(h), direct_io=True, keep_cache=False)
+            content = control.prefetch_status(self.vfs.prefetcher.as_dict(),
+                                              list(self.hint_errors))
+        h = ControlHandle(inode, content, bytearray() if writing else None, writing)
+        return pyfuse3.FileInfo(fh=self._add_control(h), direct_io=True, keep_cache=False)
 
     async def _hint_write(self, h: ControlHandle, buf: bytes) -> int:
-        if not h.writable:
+        if not h.writable or h.pending is None:
             raise error(errno.EBADF, "not open for writing")
         h.pending += buf
         if len(h.pending) > HINT_BUFFER_MAX:
@@ -903,11 +502,11 @@ class Operations(pyfuse3.Operations):
 
     async def _hint_submit(self, h: ControlHandle, text: bytes, keep_pending: bool = False
                            ) -> None:
-        if not keep_pending:
+        if not keep_pending and h.pending is not None:
             h.pending.clear()
         try:
             paths = control.parse_hints(text, self.config.mountpoint)
-            await self.prefetcher.hint(paths)
+            await self.vfs.prefetcher.hint(paths)
         except JPFSError as e:
             msg = e.strerror or str(e)
             self.hint_errors.append(msg)

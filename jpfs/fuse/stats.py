@@ -2,7 +2,8 @@
 
 Counting FUSE requests per operation is what the benchmark divides by files opened: requests per
 file are the cost of a mount (see PERF.md), so they are counted where every request passes, at the
-Operations boundary. Requests on the ``.jpfs`` control files are counted apart, so reading the
+Operations boundary; what the VFS counts (opens, bytes, commits) is added to the same
+section. Requests on the ``.jpfs`` control files are counted apart, so reading the
 stats does not change the figures.
 """
 
@@ -17,39 +18,31 @@ OPS = (
     "lookup", "forget", "getattr", "setattr", "readlink", "mknod", "mkdir", "unlink", "rmdir",
     "symlink", "rename", "link", "open", "read", "write", "flush", "release", "fsync", "opendir",
     "readdir", "releasedir", "fsyncdir", "statfs", "setxattr", "getxattr", "listxattr",
-    "removexattr", "create",
+    "removexattr", "create", "fallocate",
 )
-
-OPEN_OUTCOMES = ("kernel", "prefetched", "memory", "disk", "fetched", "joined", "deferred",
-                 "empty", "write")
-"""How an open was served: the kernel keeps its cached pages; the bytes were prefetched, in the
-memory or disk cache, fetched on demand, joined a fetch in flight, left for the reads (a large
-file); an empty file; a write open."""
 
 
 class MountStats:
+    """What the FUSE layer counts: requests by operation, errors by errno."""
+
     def __init__(self) -> None:
         self.requests: dict[str, int] = dict.fromkeys(OPS, 0)
         self.control_requests = 0
-        self.opens: dict[str, int] = dict.fromkeys(OPEN_OUTCOMES, 0)
         self.errors: dict[str, int] = {}
-        self.read_bytes = 0
-        self.write_bytes = 0
-        self.notify_store_bytes = 0
-        self.commits = 0
         self.started = time.time()
 
-    def as_dict(self) -> dict:
+    def as_dict(self, vfs: dict) -> dict:
+        """With the VFS's counters (``VFS.snapshot()``: opens by outcome, bytes, commits)."""
         return {
             "requests": dict(self.requests),
             "requests_total": sum(self.requests.values()),
             "control_requests": self.control_requests,
-            "opens": dict(self.opens),
+            "opens": dict(vfs["opens"]),
             "errors": dict(self.errors),
-            "read_bytes": self.read_bytes,
-            "write_bytes": self.write_bytes,
-            "notify_store_bytes": self.notify_store_bytes,
-            "commits": self.commits,
+            "read_bytes": vfs["read_bytes"],
+            "write_bytes": vfs["write_bytes"],
+            "notify_store_bytes": vfs["notify_store_bytes"],
+            "commits": vfs["commits"],
             "uptime": round(time.time() - self.started, 3),
         }
 

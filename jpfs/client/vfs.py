@@ -1,0 +1,711 @@
+"""The VFS: JPFS as an inode-level filesystem, what the FUSE mount (or any other front end) asks.
+
+The front end translates its requests into these calls and their ``JPFSError`` into its own error
+form at one place; everything a filesystem decides lives here: which inodes are held and what is
+known of them, open handles, the one reader and the writers, prefetch signals, and what the
+kernel's caches must be told (through the ``Notifier`` the front end passes in).
+
+The cost of a mount is requests per file (docs/design-notes.md), so answers come from memory where
+that is safe:
+
+- attributes of a node are trusted for ``attr_timeout`` (forever with ``read_only``) unless this
+  VFS changed the inode, its parent or its names since: then the next ``getattr`` asks the
+  metadata service, so a process always sees its own changes (nlink, size, mode, times);
+- lookups in directories being read are answered from the prefetcher's listings;
+- an open of a file whose bytes the kernel caches (same version) keeps the kernel's pages;
+- a small file is fetched whole at open (usually prefetched already) and pushed into the kernel's
+  page cache, so its reads never reach us.
+
+Write semantics: writes are buffered per file (one ``FileWriter`` shared by the handles writing
+it) and committed on flush (close), fsync, release and every 64 MiB, each commit one metadata
+transaction guarded by the version the writer started from, so other nodes see the old bytes or
+the new, never a mix. Another node sees the new bytes when it next opens the file (an open
+revalidates the layout unless ``read_only``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import trio
+
+from ..config import Cluster
+from ..errors import JPFSError, error
+from ..types import ROOT_INO, Attr, Layout, StatFS
+from .cache import BlobCache
+from .client import AsyncClient
+from .handles import DirHandle, FileHandle, Handles
+from .inodes import Inodes, Node
+from .prefetch import PrefetchConfig
+from .reader import chunk_map
+from .writer import FileWriter
+
+log = logging.getLogger(__name__)
+
+FALLOC_FL_KEEP_SIZE = 0x01
+_ACL = b"system.posix_acl_"
+_DEVICES = (stat.S_IFBLK, stat.S_IFCHR)
+
+
+class Notifier(Protocol):
+    """How the VFS reaches the kernel's caches (the FUSE mount passes its own)."""
+
+    def store(self, ino: int, data: memoryview) -> bool:
+        """Put a file's whole contents into the kernel's page cache; False if it cannot."""
+        ...
+
+    def invalidate_attr(self, ino: int) -> None:
+        """Make the kernel ask for the inode's attributes again."""
+        ...
+
+
+class NullNotifier:
+    """For a VFS that no kernel caches (tests, tools)."""
+
+    def store(self, ino: int, data: memoryview) -> bool:
+        return False
+
+    def invalidate_attr(self, ino: int) -> None:
+        return None
+
+
+@dataclass
+class VFSConfig:
+    """How the VFS answers (times in seconds, sizes in bytes)."""
+
+    read_only: bool = False
+    """Files do not change while mounted: listings and layouts are trusted forever."""
+    attr_timeout: float = 1.0
+    entry_timeout: float = 1.0
+    open_cache: float = 0.0
+    """Read-write: trust a file's layout this long at open instead of revalidating."""
+    small_file: int = 4 << 20
+    """Files up to this size are fetched whole at open."""
+    notify_store: bool = True
+    readdir_page: int = 1000
+
+
+@dataclass
+class OpenFile:
+    """What ``open`` and ``create`` answer."""
+
+    fh: int
+    keep_cache: bool
+    """The kernel may keep the pages it holds of this file (they are of this version)."""
+
+
+OPEN_OUTCOMES = ("kernel", "prefetched", "memory", "disk", "fetched", "joined", "deferred",
+                 "empty", "write")
+"""How an open was served: the kernel keeps its cached pages; the bytes were prefetched, in the
+memory or disk cache, fetched on demand, joined a fetch in flight, left for the reads (a large
+file); an empty file; a write open."""
+
+
+@dataclass
+class VFSStats:
+    opens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPEN_OUTCOMES, 0))
+    read_bytes: int = 0
+    write_bytes: int = 0
+    notify_store_bytes: int = 0
+    commits: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _outcome(sources: set[str]) -> str:
+    for s in ("fetched", "joined", "disk", "prefetched"):
+        if s in sources:
+            return s
+    return "memory"
+
+
+class VFS:
+    """JPFS by inode (see the module docstring). Build it with ``await VFS.connect(...)``."""
+
+    def __init__(self, client: AsyncClient, inodes: Inodes, config: VFSConfig,
+                 notifier: Notifier):
+        if client.data is None or client.reader is None or client.prefetcher is None:
+            raise error(errno.ENODEV, "this cluster has no storage nodes: nothing to mount")
+        self.client = client
+        self.meta = client.meta
+        self.data = client.data
+        self.reader = client.reader
+        self.cache = client.cache
+        self.prefetcher = client.prefetcher
+        self.inodes = inodes
+        self.config = config
+        self.notifier = notifier
+        self.ro = config.read_only
+        self.handles = Handles()
+        self.stats = VFSStats()
+        self._listing_age = float("inf") if self.ro else config.entry_timeout
+        self._attr_age = float("inf") if self.ro else config.attr_timeout
+        self._statfs: tuple[float, StatFS | None] = (0.0, None)
+
+    @classmethod
+    async def connect(cls, nursery: trio.Nursery, cluster: Cluster, cache: BlobCache,
+                      config: VFSConfig, notifier: Notifier | None = None, *,
+                      prefetch: bool = True) -> VFS:
+        """Connect to ``cluster`` and build the VFS over ``cache`` (an opened BlobCache)."""
+        if not cluster.n_nodes:
+            raise error(errno.ENODEV, "this cluster has no storage nodes: nothing to mount")
+        holder: list[Inodes] = []
+
+        def kernel_has(ino: int, version: int) -> bool:
+            return bool(holder) and holder[0].kernel_has(ino, version)
+
+        client = AsyncClient(
+            nursery, cluster, dir_cache_ttl=config.entry_timeout, cache=cache, keep_whole=True,
+            prefetch=PrefetchConfig(enabled=prefetch, small_file=config.small_file,
+                                    layouts=config.read_only),
+            kernel_has=kernel_has)
+        try:
+            inodes = Inodes(await client.meta.getattr(ROOT_INO))
+        except BaseException:
+            client.close()
+            raise
+        holder.append(inodes)
+        return cls(client, inodes, config, notifier or NullNotifier())
+
+    def close(self) -> None:
+        self.client.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def attr_of(self, node: Node) -> Attr:
+        """What a reader of the node sees now (a writer's size counts before its commit)."""
+        w = node.writer
+        if w is not None and w.size != node.attr.size:
+            return node.attr.with_(size=w.size)
+        return node.attr
+
+    def _writable(self) -> None:
+        if self.ro:
+            raise error(errno.EROFS, "the mount is read-only")
+
+    def _changed_dir(self, *inos: int) -> None:
+        """Directories whose entries (and so times, nlink) changed."""
+        for ino in inos:
+            self.prefetcher.forget_dir(ino)
+        self.inodes.stale(*inos)
+
+    async def _node(self, ino: int) -> Node:
+        node = self.inodes.get(ino)
+        if node is None:
+            attr = await self.meta.getattr(ino)
+            node = self.inodes.get(ino) or self.inodes.remember(attr, 0, b"", lookup=False)
+        return node
+
+    def _handle(self, fh: int) -> FileHandle:
+        h = self.handles.get(fh)
+        if type(h) is not FileHandle:
+            raise error(errno.EBADF, "no such file handle")
+        return h
+
+    def name_of(self, node: Node) -> str:
+        return self.inodes.path(node) or f"inode {node.ino}"
+
+    def snapshot(self) -> dict:
+        return {"inodes": len(self.inodes), "handles": len(self.handles),
+                **self.stats.as_dict()}
+
+    # ------------------------------------------------------------------ names
+
+    async def lookup(self, parent: int, name: bytes) -> Attr:
+        """The entry ``name`` in ``parent`` (the kernel counts one more lookup of it)."""
+        lst = self.prefetcher.listings.get(parent, self._listing_age)
+        if lst is not None:
+            i = lst.pos.get(name)
+            if i is not None:
+                node = self.inodes.remember(lst.attrs[i], parent, name, fetched=lst.fetched)
+                return self.attr_of(node)
+            if lst.complete:
+                raise error(errno.ENOENT, "no such entry")
+        attr = await self.meta.lookup(parent, name)
+        return self.attr_of(self.inodes.remember(attr, parent, name))
+
+    def forget(self, items) -> None:
+        for ino, n in items:
+            self.inodes.forget(ino, n)
+
+    async def getattr(self, ino: int) -> Attr:
+        node = self.inodes.get(ino)
+        if node is not None and time.monotonic() - node.fetched < self._attr_age:
+            return self.attr_of(node)
+        try:
+            attr = await self.meta.getattr(ino)
+        except JPFSError as e:
+            if e.errno == errno.ENOENT and node is not None and (node.opens or node.writer):
+                node.attr, node.fetched = node.attr.with_(nlink=0), time.monotonic()
+                return self.attr_of(node)  # removed, still open
+            raise
+        node = self.inodes.update(attr)
+        return self.attr_of(node) if node is not None else attr
+
+    async def setattr(self, ino: int, changes: dict[str, int], size: int | None = None) -> Attr:
+        """Change ``mode``/``uid``/``gid``/``atime_ns``/``mtime_ns``/``ctime_ns`` and the size."""
+        self._writable()
+        node = self.inodes.get(ino)
+        w = node.writer if node is not None else None
+        before = node.attr.version if node is not None else None
+        if size is not None:
+            if w is not None:
+                async with w.lock:
+                    await w.truncate(size)
+                self._committed(node, w)  # type: ignore[arg-type]
+            else:
+                changes = {**changes, "size": size}
+        elif w is not None and ("mtime_ns" in changes or "atime_ns" in changes):
+            await self._commit(node, w)  # type: ignore[arg-type]  # or it overwrites the times
+        new = await self.meta.setattr(ino, **changes) if changes else \
+            await self.meta.getattr(ino)
+        node = self.inodes.update(new)
+        if node is not None and size is not None and node.kernel_version == before:
+            node.kernel_version = new.version  # the kernel truncated its own pages
+            node.layout = None
+        return self.attr_of(node) if node is not None else new
+
+    async def readlink(self, ino: int) -> bytes:
+        return await self.meta.readlink(ino)
+
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
+                    gid: int) -> Attr:
+        """A regular file, FIFO, socket or block/character device (metadata only: type, mode
+        and device number; the kernel does their I/O)."""
+        self._writable()
+        attr = await self.meta.mknod(parent, name, mode, rdev if stat.S_IFMT(mode) in _DEVICES
+                                     else 0, uid, gid)
+        self._changed_dir(parent)
+        return self.attr_of(self.inodes.remember(attr, parent, name))
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        self._writable()
+        attr = await self.meta.mkdir(parent, name, mode & 0o7777, uid, gid)
+        self._changed_dir(parent)
+        return self.attr_of(self.inodes.remember(attr, parent, name))
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int
+                      ) -> Attr:
+        self._writable()
+        attr = await self.meta.symlink(parent, name, target, uid, gid)
+        self._changed_dir(parent)
+        return self.attr_of(self.inodes.remember(attr, parent, name))
+
+    async def link(self, ino: int, parent: int, name: bytes) -> Attr:
+        self._writable()
+        attr = await self.meta.link(ino, parent, name)
+        self._changed_dir(parent)
+        return self.attr_of(self.inodes.remember(attr, parent, name))
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        self._writable()
+        await self.meta.unlink(parent, name)
+        gone = self.inodes.unname(parent, name)
+        self._changed_dir(parent)
+        if gone is not None:
+            self.inodes.stale(gone.ino)  # nlink and ctime changed
+
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        self._writable()
+        await self.meta.rmdir(parent, name)
+        gone = self.inodes.unname(parent, name)
+        self._changed_dir(parent)
+        if gone is not None:
+            self.inodes.stale(gone.ino)
+        self.inodes.moved()
+
+    async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
+                     flags: int) -> None:
+        """rename(2) with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2)."""
+        self._writable()
+        await self.meta.rename(parent_old, name_old, parent_new, name_new, flags)
+        moved = self.inodes.unname(parent_old, name_old)
+        other = self.inodes.unname(parent_new, name_new)
+        self._changed_dir(parent_old, parent_new)
+        for node, p, n in ((moved, parent_new, name_new),
+                           (other if flags & 2 else None, parent_old, name_old)):
+            if node is not None:  # keep the names right: co-access learning works on paths
+                self.inodes.remember(node.attr, p, n, lookup=False)
+                self.inodes.stale(node.ino)  # its ctime moved
+        if other is not None and not flags & 2:
+            self.inodes.stale(other.ino)  # replaced: one link fewer
+        self.inodes.moved()
+
+    # ------------------------------------------------------------------ files
+
+    async def open(self, ino: int, flags: int, stream: int = 0) -> OpenFile:
+        """Open a file; ``stream`` identifies the reader (a thread or process) for prefetch."""
+        node = self.inodes.get(ino) or await self._node(ino)
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            return await self._open_write(node, flags)
+        if node.writer is not None:  # being written here: reads go through the writer
+            node.opens += 1
+            self.stats.opens["memory"] += 1
+            return OpenFile(self.handles.add(FileHandle(node, writer=None)), True)
+        if self.ro and node.kernel_version == node.attr.version and node.layout is not None:
+            node.opens += 1  # the kernel holds these bytes: nothing to fetch, nothing to check
+            self.stats.opens["kernel"] += 1
+            return OpenFile(self.handles.add(FileHandle(node, node.layout)), True)
+        return await self._open_read(node, stream)
+
+    async def _open_read(self, node: Node, stream: int) -> OpenFile:
+        ino = node.ino
+        cfg = self.config
+        layout: Layout | None = None
+        if self.ro:
+            layout = node.layout or self.prefetcher.layout(ino)
+        elif cfg.open_cache > 0 and node.layout is not None \
+                and time.monotonic() - node.fetched < cfg.open_cache:
+            layout = node.layout
+        if layout is None:
+            layout = await self.meta.get_layout(ino)
+            self.inodes.update(layout.attr)
+        elif node.attr.version != layout.attr.version:
+            self.inodes.update(layout.attr)
+        if node.writer is not None:  # a writer opened it while we fetched
+            node.opens += 1
+            self.stats.opens["memory"] += 1
+            return OpenFile(self.handles.add(FileHandle(node)), True)
+        node.layout = layout
+        attr = layout.attr
+        version = attr.version
+        keep = node.kernel_version == version
+        stale = node.kernel_version is not None and not keep
+        h = FileHandle(node, layout)
+        fh = self.handles.add(h)
+        node.opens += 1
+        try:
+            if node.parent and self.prefetcher.enabled:
+                path = self.inodes.path(node)
+                if path is not None:
+                    ready = all(not self.cache.needs(c.blob) for c in layout.chunks)
+                    self.prefetcher.opened(stream, ino, node.parent, node.name, path, attr,
+                                           ready)
+            if keep:
+                outcome = "kernel"
+            elif not layout.chunks or attr.size == 0:
+                outcome = "empty"
+            elif attr.size <= cfg.small_file:
+                sources: set[str] = set()
+                try:
+                    (h.data,) = await self.reader.whole([layout], sources)
+                except JPFSError as e:
+                    log.warning("cannot read %s: %s", self.name_of(node), e.strerror)
+                    raise
+                outcome = _outcome(sources)
+                # Only when no other handle is open: then no READ of this inode can hold page
+                # locks that the store would wait for while we cannot answer.
+                if not stale and node.opens == 1 and cfg.notify_store \
+                        and self.notifier.store(ino, h.data):
+                    keep = True
+                    self.stats.notify_store_bytes += len(h.data)
+                    self.cache.delivered([c.blob for c in layout.chunks])
+            else:
+                outcome = "deferred"
+        except BaseException:
+            self.handles.pop(fh)
+            node.opens -= 1
+            raise
+        if stale and not self.ro:
+            self.notifier.invalidate_attr(ino)  # the kernel's size may be stale too
+        node.kernel_version = version
+        self.stats.opens[outcome] += 1
+        return OpenFile(fh, keep)
+
+    async def _open_write(self, node: Node, flags: int, *, new: Layout | None = None
+                          ) -> OpenFile:
+        self._writable()
+        if node.attr.is_dir:
+            raise error(errno.EISDIR, "is a directory")
+        if not node.attr.is_reg:
+            raise error(errno.EINVAL, "JPFS stores bytes for regular files only")
+        w = node.writer
+        if w is None:
+            layout = new or await self.meta.get_layout(node.ino)
+            w = node.writer
+            if w is None:
+                w = node.writer = FileWriter(self.data, self.reader, layout, node.parent,
+                                             self.name_of(node))
+                self.inodes.update(layout.attr)
+        w.refs += 1
+        node.opens += 1
+        fh = self.handles.add(FileHandle(node, writer=w))
+        try:
+            if flags & os.O_TRUNC and (w.size or w.dirty):
+                async with w.lock:
+                    await w.truncate(0)
+                self._committed(node, w)
+        except BaseException:
+            self.handles.pop(fh)
+            node.opens -= 1
+            await self._drop_writer(node, w)
+            raise
+        keep = node.kernel_version == w.version
+        node.kernel_version = w.version
+        self.stats.opens["write"] += 1
+        return OpenFile(fh, keep)
+
+    async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
+                     gid: int) -> tuple[OpenFile, Attr]:
+        """open(O_CREAT): the file (made if missing; EEXIST with O_EXCL), opened."""
+        self._writable()
+        attr, created = await self.meta.create(parent, name, mode, uid, gid,
+                                               exclusive=bool(flags & os.O_EXCL))
+        if created:
+            self._changed_dir(parent)
+        node = self.inodes.remember(attr, parent, name)
+        if created:
+            node.kernel_version = attr.version
+        new = Layout(attr, self.data.chunk_size, ()) if created else None
+        try:
+            opened = await self._open_write(node, flags, new=new)
+        except BaseException:
+            self.inodes.forget(node.ino, 1)  # the kernel never saw the entry
+            raise
+        return opened, self.attr_of(node)
+
+    async def read(self, fh: int, off: int, size: int) -> memoryview | bytearray | bytes:
+        h = self._handle(fh)
+        if h.data is not None:
+            out = h.data[off:off + size]
+        elif h.node.writer is not None:
+            w = h.node.writer
+            async with w.lock:
+                out = await w.read(off, size)
+        else:
+            out = await self._read_layout(h, off, size)
+        self.stats.read_bytes += len(out)
+        return out
+
+    async def _read_layout(self, h: FileHandle, off: int, size: int):
+        layout = h.layout
+        if layout is None:
+            layout = h.layout = h.node.layout or await self.meta.get_layout(h.node.ino)
+        fsize = layout.attr.size
+        if off >= fsize or size <= 0:
+            return b""
+        if fsize <= self.config.small_file:
+            (h.data,) = await self.reader.whole([layout])
+            return h.data[off:off + size]
+        chunks = h.chunks
+        if chunks is None:
+            chunks = h.chunks = chunk_map(layout.chunks)
+        self.prefetcher.read(h, layout, off, min(size, fsize - off))
+        return await self.reader.read(chunks, fsize, layout.chunk_size, off, size)
+
+    async def write(self, fh: int, off: int, buf) -> int:
+        h = self._handle(fh)
+        w = h.writer
+        if w is None:
+            raise error(errno.EBADF, "not open for writing")
+        commits = w.commits
+        async with w.lock:
+            n = await w.write(off, buf)
+        if w.commits != commits:
+            self._committed(h.node, w)  # it passed the dirty bound and committed
+        self.stats.write_bytes += n
+        return n
+
+    async def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
+        """fallocate(2) modes 0 and FALLOC_FL_KEEP_SIZE (others: EOPNOTSUPP)."""
+        h = self._handle(fh)
+        if mode & ~FALLOC_FL_KEEP_SIZE:
+            raise error(errno.EOPNOTSUPP, "fallocate: only modes 0 and FALLOC_FL_KEEP_SIZE")
+        w = h.writer
+        if w is None:
+            raise error(errno.EBADF, "not open for writing")
+        async with w.lock:
+            await w.allocate(off, length, bool(mode & FALLOC_FL_KEEP_SIZE))
+
+    async def flush(self, fh: int) -> None:
+        """Commit what the handle wrote (close-to-open: the next open elsewhere sees it)."""
+        h = self._handle(fh)
+        if h.writer is not None:
+            await self._commit(h.node, h.writer)
+
+    fsync = flush
+
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh)
+        if type(h) is not FileHandle:
+            return
+        node = h.node
+        node.opens -= 1
+        try:
+            if h.writer is not None:
+                await self._drop_writer(node, h.writer)
+            elif h.chunks is not None:
+                self.prefetcher.closed(h)
+        finally:
+            if node.lookups <= 0:
+                self.inodes.drop_if_unused(node)
+
+    async def _drop_writer(self, node: Node, w: FileWriter) -> None:
+        w.refs -= 1
+        if w.refs > 0:
+            return
+        try:
+            await self._commit(node, w)
+        finally:
+            if w.refs == 0 and node.writer is w:
+                node.writer = None
+                if node.lookups <= 0:
+                    self.inodes.drop_if_unused(node)
+
+    async def _commit(self, node: Node, w: FileWriter) -> None:
+        async with w.lock:
+            if not w.dirty or w.discarded:
+                return
+            await w.commit()
+        if not w.discarded:
+            self._committed(node, w)
+
+    def _committed(self, node: Node, w: FileWriter) -> None:
+        now = time.time_ns()
+        node.attr = node.attr.with_(size=w.size, version=w.version, mtime_ns=now, ctime_ns=now)
+        node.fetched = float("-inf")  # the service has the exact times
+        node.layout = None
+        node.kernel_version = w.version  # the kernel's pages were written through it
+        self.stats.commits += 1
+        if node.parent:
+            self.prefetcher.forget_dir(node.parent)
+
+    async def commit_all(self) -> None:
+        """Commit every file with buffered writes (before an unmount); errors are logged."""
+        for h in self.handles.values():
+            if type(h) is FileHandle and h.writer is not None:
+                try:
+                    await self._commit(h.node, h.writer)
+                except JPFSError as e:
+                    log.error("could not commit %s before unmounting: %s",
+                              self.name_of(h.node), e.strerror)
+
+    # ------------------------------------------------------------------ directories
+
+    def opendir(self, ino: int) -> int:
+        return self.handles.add(DirHandle(ino))
+
+    async def readdir(self, fh: int, start: int) -> AsyncIterator[tuple[bytes, Attr, int]]:
+        """Entries from position ``start`` on: (name, attributes, position after it), with
+        "." and ".." first. Use with ``contextlib.aclosing``."""
+        h = self.handles.get(fh)
+        if type(h) is not DirHandle:
+            raise error(errno.EBADF, "not a directory handle")
+        # positions: 1 after ".", 2 after "..", then 3 + i after entry i
+        if start == 0:
+            yield b".", self.attr_of(await self._node(h.ino)), 1
+        if start <= 1:
+            yield b"..", self._parent_attr(h.ino), 2
+        i = max(0, start - 2)
+        if i < h.base:  # rewound past what is kept: list again from the start
+            h.entries, h.base, h.done, h.after = [], 0, False, b""
+        elif i - h.base > self.config.readdir_page:  # keep a window, not a million entries
+            cut = min(i - h.base, len(h.entries))
+            del h.entries[:cut]
+            h.base += cut
+        while True:
+            if i - h.base >= len(h.entries) and not h.done:
+                await self._more(h, i)
+            k = i - h.base
+            if k >= len(h.entries):
+                return
+            name, attr = h.entries[k]
+            yield name, attr, i + 3
+            self.inodes.remember(attr, h.ino, name)
+            i += 1
+
+    def _parent_attr(self, ino: int) -> Attr:
+        node = self.inodes.get(ino)
+        up = self.inodes.get(node.parent) if node is not None and node.parent else None
+        return (up or node or self.inodes.get(ROOT_INO)).attr  # type: ignore[union-attr]
+
+    async def _more(self, h: DirHandle, want: int) -> None:
+        """Fetch pages until entry ``want`` is held (or the directory ends)."""
+        page = self.config.readdir_page
+        while not h.done and want - h.base >= len(h.entries):
+            got, raw = [], 0
+            async with aclosing(self.meta.readdir(h.ino, plus=True, page=page,
+                                                  after=h.after)) as it:
+                async for e in it:
+                    raw += 1
+                    if e.attr is not None:
+                        got.append((e.name, e.attr))
+                    h.after = e.name
+                    if raw >= page:
+                        break
+            h.entries.extend(got)
+            if raw < page:
+                h.done = True
+
+    def releasedir(self, fh: int) -> None:
+        self.handles.pop(fh)
+
+    # ------------------------------------------------------------------ filesystem
+
+    async def statfs(self) -> StatFS:
+        """Capacity as JPFS sees it: its own stored bytes (over the replicas) as used, and the
+        free space of each distinct storage disk (over the replicas) as what may still be
+        written; storage nodes that share a disk count it once."""
+        at, cached = self._statfs
+        if cached is not None and time.monotonic() - at < 1.0:
+            return cached
+        totals = await self.meta.statfs()
+        storage = self.client.storage
+        assert storage is not None
+        nodes: list[dict] = []
+
+        async def one(i: int) -> None:
+            try:
+                nodes.append(await storage.stats(i))
+            except JPFSError:
+                pass
+
+        async with trio.open_nursery() as nursery:
+            for i in range(storage.n_nodes):
+                nursery.start_soon(one, i)
+        r = max(1, self.client.cluster.replicas)
+        disks: dict[object, int] = {}
+        for n in nodes:
+            key = n.get("disk_id") or ("node", n.get("node"))
+            disks[key] = n.get("disk_free", 0)
+        bs = 4096
+        used = sum(n.get("bytes_used", 0) for n in nodes) // r
+        free = sum(disks.values()) // r
+        free_inodes = 1 << 40
+        s = StatFS(block_size=bs, blocks=(used + free) // bs, blocks_free=free // bs,
+                   files=totals.get("inodes", 0) + free_inodes, files_free=free_inodes)
+        self._statfs = (time.monotonic(), s)
+        return s
+
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        if name.startswith(_ACL):  # asked by ls and cp for every file; never stored
+            raise error(errno.ENODATA, "no such attribute")
+        return await self.meta.getxattr(ino, name)
+
+    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        self._writable()
+        if name.startswith(_ACL):
+            raise error(errno.EOPNOTSUPP, "JPFS has no POSIX ACLs (mode bits only)")
+        await self.meta.setxattr(ino, name, value, flags)
+        self.inodes.stale(ino)
+
+    async def listxattr(self, ino: int) -> list[bytes]:
+        return await self.meta.listxattr(ino)
+
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        self._writable()
+        await self.meta.removexattr(ino, name)
+        self.inodes.stale(ino)
+
+
+__all__ = ["FALLOC_FL_KEEP_SIZE", "OPEN_OUTCOMES", "VFS", "Notifier", "NullNotifier",
+           "OpenFile", "VFSConfig", "VFSStats"]
