@@ -4,12 +4,11 @@ table that prints each figure beside its baseline from the same run."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,15 +52,6 @@ class Phase:
     @property
     def rate(self) -> float:
         return self.ops / self.seconds
-
-
-def run_processes(target: Callable, args_per_process: list[tuple], timeout: float = 3600) -> list:
-    """Run ``target(*args)`` in one fresh process per entry (spawned: no inherited threads or
-    loops) and return their results in order."""
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(len(args_per_process)) as pool:
-        pending = [pool.apply_async(target, a) for a in args_per_process]
-        return [p.get(timeout) for p in pending]
 
 
 def ratio(value: float, baseline: float) -> float | None:

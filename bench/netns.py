@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from jpfs.localcluster import pid_alive
+
 log = logging.getLogger(__name__)
 
 PREFIX = "jpfsb"
@@ -75,11 +77,6 @@ def parse_rate(text: str) -> int:
     return int(n * (8 if m.group(3) == "bps" else 1))
 
 
-def fmt_rtt(seconds: float) -> str:
-    return "0" if seconds == 0 else (f"{seconds * 1e3:g}ms" if seconds >= 1e-3
-                                      else f"{seconds * 1e6:g}us")
-
-
 # ---------------------------------------------------------------------- commands
 
 
@@ -88,20 +85,6 @@ def _run(cmd: Sequence[str], *, check: bool = True) -> subprocess.CompletedProce
     if check and r.returncode:
         raise RuntimeError(f"`{' '.join(cmd)}` failed: {r.stderr.strip() or r.stdout.strip()}")
     return r
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _kill(pids: Sequence[int], grace: float = 5.0) -> None:
@@ -113,10 +96,10 @@ def _kill(pids: Sequence[int], grace: float = 5.0) -> None:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     for p in pids:
-        if _alive(p):
+        if pid_alive(p):
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
@@ -160,7 +143,7 @@ def unavailable() -> str | None:
     return None
 
 
-def leftovers(owner_alive: Callable[[int], bool] = _alive) -> dict[str, list]:
+def leftovers(owner_alive: Callable[[int], bool] = pid_alive) -> dict[str, list]:
     """Namespaces, veths and relay processes of runs whose owner process is gone."""
     out: dict[str, list] = {"namespaces": [], "veths": [], "relays": []}
     for ns in namespaces():
@@ -518,7 +501,7 @@ def relay_main(args: argparse.Namespace) -> None:
         ls.listen(256)
         threading.Thread(target=_accept_loop, args=(ls, (th, int(tp)), delay), daemon=True,
                          name=f"accept-{lp}").start()
-    while _alive(args.owner):
+    while pid_alive(args.owner):
         time.sleep(0.5)
     os._exit(0)
 

@@ -257,7 +257,7 @@ def stop(directory: str | os.PathLike, role: str, index: int, *, sig: int = sign
     except ProcessLookupError:
         return False
     deadline = time.monotonic() + timeout
-    while _alive(pid):
+    while pid_alive(pid):
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 5
@@ -266,7 +266,8 @@ def stop(directory: str | os.PathLike, role: str, index: int, *, sig: int = sign
     return True
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not; a child of ours is reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

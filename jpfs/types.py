@@ -145,8 +145,3 @@ class StatFS:
     @classmethod
     def from_wire(cls, w: list | tuple) -> StatFS:
         return cls(*w)
-
-
-def dtype_of(mode: int) -> int:
-    """The file type bits of a mode, the ``kind`` of a DirEntry."""
-    return _stat.S_IFMT(mode)

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from jpfs_bench import netns
 
+from jpfs import localcluster
+
 REASON = netns.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
 
@@ -33,7 +35,7 @@ def nothing_left(pid: int, cluster: Path) -> None:
     assert not any(made_by(pid).values()), made_by(pid)
     for pid_file in cluster.glob("*.pid"):
         daemon = int(pid_file.read_text())
-        assert not netns._alive(daemon), f"{pid_file.name}: daemon {daemon} still runs"
+        assert not localcluster.pid_alive(daemon), f"{pid_file.name}: daemon {daemon} still runs"
 
 
 @pytest.fixture(scope="module")

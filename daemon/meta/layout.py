@@ -17,7 +17,7 @@ from jpfs.types import Chunk
 
 from . import keys as K
 from .keys import Inode
-from .namespace import _touch, each_name
+from .namespace import each_name, touch
 from .store import Txn
 
 MAX_BULK = 10_000
@@ -152,5 +152,5 @@ def bulk_create(t: Txn, parent: int, entries: list, replace: bool, chunk_size: i
             out.append(errno.errorcode.get(err.errno, "EIO"))
         except (TypeError, ValueError):
             out.append("EINVAL")
-    _touch(t, pdir)
+    touch(t, pdir)
     return out

@@ -156,7 +156,8 @@ def _new_entry_checks(t: Txn, parent: int, name: bytes) -> Inode:
     return pdir
 
 
-def _touch(t: Txn, node: Inode) -> None:
+def touch(t: Txn, node: Inode) -> None:
+    """A directory changed: its mtime and ctime are now (stored by the caller's transaction)."""
     node.mtime_ns = node.ctime_ns = t.now
     t.put_inode(node)
 
@@ -201,7 +202,7 @@ def _make(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int, exclu
     node = Inode(ino, mode, 1, uid, gid, 0, t.now, t.now, t.now, rdev=rdev, parent=parent)
     t.put_inode(node)
     t.put_dentry(parent, name, ino, stat.S_IFMT(mode))
-    _touch(t, pdir)
+    touch(t, pdir)
     return [ino, stat.S_IFMT(mode), node.attr().to_wire(), True]
 
 
@@ -213,7 +214,7 @@ def mkdir_local(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int)
     t.put_inode(node)
     t.put_dentry(parent, name, ino, stat.S_IFDIR)
     pdir.nlink += 1
-    _touch(t, pdir)
+    touch(t, pdir)
     return node.attr().to_wire()
 
 
@@ -227,7 +228,7 @@ def symlink(t: Txn, parent: int, name: bytes, target: bytes, uid: int, gid: int)
                  parent=parent, target=target)
     t.put_inode(node)
     t.put_dentry(parent, name, ino, stat.S_IFLNK)
-    _touch(t, pdir)
+    touch(t, pdir)
     return node.attr().to_wire()
 
 
