@@ -4,8 +4,8 @@
 #
 # With no arguments it also runs the suite on Python 3.12 (what lerobot 0.6 needs), in a second
 # virtualenv (.venv312) without torch: the torch build on local disk is for 3.11 only, so test
-# modules that import torch are skipped there, and so are the POSIX suites marked `fuse` (~3 min
-# saved; the mount still runs there in the cache and bench tests). PY312=0 skips that run; with
+# modules that import torch are skipped there, and so are the POSIX suites marked `fuse` (to
+# keep CI short; the mount still runs there in the cache and bench tests). PY312=0 skips it; with
 # arguments only the 3.11 run happens, with them (./scripts/test.sh tests/test_meta.py -k x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
