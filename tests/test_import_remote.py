@@ -211,3 +211,35 @@ def test_import_over_http_from_a_directory_listing(make_cluster, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_import_from_s3_killed_then_resumed(make_cluster, s3, tmp_path):
+    fs = _fs(s3)
+    local = tmp_path / "many"
+    for i in range(400):
+        sub = local / f"d{i // 100}"
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"f{i:04d}").write_bytes(os.urandom(8000))
+    fs.put(str(local), f"{BUCKET}/many", recursive=True)
+    d = make_cluster(meta_shards=1, storage_nodes=1, chunk_size=CHUNK)
+    env = {**os.environ, **CREDS, "JPFS_CLUSTER": str(d)}
+    cmd = [sys.executable, "-m", "jpfs.cli.main", "import", f"s3://{BUCKET}/many", "jpfs:/many",
+           "-o", f"endpoint_url={s3}", "--parallel", "1", "--no-progress", "--json"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with jpfs.connect(d) as c:  # kill it once part of the tree has landed
+        deadline = time.monotonic() + 60
+        while not (c.exists("/many/d0") and c.listdir("/many/d0")):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    second = json.loads(r.stdout.strip().splitlines()[-1])
+    # Killed part way: the rerun copies only what had not landed.
+    assert second["skipped"] > 0 and second["files"] > 0
+    assert second["files"] + second["skipped"] == 400
+    with jpfs.connect(d) as c:
+        for i in range(400):
+            rel = f"d{i // 100}/f{i:04d}"
+            assert c.read_bytes(f"/many/{rel}") == (local / rel).read_bytes(), rel
