@@ -70,6 +70,7 @@ def _add_images(root: str) -> None:
 def images(tmp_path_factory):
     from jpfs.lerobot.convert import convert
     from jpfs.lerobot.generate import generate
+    from jpfs.lerobot.verify import verify
 
     base = tmp_path_factory.mktemp("images")
     v21, v30 = str(base / "v21"), str(base / "v30")
@@ -78,6 +79,8 @@ def images(tmp_path_factory):
     _add_images(v21)
     convert(v21, v30, data_file_mb=0.02, progress=False)
     assert len(glob.glob(f"{v30}/data/*/*.parquet")) >= 2
+    report = verify(v21, v30, workers=1, progress=False)  # image columns compare too
+    assert report["ok"] and report["frames_checked"] > 0, report["problems"]
     return {"v2.1": v21, "v3.0": v30}
 
 
