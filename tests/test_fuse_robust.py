@@ -1,0 +1,123 @@
+"""A mount never dies on its own: read patterns that cancel prefetches under waiting readers, and
+many readers at once, leave it answering (and every byte right)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+from fuse_support import mounted, requires_fuse
+
+import jpfs
+from jpfs import localcluster
+from jpfs.fuse.mount import daemon_pid, is_jpfs_mount
+
+pytestmark = [requires_fuse, pytest.mark.fuse]
+
+CHUNK = 1 << 20
+BIG = 300 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    d = tmp_path_factory.mktemp("robustcluster")
+    localcluster.up(d, meta_shards=2, storage_nodes=2, chunk_size=CHUNK, sync=False)
+    rng = random.Random(11)
+    digests = {}
+    with jpfs.connect(d) as c:
+        c.makedirs("/r/many")
+        big = os.urandom(BIG)
+        c.write_bytes("/r/big.bin", big)
+        digests["big.bin"] = hashlib.sha256(big).hexdigest()
+        del big
+        for i in range(8):
+            data = rng.randbytes(rng.randrange(3, 12) * CHUNK + rng.randrange(CHUNK))
+            c.write_bytes(f"/r/many/f{i}.bin", data)
+            digests[f"many/f{i}.bin"] = hashlib.sha256(data).hexdigest()
+    yield d, digests
+    localcluster.down(d, timeout=5)
+
+
+def _drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+def _read_fadvised(path: Path, size: int = 1 << 20) -> str:
+    """What fio and dd-style readers do: POSIX_FADV_SEQUENTIAL, then sequential reads."""
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while chunk := os.read(fd, size):
+            h.update(chunk)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def _alive(m) -> None:
+    assert daemon_pid(str(m.path)) is not None and is_jpfs_mount(str(m.path))
+    assert (m.path / "r").is_dir()
+    m.stats()
+
+
+@pytest.mark.parametrize("options", [(), ("--read-only",)], ids=["rw", "ro"])
+def test_fadvise_sequential_cold_read_of_a_large_file(cluster, tmp_path, options):
+    d, digests = cluster
+    with mounted(d, tmp_path / "mnt", *options) as m:
+        for _ in range(2):
+            _drop_caches()
+            assert _read_fadvised(m / "r" / "big.bin") == digests["big.bin"]
+        _alive(m)
+        assert m.stats()["fuse"]["errors"].get("EIO", 0) == 0
+
+
+def test_readers_that_keep_cancelling_prefetch(cluster, tmp_path):
+    """Several readers over overlapping files, sequential and random, opening and closing while
+    read-ahead is in flight: every read is right and the mount answers afterwards."""
+    d, digests = cluster
+    names = sorted(k for k in digests if k.startswith("many/"))
+    failures: list[str] = []
+
+    def reader(seed: int, m) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(12):
+                name = rng.choice(names)
+                p = m / "r" / name
+                if rng.random() < 0.5:
+                    got = _read_fadvised(p, rng.choice([4096, 128 << 10, 1 << 20]))
+                    if got != digests[name]:
+                        failures.append(f"{name}: wrong bytes in a sequential read")
+                    continue
+                size = p.stat().st_size
+                with open(p, "rb", buffering=0) as f:
+                    for _ in range(rng.randrange(1, 6)):  # hops, then closes mid-read-ahead
+                        off = rng.randrange(size)
+                        f.seek(off)
+                        f.read(rng.randrange(1, 3 * CHUNK))
+        except OSError as e:
+            failures.append(f"{name}: {e}")
+
+    with mounted(d, tmp_path / "mnt", "--memory-cache", "32M") as m:
+        for _round in range(2):
+            _drop_caches()
+            threads = [threading.Thread(target=reader, args=(s, m)) for s in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=240)
+            assert not any(t.is_alive() for t in threads)
+        assert not failures, failures[:5]
+        _alive(m)
+        for name in names:  # and it still reads right
+            assert _read_fadvised(m / "r" / name) == digests[name]
+        s = m.stats()
+        assert s["fuse"]["errors"].get("EIO", 0) == 0
+        assert s["prefetch"]["readahead_chunks"] > 0
