@@ -35,6 +35,8 @@ class MetaClient:
         return await self.pool.call(shard, P.METHODS[method], list(args), **kw)
 
     async def _ask(self, shard: int, method: Method, req: tuple):
+        """Call ``method`` and decode its answer with its response record. (The hottest calls,
+        getattr, lookup and create, inline this: a coroutine frame is ~2% of a call.)"""
         return method.decode(await self.pool.call(shard, method, req))
 
     async def _grouped(self, method: Method, inos: Sequence[int]) -> list:
@@ -62,7 +64,8 @@ class MetaClient:
 
     # ---- reads
     async def lookup(self, parent: int, name: bytes) -> Attr:
-        e = await self._ask(shard_of(parent), P.LOOKUP, P.NameReq(parent, name))
+        m = P.LOOKUP
+        e = m.decode(await self.pool.call(shard_of(parent), m, P.NameReq(parent, name)))
         return e.attr if e.attr is not None else await self.getattr(e.ino)
 
     async def batch_lookup(self, parent: int, names: Sequence[bytes]) -> list[Attr | OSError]:
@@ -83,7 +86,8 @@ class MetaClient:
         return out
 
     async def getattr(self, ino: int) -> Attr:
-        return await self._ask(shard_of(ino), P.GETATTR, P.InoReq(ino))
+        m = P.GETATTR
+        return m.decode(await self.pool.call(shard_of(ino), m, P.InoReq(ino)))
 
     async def batch_getattr(self, inos: Sequence[int]) -> list[Attr | None]:
         return await self._grouped(P.BATCH_GETATTR, inos)
@@ -141,8 +145,9 @@ class MetaClient:
     # ---- changes
     async def create(self, parent: int, name: bytes, mode: int, uid: int | None = None,
                      gid: int | None = None, exclusive: bool = True) -> tuple[Attr, bool]:
-        c = await self._ask(shard_of(parent), P.CREATE,
-                            P.CreateReq(parent, name, mode, _uid(uid), _gid(gid), exclusive))
+        m = P.CREATE
+        c = m.decode(await self.pool.call(
+            shard_of(parent), m, P.CreateReq(parent, name, mode, _uid(uid), _gid(gid), exclusive)))
         return (c.attr if c.attr is not None else await self.getattr(c.ino)), c.created
 
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int = 0,
