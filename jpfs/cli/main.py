@@ -14,6 +14,7 @@ import importlib
 import logging
 import re
 import sys
+import textwrap
 
 from jpfs import __version__, uri
 from jpfs.errors import JPFSError
@@ -28,7 +29,7 @@ _URL = re.compile(r"\bjpfs://")
 DESCRIPTION = f"""\
 JPFS: a parallel filesystem for robot-learning training data.
 
-{PATH_RULE}
+{textwrap.fill(PATH_RULE, 78)}
 The cluster is found from --cluster, else $JPFS_CLUSTER, else ./jpfs-cluster.
 
 examples:
