@@ -252,8 +252,8 @@ def setattr_(t: Txn, ino: int, fields: dict, chunk_size: int) -> list:
                 truncate_chunks(t, ino, value, chunk_size)
                 node.size = value
                 node.version += 1
-                if "mtime_ns" not in fields:
-                    node.mtime_ns = t.now
+            if "mtime_ns" not in fields:  # as truncate(2) on Linux, even to the same size
+                node.mtime_ns = t.now
         else:
             raise error(errno.EINVAL, f"setattr: unknown field {key!r}")
         changed = True

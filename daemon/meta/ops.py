@@ -17,6 +17,8 @@ Op forms (lists, so they travel over msgpack as they are)::
     ["subdirs", ino, delta]                         a parent's link count as its subdirectories
                                                     come and go (commutes, so it takes no lock)
     ["setparent", ino, parent]                      a moved directory's new parent
+    ["ctime", ino]                                  the inode changed (renamed): its ctime is
+                                                    now (commutes, so it takes no lock)
     ["rmdir", ino]                                  delete an empty directory inode
     ["mkinode", mode, uid, gid, parent, target]     a new inode on this shard; "$new" in later ops
                                                     (on any shard) is replaced by its id
@@ -52,6 +54,7 @@ _SHAPES = {
     "nlink": (int, int),
     "subdirs": (int, int),
     "setparent": (int, int),
+    "ctime": (int,),
     "rmdir": (int,),
     "mkinode": (int, int, int, int, (bytes, type(None))),
 }
@@ -98,8 +101,9 @@ def check(t: Txn, op: list) -> None:
     elif kind in ("nlink", "setparent"):
         if t.inode(op[1]) is None:
             raise Stale(f"inode {op[1]:#x} vanished")
-    elif kind == "subdirs":
-        t.need_dir(op[1])
+    elif kind in ("subdirs", "ctime"):
+        if kind == "subdirs":
+            t.need_dir(op[1])
     elif kind == "rmdir":
         node = t.inode(op[1])
         if node is None:
@@ -136,6 +140,11 @@ def apply(t: Txn, op: list) -> None:
         node = t.inode(op[1], lock=False)
         if node is not None:
             node.parent = op[2]
+            node.ctime_ns = t.now
+            t.put_inode(node)
+    elif kind == "ctime":
+        node = t.inode(op[1], lock=False)
+        if node is not None:
             node.ctime_ns = t.now
             t.put_inode(node)
     elif kind == "rmdir":

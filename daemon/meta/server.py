@@ -306,6 +306,9 @@ class MetaShard:
         else:
             parts.append((sh_sp, ["rmdent", sp, sn, src_ino]))
         parts.append((sh_dp, ["mkdent", dp, dn, src_ino, src_kind, dst_ino]))
+        parts.append((shard_of(src_ino), ["ctime", src_ino]))  # as Linux: a rename is a change
+        if exchange:
+            parts.append((shard_of(dst_ino), ["ctime", dst_ino]))
         if sp != dp:
             if src_dir:
                 parts += [(sh_sp, ["subdirs", sp, -1]), (sh_dp, ["subdirs", dp, 1]),

@@ -188,6 +188,16 @@ class VFS:
             return node.attr.with_(size=w.size)
         return node.attr
 
+    def _owner(self, parent: int, uid: int, gid: int, mode: int) -> tuple[int, int]:
+        """(gid, mode) of a new inode: a setgid directory gives its group, and to a new
+        directory its setgid bit (as Linux does on local filesystems)."""
+        p = self.inodes.get(parent)
+        if p is not None and p.attr.mode & stat.S_ISGID:
+            gid = p.attr.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        return gid, mode
+
     def _writable(self) -> None:
         if self.ro:
             raise error(errno.EROFS, "the mount is read-only")
@@ -266,6 +276,10 @@ class VFS:
                 changes = {**changes, "size": size}
         elif w is not None and ("mtime_ns" in changes or "atime_ns" in changes):
             await self._commit(node, w)  # type: ignore[arg-type]  # or it overwrites the times
+        if not changes and size is None:
+            # the kernel asks with nothing to set for chown(f, -1, -1) and the like: a change
+            # all the same, as on a local filesystem (the kernel leaves ctime to us)
+            changes = {"ctime_ns": time.time_ns()}
         new = await self.meta.setattr(ino, **changes) if changes else \
             await self.meta.getattr(ino)
         node = self.inodes.update(new)
@@ -282,6 +296,7 @@ class VFS:
         """A regular file, FIFO, socket or block/character device (metadata only: type, mode
         and device number; the kernel does their I/O)."""
         self._writable()
+        gid, mode = self._owner(parent, uid, gid, mode)
         attr = await self.meta.mknod(parent, name, mode, rdev if stat.S_IFMT(mode) in _DEVICES
                                      else 0, uid, gid)
         self._changed_dir(parent)
@@ -289,6 +304,7 @@ class VFS:
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
         self._writable()
+        gid, mode = self._owner(parent, uid, gid, stat.S_IFDIR | (mode & 0o7777))
         attr = await self.meta.mkdir(parent, name, mode & 0o7777, uid, gid)
         self._changed_dir(parent)
         return self.attr_of(self.inodes.remember(attr, parent, name))
@@ -296,6 +312,7 @@ class VFS:
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int
                       ) -> Attr:
         self._writable()
+        gid, _ = self._owner(parent, uid, gid, stat.S_IFLNK)
         attr = await self.meta.symlink(parent, name, target, uid, gid)
         self._changed_dir(parent)
         return self.attr_of(self.inodes.remember(attr, parent, name))
@@ -458,6 +475,7 @@ class VFS:
                      gid: int) -> tuple[OpenFile, Attr]:
         """open(O_CREAT): the file (made if missing; EEXIST with O_EXCL), opened."""
         self._writable()
+        gid, mode = self._owner(parent, uid, gid, mode)
         attr, created = await self.meta.create(parent, name, mode, uid, gid,
                                                exclusive=bool(flags & os.O_EXCL))
         if created:

@@ -121,7 +121,7 @@ class FileWriter:
             raise error(errno.EINVAL, "fallocate needs offset >= 0 and length > 0", self.name)
         if not keep_size and off + length > self.size:
             self.size = off + length
-            self._size_dirty = True
+        self._size_dirty = True  # the commit marks the file modified, as fallocate(2) does
 
     async def truncate(self, size: int) -> Attr:
         """Make the file ``size`` bytes long (committing what is dirty first)."""

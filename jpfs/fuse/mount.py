@@ -35,6 +35,7 @@ from .. import config
 from ..client.cache import BlobCache
 from ..client.vfs import VFS, VFSConfig
 from ..errors import error
+from .lowlevel import Fallocate
 from .notifier import KernelNotifier
 from .operations import FuseConfig, Operations
 
@@ -279,7 +280,12 @@ async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_opti
                  "on" if opts.prefetch else "off")
         if ready is not None:
             ready()
-        await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
+        async with trio.open_nursery() as requests:  # ended before the session is closed
+            fallocate = Fallocate(ops, requests)  # holds the callback libfuse calls
+            fallocate.install()
+            await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
+            requests.cancel_scope.cancel()
+        del fallocate
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(30):
             await ops.vfs.commit_all()
