@@ -134,7 +134,8 @@ def test_import_from_s3_copies_resumes_and_follows_changes(make_cluster, s3, upl
         assert c.read_bytes("/imported/ds/extra/big.bin") == uploaded["extra/big.bin"]
 
 
-def test_import_from_s3_shows_progress_and_reads_as_a_dataset(make_cluster, s3, uploaded):
+def test_import_from_s3_shows_progress_and_reads_as_a_dataset(make_cluster, s3, uploaded,
+                                                              monkeypatch):
     d = make_cluster(meta_shards=1, storage_nodes=1, chunk_size=CHUNK)
     r = _import(d, s3, progress=True)
     total = sum(len(b) for b in uploaded.values())
@@ -144,12 +145,11 @@ def test_import_from_s3_shows_progress_and_reads_as_a_dataset(make_cluster, s3, 
     assert f"{len(uploaded)} files" in r.stdout and str(total) not in r.stderr.splitlines()[0]
     from jpfs.lerobot.dataset import load_meta
 
-    os.environ["JPFS_CLUSTER"] = str(d)
-    try:
-        meta = load_meta("jpfs://imported/ds")
-        assert len(meta.episodes) == 6
-    finally:
-        del os.environ["JPFS_CLUSTER"]
+    # jpfs:// reaches the cluster $JPFS_CLUSTER names now, not one an earlier test's cached
+    # filesystem reached (tests/test_fsspec_clusters.py).
+    monkeypatch.setenv("JPFS_CLUSTER", str(d))
+    meta = load_meta("jpfs://imported/ds")
+    assert len(meta.episodes) == 6
 
 
 def test_import_url_errors_say_what_is_missing(make_cluster, tmp_path):

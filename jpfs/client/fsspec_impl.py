@@ -1,6 +1,6 @@
-"""fsspec for JPFS: ``jpfs://a/b`` names ``/a/b`` in the cluster named by ``$JPFS_CLUSTER``
-(or the ``cluster`` storage option), so pandas, pyarrow, datasets and anything else that speaks
-fsspec reads JPFS directly, through the native client.
+"""fsspec for JPFS: ``jpfs://a/b`` names ``/a/b`` in the cluster named by ``$JPFS_CLUSTER`` at
+the time of each call (or the ``cluster`` storage option), so pandas, pyarrow, datasets and
+anything else that speaks fsspec reads JPFS directly, through the native client.
 
 ``cat`` of many paths maps to the client's batched ``read_many``.
 """
@@ -10,21 +10,44 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import threading
 
 from fsspec.spec import AbstractFileSystem
 
-from .. import uri
+from .. import config, uri
 from .blocking import Client
 
-_clients: dict[tuple[str | None, int], Client] = {}
+_clients: dict[tuple[str, int], tuple[tuple[int, int, int, int], Client]] = {}
+_lock = threading.Lock()
 
 
 def _client(cluster: str | None) -> Client:
-    """One blocking client per cluster file per process (DataLoader workers get their own)."""
-    key = (cluster, os.getpid())
-    c = _clients.get(key)
-    if c is None:
-        c = _clients[key] = Client(cluster)
+    """One blocking client per cluster per process (DataLoader workers get their own).
+
+    The cluster is resolved at every call, not when the filesystem object was made: fsspec
+    hands back one cached ``JPFSFileSystem()`` for every ``jpfs://`` URL, so ``$JPFS_CLUSTER``
+    may name another cluster by now, and a cluster file rewritten in place (``jpfs cluster up``
+    again in the same folder: new ports) may name other daemons. A client is reused for the
+    same file while its contents say the same; one for an older version is closed.
+    """
+    path = os.fspath(config.find_cluster_file(cluster).resolve())
+    st = os.stat(path)
+    ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    key = (path, os.getpid())
+    stale = None
+    with _lock:
+        had = _clients.get(key)
+        if had is not None and had[0] == ident:
+            return had[1]
+        parsed = config.load(path)
+        if had is not None and had[1].cluster == parsed:
+            _clients[key] = (ident, had[1])  # rewritten, same cluster (a second `cluster up`)
+            return had[1]
+        c = Client(parsed)
+        _clients[key] = (ident, c)
+        stale = had[1] if had is not None else None
+    if stale is not None:
+        stale.close()  # it talks to daemons this cluster file no longer names
     return c
 
 
