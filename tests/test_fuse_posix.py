@@ -224,9 +224,19 @@ def test_xattrs(d):
     assert _errno(os.setxattr, p, "system.posix_acl_access", acl) == errno.EOPNOTSUPP
 
 
-def test_statfs_fsync(d):
+def test_statfs_fsync(d, cluster):
     st = os.statvfs(d)
     assert st.f_namemax == 255 and st.f_bsize > 0 and st.f_blocks > 0
+    # df tells JPFS's own usage, and the two storage nodes' shared disk counts once
+    host = os.statvfs(cluster)
+    assert st.f_blocks * st.f_frsize <= host.f_blocks * host.f_frsize
+    assert abs(st.f_bavail * st.f_frsize - host.f_bavail * host.f_frsize) < 1 << 30
+    used = (st.f_blocks - st.f_bfree) * st.f_frsize
+    (d / "big").write_bytes(os.urandom(8 << 20))
+    time.sleep(1.1)  # statfs answers are cached for a second
+    st2 = os.statvfs(d)
+    grew = (st2.f_blocks - st2.f_bfree) * st2.f_frsize - used
+    assert 8 << 20 <= grew < 9 << 20, grew  # one replica of 8 MiB (and nothing of the host's)
     fd = os.open(d / "f", os.O_CREAT | os.O_WRONLY)
     os.write(fd, b"durable")
     os.fsync(fd)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import socket
 import struct
 import time
 from collections.abc import Sequence
@@ -316,6 +317,8 @@ class Store:
             "dead_bytes": sum(r.dead_bytes for r in recs.values()),
             "disk_free": st.f_bavail * st.f_frsize,
             "disk_total": st.f_blocks * st.f_frsize,
+            "disk_id": f"{socket.gethostname()}:{os.stat(self.dir).st_dev}",
+            # nodes that share a disk (a local cluster) report the same id: count it once
         }
 
     # ------------------------------------------------------------------ the group commit

@@ -131,6 +131,7 @@ STATS_KEYS = (
     "dead_bytes",       # bytes of deleted (or superseded) blobs not yet compacted away
     "disk_free",        # free bytes on the data directory's filesystem (for statfs)
     "disk_total",       # size of that filesystem
+    "disk_id",          # "host:device" of that filesystem: nodes sharing a disk count it once
     "puts",             # put_blobs requests stored
     "blobs_put",        # blobs newly stored
     "commits",          # group commits (each one fsync of data + one index transaction)
