@@ -49,11 +49,6 @@ def new_dir_shard(parent: int, name: bytes, n_shards: int) -> int:
     return _h64(parent, name) % n_shards if n_shards > 1 else 0
 
 
-def new_file_shard(parent: int) -> int:
-    """The shard a new file (or symlink) in ``parent`` is allocated on: the parent's own."""
-    return shard_of(parent)
-
-
 def _ring(start: int, n_nodes: int, replicas: int) -> tuple[int, ...]:
     if n_nodes <= 0:
         raise ValueError("the cluster has no storage nodes")

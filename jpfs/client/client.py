@@ -69,10 +69,6 @@ def _path(p: str | os.PathLike) -> str:
     return uri.to_path(p) if uri.is_jpfs(p) else uri.normalize(p)
 
 
-def _parts(p: str) -> list[bytes]:
-    return [os.fsencode(c) for c in uri.split(p)]
-
-
 MEMORY_CACHE = 256 << 20
 """The native client's blob cache: read-ahead windows and prefetch hints wait here (it only
 grows as they use it; whole-file reads hand their blobs to the caller instead)."""

@@ -108,15 +108,3 @@ def flatten(stats: Stats, prefix: str = "stats") -> dict[str, Any]:
     """``{"stats/<feature>/<name>": list}`` columns of the v3.0 episodes table."""
     return {f"{prefix}/{k}/{n}": np.asarray(v).tolist() for k, s in stats.items()
             for n, v in s.items()}
-
-
-def unflatten(row: dict[str, Any], prefix: str = "stats") -> Stats:
-    """The inverse of :func:`flatten` for one episodes-table row."""
-    out: Stats = {}
-    for col, value in row.items():
-        parts = col.split("/")
-        if len(parts) < 3 or parts[0] != prefix:
-            continue
-        feature, name = "/".join(parts[1:-1]), parts[-1]
-        out.setdefault(feature, {})[name] = np.asarray(value)
-    return out
