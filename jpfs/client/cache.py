@@ -169,7 +169,7 @@ class BlobCache:
         log.info("disk cache %s: %d blobs in %d segments, %.1f MiB of %.1f MiB", self.disk_dir,
                  len(self._disk), len(self._segs), self._disk_used / 2**20,
                  self.disk_bytes / 2**20)
-        nursery.start_soon(self._writer)
+        nursery.start_soon(self._write_forever)
 
     def close(self) -> None:
         self._closed = True
@@ -485,6 +485,18 @@ class BlobCache:
                     self.stats.disk_evictions += 1
                     self.stats.disk_evicted_bytes += loc[2]
         return victims
+
+    async def _write_forever(self) -> None:
+        """The disk writer, started again if it fails: a cache failure must never end the
+        nursery it runs in (the mount's)."""
+        while not self._closed:
+            try:
+                await self._writer()
+                return
+            except Exception:
+                self.stats.disk_errors += 1
+                log.exception("the disk cache writer failed; starting it again")
+                await trio.sleep(1)
 
     async def _writer(self) -> None:
         """Append queued blobs to the head segment in batches, dropping old segments first to

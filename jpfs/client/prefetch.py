@@ -27,6 +27,7 @@ a lookup per component, and let the mount answer lookups from memory.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import re
@@ -394,7 +395,7 @@ class Prefetcher:
         """Run prefetch tasks until cancelled (start it with ``nursery.start``)."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._hint_worker)
+            nursery.start_soon(self._guarded, self._hint_worker, True)
             task_status.started()
             await trio.sleep_forever()
 
@@ -870,7 +871,23 @@ class Prefetcher:
 
     def _spawn(self, fn, *args) -> None:
         if self._nursery is not None:
-            self._nursery.start_soon(fn, *args)
+            self._nursery.start_soon(self._guarded, functools.partial(fn, *args), False)
+
+    async def _guarded(self, fn, forever: bool) -> None:
+        """Run a prefetch task so that no failure of it ends its nursery (and with it the
+        mount): prefetch is a hint, and a reader fetches for itself what a failed prefetch
+        missed. A ``forever`` task is started again after logging."""
+        while True:
+            try:
+                await fn()
+            except Exception:
+                self.stats.batch_errors += 1
+                log.exception("a prefetch task failed%s", "; starting it again" if forever
+                              else "")
+                if forever:
+                    await trio.sleep(1)
+                    continue
+            return
 
     def _launch(self, batch: _Batch | None, *, attrs: list[Attr] | None = None,
                 chunks: list[Chunk] | None = None) -> int:
@@ -916,7 +933,8 @@ class Prefetcher:
             if not keep_c:
                 return done
         self._inflight += size
-        self._nursery.start_soon(self._run_batch, batch, attrs, chunks, size)
+        self._nursery.start_soon(self._guarded, functools.partial(
+            self._run_batch, batch, attrs, chunks, size), False)
         return done
 
     async def _run_batch(self, batch, attrs, chunks, reserved) -> None:
