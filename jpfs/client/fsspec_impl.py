@@ -110,28 +110,36 @@ class JPFSFileSystem(AbstractFileSystem):
             return f.read(max(0, e - s))
 
     def cat(self, path, recursive=False, on_error="raise", **kwargs):
-        paths = self.expand_path(path, recursive=recursive)
+        """Whole files in one batched ``read_many``: one call per directory, no stat per path.
+
+        A single path (not a list, no glob) gives its bytes, anything else ``{path: bytes}``
+        (bytes, as fsspec promises: one copy of the client's views; ``Client.read_many`` hands
+        out the views themselves). A directory named is an IsADirectoryError, as in fsspec;
+        ``recursive`` reads the files below the paths given, found by listing them.
+        """
+        paths = self.expand_path(path, recursive=False)
+        if recursive:
+            paths = sorted({f for p in paths for f in self.find(p, withdirs=False)})
         if len(paths) == 1 and paths[0] == self._strip_protocol(path) and not isinstance(
-                path, list) and not self.isdir(paths[0]):
+                path, list):
             return self.cat_file(paths[0])
-        files = [p for p in paths if not self.isdir(p)]
         try:
-            views = self.client.read_many(files)
+            views = self.client.read_many(paths)
         except OSError:
             if on_error == "raise":
                 raise
             out = {}
-            for p in files:
+            for p in paths:
                 try:
                     out[p] = self.cat_file(p)
                 except OSError as e:
                     if on_error == "return":
                         out[p] = e
             return out
-        return {p: bytes(v) for p, v in zip(files, views, strict=True)}
+        return {p: bytes(v) for p, v in zip(paths, views, strict=True)}
 
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
-        """Many byte ranges in one batched read (each chunk fetched once)."""
+        """Many byte ranges in one batched read (each chunk fetched once), as bytes."""
         if not isinstance(starts, list):
             starts = [starts] * len(paths)
         if not isinstance(ends, list):

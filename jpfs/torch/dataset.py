@@ -74,8 +74,9 @@ class ShardDataset(IterableDataset):
     """Stream the frames of a dataset at ``root`` (``jpfs://...``, an fsspec URL, or a directory).
 
     Args:
-        root: dataset root. ``jpfs://`` reads through the native client (via its fsspec class); a
-            local or mounted directory is read directly.
+        root: dataset root. ``jpfs://`` reads through the native client (batched reads, one
+            metadata call per directory per batch); a local or mounted directory is read
+            directly; other fsspec URLs through fsspec.
         delta_timestamps: ``{feature: [seconds, ...]}`` as in LeRobot, e.g. 16 future actions.
         columns: non-video features to return (default: all; image features included unless
             ``video=False``).
@@ -96,7 +97,8 @@ class ShardDataset(IterableDataset):
         with_task: add the task string (``task``) per sample, as LeRobot always does (batches
             get a list of strings, as default collate makes); False leaves it out.
         fps: frame rate for plain parquet shards (LeRobot datasets carry their own).
-        storage_options: passed to fsspec.
+        storage_options: passed to fsspec; for ``jpfs://``, ``cluster`` names the cluster file
+            (default ``$JPFS_CLUSTER``).
     """
 
     def __init__(self, root: str, *, delta_timestamps: Mapping[str, list[float]] | None = None,
@@ -427,14 +429,14 @@ class _Assembler:
         src = self.src
         if self.n:
             self.readahead = ReadAhead(
-                src.fs, src.shards, self.schedule,
+                src.store.session(), src.shards, self.schedule,
                 ShardDecoder(src, (*self.columns, *self.images), self.extra),
                 budget=self.ds.readahead_bytes, batch_files=self.ds.readahead_files,
                 hint=mount_hint(src.root))
         if self.ds.video:
             from .video import FrameReader
 
-            self.frames = FrameReader(src.fs, tolerance_s=self.ds.tolerance_s)
+            self.frames = FrameReader(src.store, tolerance_s=self.ds.tolerance_s)
         return self
 
     def __exit__(self, *exc: object) -> None:

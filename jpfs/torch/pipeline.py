@@ -31,7 +31,7 @@ def can_pin() -> bool:
     return torch.cuda.is_available()
 
 
-class Slot:
+class HostBatch:
     """One reusable host batch: a buffer per key with room for ``capacity`` samples."""
 
     def __init__(self, index: int, capacity: int, pin: bool):
@@ -65,8 +65,8 @@ class PinnedRing:
         if depth < 2:
             raise ValueError("a ring needs at least 2 slots")
         self.pin = can_pin() if pin is None else (pin and can_pin())
-        self.slots = [Slot(i, capacity, self.pin) for i in range(depth)]
-        self._free: queue.Queue[Slot] = queue.Queue()
+        self.slots = [HostBatch(i, capacity, self.pin) for i in range(depth)]
+        self._free: queue.Queue[HostBatch] = queue.Queue()
         for s in self.slots:
             self._free.put(s)
 
@@ -74,7 +74,7 @@ class PinnedRing:
     def depth(self) -> int:
         return len(self.slots)
 
-    def acquire(self, stop: threading.Event | None = None) -> Slot:
+    def acquire(self, stop: threading.Event | None = None) -> HostBatch:
         """The next free slot; returns early (raising ``Stopped``) once ``stop`` is set."""
         while True:
             try:
@@ -83,11 +83,8 @@ class PinnedRing:
                 if stop is not None and stop.is_set():
                     raise Stopped from None
 
-    def release(self, slot: Slot) -> None:
+    def release(self, slot: HostBatch) -> None:
         self._free.put(slot)
-
-    def free_count(self) -> int:
-        return self._free.qsize()
 
 
 def plain_alloc(spec: Spec, n: int) -> dict[str, torch.Tensor]:
@@ -200,7 +197,7 @@ def ring_batches(produce: Callable[[Alloc], Iterable[Batch]], capacity: int, dep
                 raise item
             batch, slots = item
 
-            def release(slots: list[Slot] = slots) -> None:
+            def release(slots: list[HostBatch] = slots) -> None:
                 for s in slots:
                     ring.release(s)
                 slots.clear()

@@ -1,9 +1,9 @@
 """Background read-ahead of the shards a worker will need next, bounded in bytes.
 
 The partition functions tell a worker its whole future, so the shards it needs are known in
-first-use order. A thread fetches them in batches (``fs.cat(list_of_paths)``: on ``jpfs://`` that
-is the client's batched multi-file read; on a local or mounted path, plain reads that also warm
-the mount's cache and feed its prefetcher) and decodes them with pyarrow, which releases the GIL.
+first-use order. A thread fetches them in batches through the source's store (on ``jpfs://`` the
+client's batched multi-file read; on a local or mounted path, plain reads that also warm the
+mount's cache and feed its prefetcher) and decodes them with pyarrow, which releases the GIL.
 Bytes held (fetched or decoded, not yet released by the consumer) stay under ``budget``; a shard
 the consumer is blocked on is always fetched, so one shard larger than the budget cannot stall.
 """
@@ -14,11 +14,9 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
-
-from fsspec.spec import AbstractFileSystem
 
 from .shards import Shard, ShardDecoder, ShardTable
+from .store import BytesLike, Store
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +26,10 @@ HINT_FILE = os.path.join(".jpfs", "prefetch")  # the mount's control file (jpfs/
 class ReadAhead:
     """Fetch and decode ``schedule`` (shard indices in first-use order) ahead of the consumer."""
 
-    def __init__(self, fs: Any, shards: Sequence[Shard], schedule: Sequence[int],
+    def __init__(self, store: Store, shards: Sequence[Shard], schedule: Sequence[int],
                  decode: ShardDecoder, *, budget: int = 256 << 20,
                  batch_files: int = 32, hint: Callable[[list[str]], None] | None = None):
-        self.fs = fs
+        self.store = store
         self.shards = shards
         self.schedule = list(schedule)
         self.decode = decode
@@ -43,7 +41,6 @@ class ReadAhead:
         self._held: dict[int, int] = {}  # shard -> bytes counted against the budget
         self._wanted: int | None = None
         self._released: set[int] = set()
-        self._handles: dict[str, Any] = {}  # open files for ranged reads (reader thread only)
         self._error: BaseException | None = None
         self._closed = False
         self.fetched_files = 0
@@ -88,9 +85,7 @@ class ReadAhead:
             self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self.decode.close()
-            for f in self._handles.values():
-                f.close()
-            self._handles.clear()
+            self.store.close()
 
     # background side -----------------------------------------------------------------------
 
@@ -146,46 +141,25 @@ class ReadAhead:
                 self._cond.notify_all()
 
 
-    def _fetch(self, batch: list[int]) -> list[bytes | None]:
+    def _fetch(self, batch: list[int]) -> list[BytesLike | None]:
         """The bytes of ``batch``: whole files in one multi-file read, row-group spans in one
-        multi-range read.
-
-        For ``jpfs://`` roots, fsspec's ``cat`` and ``cat_ranges`` are the native client's
-        batched ``read_many`` and ``read_ranges``: one round trip per storage node per batch.
-        """
+        multi-range read (on ``jpfs://``: the client's ``read_many`` and ``read_ranges``, one
+        round trip per directory and per storage node)."""
         fetch = [s for s in batch if self.decode.wants_bytes(self.shards[s])]
         whole = [s for s in fetch if self.shards[s].row_groups is None]
         ranged = [s for s in fetch if self.shards[s].row_groups is not None]
-        got: dict[int, bytes | None] = {}
+        got: dict[int, BytesLike | None] = {}
         if whole:
-            paths = [self.shards[s].path for s in whole]
-            if len(paths) == 1:
-                got[whole[0]] = self.fs.cat_file(paths[0])
-            else:
-                blobs = self.fs.cat(paths, on_error="raise")
-                for s, p in zip(whole, paths, strict=True):
-                    data = blobs.get(p)
-                    got[s] = data if data is not None else blobs[self.fs._strip_protocol(p)]
+            got.update(zip(whole, self.store.read_many([self.shards[s].path for s in whole]),
+                           strict=True))
             self.fetch_calls += 1
         if ranged:
             sh = [self.shards[s] for s in ranged]
-            if type(self.fs).cat_ranges is not AbstractFileSystem.cat_ranges:
-                blobs = self.fs.cat_ranges([x.path for x in sh], [x.start for x in sh],
-                                           [x.stop for x in sh], on_error="raise")
-            else:  # fsspec's default opens the file per range: keep handles open instead
-                blobs = [self._read_range(x.path, x.start, x.stop) for x in sh]
-            got.update(zip(ranged, blobs, strict=True))
+            got.update(zip(ranged, self.store.read_ranges([x.path for x in sh],
+                                                          [x.start for x in sh],
+                                                          [x.stop for x in sh]), strict=True))
             self.fetch_calls += 1
         return [got.get(s) for s in batch]
-
-    def _read_range(self, path: str, start: int, stop: int) -> bytes:
-        f = self._handles.get(path)
-        if f is None:
-            while len(self._handles) >= 16:
-                self._handles.pop(next(iter(self._handles))).close()
-            f = self._handles[path] = self.fs.open(path, "rb", block_size=0, cache_type="none")
-        f.seek(start)
-        return f.read(stop - start)
 
 
 def mount_hint(root: str) -> Callable[[list[str]], None] | None:

@@ -26,9 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from fsspec.implementations.local import LocalFileSystem
 
 from .images import image_bytes
+from .store import BytesLike, Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,13 @@ class VideoRef:
 
 @dataclass
 class Source:
-    """A dataset opened for streaming: its shards, columns, fps and per-episode video files."""
+    """A dataset opened for streaming: its shards, columns, fps and per-episode video files.
+
+    ``fs`` opened it (metadata, listings, footers); ``store`` reads its shards and videos.
+    """
 
     fs: fsspec.AbstractFileSystem
+    store: Store
     root: str
     format: str
     shards: tuple[Shard, ...]
@@ -114,15 +118,15 @@ def _sizes(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, int]:
 
 def open_source(root: str, *, columns: list[str] | tuple[str, ...] | None = None,
                 fps: float | None = None, storage_options: dict | None = None) -> Source:
-    """Open ``root`` (local, mounted, or an fsspec URL such as ``jpfs://...``) for streaming."""
-    fs, path = fsspec.core.url_to_fs(str(root), **(storage_options or {}))
+    """Open ``root`` (local, mounted, ``jpfs://...`` or another fsspec URL) for streaming."""
+    fs, path, store = open_store(str(root), storage_options)
     path = path.rstrip("/") or "/"
     if fs.exists(_join(path, INFO)):
-        return _open_lerobot(str(root), fs, path, columns)
-    return _open_plain(fs, path, columns, fps)
+        return _open_lerobot(str(root), fs, store, path, columns)
+    return _open_plain(fs, store, path, columns, fps)
 
 
-def _open_lerobot(url: str, fs: fsspec.AbstractFileSystem, path: str,
+def _open_lerobot(url: str, fs: fsspec.AbstractFileSystem, store: Store, path: str,
                   columns: list[str] | tuple[str, ...] | None) -> Source:
     from jpfs.lerobot.dataset import load_meta
 
@@ -166,9 +170,10 @@ def _open_lerobot(url: str, fs: fsspec.AbstractFileSystem, path: str,
         for k in meta.video_keys)
     log.debug("opened %s %s: %d shards, %d frames", meta.version, path, len(shards),
               meta.total_frames)
-    return Source(fs=fs, root=path, format=meta.version, shards=tuple(shards), columns=cols,
-                  fps=float(meta.fps), shapes=shapes, video_keys=tuple(meta.video_keys),
-                  image_keys=tuple(images), videos=videos, tasks=dict(meta.tasks),
+    return Source(fs=fs, store=store, root=path, format=meta.version, shards=tuple(shards),
+                  columns=cols, fps=float(meta.fps), shapes=shapes,
+                  video_keys=tuple(meta.video_keys), image_keys=tuple(images), videos=videos,
+                  tasks=dict(meta.tasks),
                   video_decodable=decodable, meta=meta, footers=footers)
 
 
@@ -203,7 +208,7 @@ def _byte_span(md: Any, groups: tuple[int, ...]) -> tuple[int, int]:
     return int(lo or 0), int(hi)
 
 
-def _open_plain(fs: fsspec.AbstractFileSystem, path: str,
+def _open_plain(fs: fsspec.AbstractFileSystem, store: Store, path: str,
                 columns: list[str] | tuple[str, ...] | None, fps: float | None) -> Source:
     sizes = _sizes(fs, path)
     files = sorted(p for p in sizes if p.endswith(".parquet"))
@@ -218,7 +223,7 @@ def _open_plain(fs: fsspec.AbstractFileSystem, path: str,
             schema = md.schema.to_arrow_schema()
         shards.append(Shard(p, md.num_rows, sizes[p]))
     numeric = [f.name for f in schema if _is_numeric(f.type)]
-    return Source(fs=fs, root=path, format=PLAIN, shards=tuple(shards),
+    return Source(fs=fs, store=store, root=path, format=PLAIN, shards=tuple(shards),
                   columns=_pick(numeric, columns), fps=fps)
 
 
@@ -265,7 +270,7 @@ class _Span(io.RawIOBase):
     """A file of which only bytes ``[start, start + len(data))`` are at hand (a ranged read);
     pyarrow, given the footer separately, reads nothing else."""
 
-    def __init__(self, size: int, start: int, data: bytes | memoryview):
+    def __init__(self, size: int, start: int, data: BytesLike):
         super().__init__()
         self.size = size
         self.start = start
@@ -309,14 +314,14 @@ class ShardDecoder:
         self.source = source
         self.columns = columns
         self.extra = extra
-        self.local = isinstance(source.fs, LocalFileSystem)
+        self.local = source.store.local
         self._readers: dict[str, tuple[Any, _Span | None]] = {}
 
     def wants_bytes(self, shard: Shard) -> bool:
         """False where the decoder reads the shard itself (row groups of a local file)."""
         return shard.row_groups is None or not self.local
 
-    def __call__(self, index: int, data: bytes | memoryview | None) -> ShardTable:
+    def __call__(self, index: int, data: BytesLike | None) -> ShardTable:
         shard = self.source.shards[index]
         if shard.row_groups is None:
             assert data is not None
@@ -340,14 +345,6 @@ class ShardDecoder:
 
     def close(self) -> None:
         self._readers.clear()
-
-
-def decode_shard(data: bytes | memoryview, columns: tuple[str, ...],
-                 shapes: dict[str, tuple[int, ...]], extra: tuple[str, ...] = (),
-                 images: tuple[str, ...] = ()) -> ShardTable:
-    """Parse the bytes of a whole parquet file (see ``ShardDecoder`` for row-group shards)."""
-    return decode_table(pq.ParquetFile(pa.BufferReader(data)), None, columns, shapes, extra,
-                        images)
 
 
 def decode_table(reader: Any, row_groups: tuple[int, ...] | None, columns: tuple[str, ...],

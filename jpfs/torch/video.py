@@ -15,7 +15,8 @@ import logging
 from typing import Any
 
 import numpy as np
-from fsspec.implementations.local import LocalFileSystem
+
+from .store import Store
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,10 @@ class _Cursor:
 
 
 class FrameReader:
-    """Decodes frames of mp4 files on a filesystem; keeps a few files open between calls."""
+    """Decodes frames of mp4 files of a store; keeps a few files open between calls."""
 
-    def __init__(self, fs: Any, *, tolerance_s: float = 1e-4, max_open: int = 32):
-        self.fs = fs
+    def __init__(self, store: Store, *, tolerance_s: float = 1e-4, max_open: int = 32):
+        self.store = store
         self.tolerance_s = tolerance_s
         self.max_open = max_open
         self._open: collections.OrderedDict[str, _Cursor] = collections.OrderedDict()
@@ -107,10 +108,10 @@ class FrameReader:
             return cur
         import av
 
-        if isinstance(self.fs, LocalFileSystem):
+        if self.store.local:
             cur = _Cursor(av.open(path), None)
         else:
-            handle = self.fs.open(path, "rb")
+            handle = self.store.open(path)
             cur = _Cursor(av.open(handle), handle)
         self._open[path] = cur
         while len(self._open) > self.max_open:
