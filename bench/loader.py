@@ -1,8 +1,10 @@
-"""``jpfs bench loader``: ShardDataset vs a naive LeRobot-style map dataset, same data, same run."""
+"""``jpfs bench loader``: ShardDataset vs a naive LeRobot-style map dataset and, where lerobot is
+installed, the official ``LeRobotDataset``: same data, same DataLoader, same run."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import shutil
@@ -13,7 +15,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-HELP = "data loader samples/s: ShardDataset vs a naive per-episode-file map dataset"
+HELP = "data loader samples/s: ShardDataset vs LeRobotDataset and a naive map dataset"
 DESCRIPTION = """\
 Measure training-sample throughput of jpfs.torch.ShardDataset against the baseline every LeRobot
 user starts from: a map-style dataset that opens the episode's parquet file (and, with --video,
@@ -21,7 +23,14 @@ its mp4s) for every sample, shuffled by a seeded sampler. Both run through a tor
 with the same number of workers, on the same files, in the same run; samples carry the same
 features and the same delta_timestamps action chunk.
 
+Where the official lerobot package is importable (lerobot 0.6 needs Python >= 3.12), its
+LeRobotDataset is measured too, over the v3.0 copy: the same delta_timestamps, a DataLoader with
+the same workers and batch size and a seeded shuffle sampler, video decoded by its default
+backend (torchcodec where it loads, else PyAV); without lerobot that row says why it is missing.
+The hub is not contacted (HF_HUB_OFFLINE=1 unless set).
+
 Reported: samples/s and MB/s (bytes of the tensors delivered), for
+  lerobot    the official LeRobotDataset over v3.0 (global random access over frames)
   naive      the map dataset over v2.1 (one file per episode)
   drop-in    ShardDataset yielding samples, batched by the DataLoader's default collate
   collate    drop-in, with collate_fn=jpfs.torch.collate (one shared buffer per batch)
@@ -57,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time limit per measurement (default 4)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="dataset and shuffle seed")
+    parser.add_argument("--no-lerobot", action="store_true",
+                        help="leave out the official LeRobotDataset even where it is installed")
 
 
 # The baseline -------------------------------------------------------------------------------
@@ -115,6 +126,41 @@ def naive_dataset(root: str, delta_timestamps: dict[str, list[float]], video: bo
             return item
 
     return NaiveEpisodeDataset()
+
+
+def lerobot_missing() -> str | None:
+    """Why the official LeRobotDataset cannot be measured here, or None when it can."""
+    if importlib.util.find_spec("lerobot") is None:
+        return ("lerobot is not installed in this environment (pip install lerobot==0.6.1; it "
+                "needs Python >= 3.12 and torch>=2.7,<2.12)")
+    try:
+        from lerobot.datasets.lerobot_dataset import LeRobotDataset  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure is the reason to report
+        return f"lerobot is installed but LeRobotDataset does not import: {e!r}"
+    return None
+
+
+def lerobot_default_backend() -> str:
+    """LeRobot's own choice of video decoder here (torchcodec if it loads, else pyav), made
+    once: lerobot logs a long traceback each time torchcodec fails to load."""
+    from lerobot.utils.import_utils import get_safe_default_video_backend
+
+    quiet = logging.getLogger("lerobot.utils.import_utils")
+    was = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return get_safe_default_video_backend()
+    finally:
+        quiet.setLevel(was)
+
+
+def lerobot_dataset(root: str, delta_timestamps: dict[str, list[float]], backend: str) -> Any:
+    """The official ``LeRobotDataset`` over a local v3.0 root (``backend``: its default)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local root: never ask the hub
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    return LeRobotDataset("local/jpfs-bench", root=root, delta_timestamps=delta_timestamps,
+                          video_backend=backend)
 
 
 # Measuring ----------------------------------------------------------------------------------
@@ -251,7 +297,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               seed=args.seed, batch_size=args.batch_size)
             return _InProcess(ds)
 
-        cases = {"naive v2.1": naive,
+        cases: dict[str, Any] = {}
+        lerobot_why = "left out (--no-lerobot)" if args.no_lerobot else lerobot_missing()
+        if lerobot_why is None and is_jpfs(roots["v3.0"]):
+            lerobot_why = ("LeRobotDataset reads local folders only; give a local --dir (or "
+                           "a mounted one) to measure it")
+        backend = video_keys = None
+        if lerobot_why is None:
+            backend = lerobot_default_backend()
+            video_keys = lerobot_dataset(roots["v3.0"], deltas, backend).meta.video_keys
+
+            def official() -> Any:
+                g = torch.Generator().manual_seed(args.seed)
+                return DataLoader(lerobot_dataset(roots["v3.0"], deltas, backend),
+                                  batch_size=args.batch_size, shuffle=True, generator=g, **dl_kw)
+
+            cases["lerobot v3.0"] = official
+        cases |= {"naive v2.1": naive,
                  "drop-in v2.1": lambda: dropin("v2.1"), "drop-in v3.0": lambda: dropin("v3.0"),
                  "collate v3.0": lambda: packed("v3.0"),
                  "batched v2.1": lambda: batched("v2.1"), "batched v3.0": lambda: batched("v3.0"),
@@ -266,16 +328,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(tmp, ignore_errors=True)
 
     naive_s = res["naive v2.1"]["samples_s"]
+    lerobot_s = res["lerobot v3.0"]["samples_s"] if "lerobot v3.0" in res else None
     print(f"{gen['v2.1']['episodes']} episodes, {gen['v2.1']['frames']} frames; "
           f"v3.0: {gen['v3.0']['data_files']} data files; workers {args.workers}, "
           f"batch {args.batch_size}, action chunk {args.chunk}, cores {os.cpu_count()}")
-    print(f"{'loader':<16}{'samples/s':>12}{'MB/s':>10}{'x naive':>10}")
+    if lerobot_why is not None:
+        print(f"lerobot baseline: skipped: {lerobot_why}")
+    elif video_keys:
+        print(f"lerobot baseline: LeRobotDataset, video decoded by {backend} (its default "
+              "here: torchcodec where it loads, else pyav)")
+    print(f"{'loader':<16}{'samples/s':>12}{'MB/s':>10}{'x naive':>10}"
+          + (f"{'x lerobot':>11}" if lerobot_s else ""))
     for name, r in res.items():
         ratio = r["samples_s"] / naive_s if naive_s else float("inf")
-        print(f"{name:<16}{r['samples_s']:>12.0f}{r['mb_s']:>10.1f}{ratio:>10.1f}")
+        line = f"{name:<16}{r['samples_s']:>12.0f}{r['mb_s']:>10.1f}{ratio:>10.1f}"
+        if lerobot_s:
+            line += f"{r['samples_s'] / lerobot_s:>11.1f}"
+        print(line)
     fig: dict[str, Any] = {
         "workers": args.workers, "batch_size": args.batch_size, "video": args.video,
         "episodes": gen["v2.1"]["episodes"], "frames": gen["v2.1"]["frames"],
+        "lerobot_skipped": lerobot_why,
+        "lerobot_video_backend": backend if video_keys else None,
     }
     for name, r in res.items():
         key = name.replace(" ", "_").replace("-", "").replace(".", "")
@@ -293,6 +367,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ) if naive_s else None
     fig["ratio_v30_vs_v21_dropin"] = round(
         res["drop-in v3.0"]["samples_s"] / res["drop-in v2.1"]["samples_s"], 3)
+    if lerobot_s:
+        fig["ratio_dropin_vs_lerobot"] = round(res["drop-in v3.0"]["samples_s"] / lerobot_s, 2)
+        fig["ratio_batched_vs_lerobot"] = round(res["batched v3.0"]["samples_s"] / lerobot_s, 2)
+        print(f"ShardDataset vs the official LeRobotDataset (v3.0, {args.workers} workers each): "
+              f"{fig['ratio_dropin_vs_lerobot']}x drop-in, {fig['ratio_batched_vs_lerobot']}x "
+              "batched")
     print(f"ShardDataset vs naive, {args.workers} workers each: "
           f"{fig['ratio_batched_vs_naive']}x batched, {fig['ratio_dropin_vs_naive']}x drop-in "
           f"(target 10x); in-process ring: {fig['ratio_ring_vs_naive']}x; v3.0/v2.1: "
