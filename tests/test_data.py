@@ -274,6 +274,43 @@ def test_gc_reclaims_space_and_keeps_live_files(make_cluster):
             assert c.read_bytes(p) == b
 
 
+def test_gc_report_counts_what_the_grace_period_kept_and_each_nodes_dead_share(make_cluster):
+    """collect() says in one pass what `jpfs gc` prints: blobs kept by --grace, and the dead
+    bytes compaction left (no rescan by the CLI)."""
+    from jpfs.client.gc import collect
+
+    d = make_cluster(meta_shards=1, storage_nodes=2, chunk_size=CHUNK)
+    with jpfs.connect(d) as c:
+        c.makedirs("/r")
+        c.write_bytes("/r/keep", os.urandom(50_000))
+        for i in range(7):
+            c.write_bytes(f"/r/drop{i}", os.urandom(20_000))
+            c.remove(f"/r/drop{i}")
+        young = c.run(lambda ac: collect(ac, grace=600))
+        assert young["live_blobs"] == 1
+        assert sum(r["kept_by_grace"] for r in young["nodes"].values()) == 7
+        assert sum(r["deleted"] for r in young["nodes"].values()) == 0
+        dry = c.run(lambda ac: collect(ac, grace=0, dry_run=True))
+        assert [r["kept_by_grace"] for r in dry["nodes"].values()] == [0, 0]
+        assert sum(r["deleted"] for r in dry["nodes"].values()) == 7
+        # Deleted but not compacted: the dead bytes stay, and the report says how many.
+        done = c.run(lambda ac: collect(ac, grace=0, compact=False))
+        assert sum(r["deleted"] for r in done["nodes"].values()) == 7
+        for node, r in done["nodes"].items():
+            st = c.run(lambda ac, n=node: ac.storage.stats(n))
+            assert (r["live_bytes"], r["dead_bytes"]) == (st["live_bytes"], st["dead_bytes"])
+            total = st["live_bytes"] + st["dead_bytes"]
+            assert r["dead_share"] == (st["dead_bytes"] / total if total else 0.0)
+            assert "compact" not in r
+        assert sum(r["dead_bytes"] for r in done["nodes"].values()) >= 7 * 20_000
+        # Compacted with a low threshold: what was dead is gone, and the report shows it.
+        again = c.run(lambda ac: collect(ac, grace=0, min_dead_ratio=0.01))
+        assert sum(r["compact"]["bytes_reclaimed"] for r in again["nodes"].values()) > 0
+        assert all(r["dead_bytes"] == 0 and r["dead_share"] == 0.0
+                   for r in again["nodes"].values())
+        assert len(c.read_bytes("/r/keep")) == 50_000
+
+
 def test_gc_killed_midway_then_rerun(make_cluster):
     d = make_cluster(meta_shards=1, storage_nodes=2, chunk_size=CHUNK)
     keep = {f"/g/k{i}": os.urandom(10_000) for i in range(100)}

@@ -313,16 +313,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     client = connect(args)
     try:
-        young = client.run(_unreferenced_young, args.grace)
         report = client.run(lambda ac: collect(ac, grace=args.grace,
                                                min_dead_ratio=args.min_dead,
                                                compact=not args.no_compact,
                                                dry_run=args.dry_run))
-        stats = {}
-        for node, r in report["nodes"].items():
-            r["kept_by_grace"] = young.get(node, 0)
-            if "error" not in r:
-                stats[node] = client.run(lambda ac, n=node: ac.storage.stats(n))
     finally:
         client.close()
     if args.json:
@@ -340,42 +334,20 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     f"{args.grace:g}s (writes may still be in flight; a later gc takes them)"
         c = r.get("compact")
         if c is not None:
-            line += "; " + _compaction(c, stats.get(node, {}), args.min_dead)
+            line += "; " + _compaction(c, r, args.min_dead)
         print(line)
     return 0
 
 
-def _compaction(c: dict, st: dict, min_dead: float) -> str:
-    """What compaction did on one node, and why it reclaimed nothing when it did not."""
+def _compaction(c: dict, r: dict, min_dead: float) -> str:
+    """What compaction did on one node, and why it reclaimed nothing when it did not (``r``:
+    the node's gc report, its bytes counted after compaction)."""
     if c.get("bytes_reclaimed"):
         return (f"compaction rewrote {plural(c.get('volumes_compacted', 0), 'volume')}, "
                 f"reclaimed {format_size(c['bytes_reclaimed'])}")
-    live, dead = st.get("live_bytes", 0), st.get("dead_bytes", 0)
+    dead = r.get("dead_bytes", 0)
     if not dead:
         return "compaction reclaimed nothing: no dead bytes in any volume"
-    share = dead / (live + dead)
-    return (f"compaction reclaimed nothing: {format_size(dead)} dead ({share:.0%} of this node), "
-            f"but no sealed volume is at least {min_dead:.0%} dead (--min-dead {min_dead:g}; "
-            "the volume being written is never compacted)")
-
-
-async def _unreferenced_young(ac, grace: float) -> dict[int, int]:
-    """Per storage node, the blobs no file names that are younger than ``grace``: what gc
-    keeps because a write may still be about to name them."""
-    from ..client.gc import live_blobs
-
-    if getattr(ac, "storage", None) is None:
-        return {}  # no storage nodes: collect() says so
-    live = await live_blobs(ac)
-    cutoff = time.time() - grace
-    kept: dict[int, int] = {}
-    for node in range(ac.storage.n_nodes):
-        after, n = b"", 0
-        try:
-            while page := await ac.storage.list_blobs(node, after, 10_000):
-                n += sum(1 for bid, created in page if bid not in live and created >= cutoff)
-                after = page[-1][0]
-        except OSError:
-            continue  # an unreachable node: collect() reports it
-        kept[node] = n
-    return kept
+    return (f"compaction reclaimed nothing: {format_size(dead)} dead ({r['dead_share']:.0%} of "
+            f"this node), but no sealed volume is at least {min_dead:.0%} dead (--min-dead "
+            f"{min_dead:g}; the volume being written is never compacted)")

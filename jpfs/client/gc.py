@@ -37,28 +37,49 @@ async def live_blobs(client: AsyncClient) -> set[bytes]:
 async def collect(client: AsyncClient, *, grace: float = DEFAULT_GRACE,
                   min_dead_ratio: float = 0.3, compact: bool = True,
                   dry_run: bool = False) -> dict:
+    """One mark and sweep; the report says per storage node what was scanned, deleted (or
+    would be, ``dry_run``) and kept by the grace period, what compaction did, and the node's
+    live and dead bytes afterwards, so a caller can say why nothing was reclaimed without a
+    second scan.
+
+    ``{"live_blobs": N, "nodes": {node: {"scanned", "deleted", "kept_by_grace", "compact",
+    "live_bytes", "dead_bytes", "dead_share"} or {..., "error": reason}}}``; ``compact`` only
+    when compaction ran. ``dead_share`` is the node's dead bytes over its live plus dead ones:
+    the storage daemon reports volumes' bytes summed per node, not per volume.
+    """
     storage = client._data().storage
     live = await live_blobs(client)
     cutoff = time.time() - grace
     report: dict = {"live_blobs": len(live), "nodes": {}}
     for node in range(storage.n_nodes):
-        r = report["nodes"][node] = {"scanned": 0, "deleted": 0}
+        r = report["nodes"][node] = {"scanned": 0, "deleted": 0, "kept_by_grace": 0}
         try:
             after = b""
             dead: list[bytes] = []
+            young = 0
             while True:
                 page = await storage.list_blobs(node, after, 10_000)
                 if not page:
                     break
                 r["scanned"] += len(page)
-                dead += [bid for bid, created in page if bid not in live and created < cutoff]
+                for bid, created in page:
+                    if bid not in live:
+                        if created < cutoff:
+                            dead.append(bid)
+                        else:
+                            young += 1  # a write in flight may be about to name it
                 after = page[-1][0]
+            r["kept_by_grace"] = young
             if not dry_run:
                 for k in range(0, len(dead), DELETE_BATCH):
                     await storage.delete([(bid, (node,)) for bid in dead[k:k + DELETE_BATCH]])
             r["deleted"] = len(dead)
             if compact and not dry_run:
                 r["compact"] = await storage.compact(node, min_dead_ratio)
+            st = await storage.stats(node)
+            live_b, dead_b = st.get("live_bytes", 0), st.get("dead_bytes", 0)
+            r.update(live_bytes=live_b, dead_bytes=dead_b,
+                     dead_share=dead_b / (live_b + dead_b) if live_b + dead_b else 0.0)
         except JPFSError as e:
             log.warning("gc: storage node %d skipped: %s", node, e.strerror)
             r["error"] = e.strerror
