@@ -39,24 +39,21 @@ import contextlib
 import logging
 import os
 import random
-import shutil
-import socket
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
+from .aggregate_report import add_ratios, check, merge_rounds, plot, report, targets
+from .aggregate_setup import Ranks, Setup, prefetch_summary
+from .harness import arg_type, drop_caches, size_arg
+from .netns import parse_rate, parse_rtt
 from .readers import (
-    Dataset,
     epoch_order,
     interrupt_on_sigterm,
     page_cache_drops,
     percentile,
     proc_cpu,
     run_readers,
-    scan_dataset,
     share,
 )
 
@@ -78,30 +75,7 @@ def _vias(text: str) -> list[str]:
 
 
 def _rtts(text: str) -> list[float]:
-    from .netns import parse_rtt
-
-    try:
-        return [parse_rtt(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _rate(text: str) -> int:
-    from .netns import parse_rate
-
-    try:
-        return parse_rate(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _size(text: str) -> int:
-    from jpfs.config import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return [parse_rtt(x) for x in text.split(",") if x.strip()]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -111,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--episodes", type=int, default=300,
                    help="episodes of the generated dataset (default 300)")
     g.add_argument("--cameras", type=int, default=2, help="cameras (default 2)")
-    g.add_argument("--video-bytes", type=_size, default=512 * 1024, metavar="SIZE",
+    g.add_argument("--video-bytes", type=size_arg, default=512 * 1024, metavar="SIZE",
                    help="size of each generated stand-in mp4 (default 512K)")
     g.add_argument("--seed", type=int, default=0, help="dataset and shuffle seed (default 0)")
     g = p.add_argument_group("reading")
@@ -152,415 +126,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulated hosts (root; network namespaces)")
     g.add_argument("--hosts", type=int, default=0,
                    help="put the servers on K simulated hosts (network namespaces)")
-    g.add_argument("--rtt", type=_rtts, default=[],
+    g.add_argument("--rtt", type=arg_type(_rtts), default=[],
                    help="round-trip delay(s) to the hosts, e.g. 0.5ms or 0.2ms,1ms (RTT 0 is "
                         "always measured first as the baseline)")
-    g.add_argument("--rate", type=_rate, default=None,
+    g.add_argument("--rate", type=arg_type(parse_rate), default=None,
                    help="rate limit per host and direction, e.g. 10gbit")
     g.add_argument("--delay-method", choices=("auto", "netem", "relay"), default="auto",
                    help="auto: netem where the kernel has it, else a delaying relay")
     g = p.add_argument_group("output")
     g.add_argument("--plot", metavar="PNG", help="write a chart of GB/s and files/s here")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-# ---------------------------------------------------------------------- ranks (torchrun)
-
-
-class Ranks:
-    """This process's place in a torchrun job (a single process without one)."""
-
-    def __init__(self) -> None:
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        self.dist = None
-        if self.world > 1:
-            try:
-                import torch.distributed as dist
-            except ImportError:
-                raise SystemExit("WORLD_SIZE > 1 needs torch.distributed (pip install torch)"
-                                 ) from None
-            if not dist.is_initialized():
-                dist.init_process_group("gloo")
-            self.dist = dist
-
-    @property
-    def multi_host(self) -> bool:
-        return self.world > self.local_world
-
-    def barrier(self) -> None:
-        if self.dist:
-            self.dist.barrier()
-
-    def bcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if not self.dist:
-            return obj
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order (on every rank)."""
-        if not self.dist:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        self.dist.all_gather_object(out, obj)
-        return out
-
-    def close(self) -> None:
-        if self.dist and self.dist.is_initialized():
-            self.dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------- caches
-
-
-def drop_caches(files: list[Path] | None = None) -> dict:
-    """Empty the page cache (``sync``, then ``drop_caches``); where that is not permitted,
-    evict the given files' pages with posix_fadvise (their own pages only)."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return {"method": "drop_caches", "cold": True}
-    except OSError as e:
-        why = e.strerror
-    evicted = 0
-    for p in files or []:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            evicted += 1
-        finally:
-            os.close(fd)
-    return {"method": f"fadvise ({evicted} files; drop_caches: {why})", "cold": evicted > 0}
-
-
-def _files_under(*dirs: Path) -> list[Path]:
-    out = []
-    for d in dirs:
-        for root, _, names in os.walk(d):
-            out += [Path(root) / n for n in names]
-    return out
-
-
-# ---------------------------------------------------------------------- FUSE mounts
-
-
-class Mounts:
-    """One FUSE mount per via on this host (fuse, fuse-noprefetch), remounted empty for a cold
-    epoch (fresh memory and disk caches)."""
-
-    def __init__(self, cluster_file: str, work: Path):
-        self.cluster_file = cluster_file
-        self.work = work
-        self.points: dict[str, Path] = {}
-        self.pids: dict[str, int] = {}
-        self.generation = 0
-
-    def mount(self, via: str) -> Path:
-        from jpfs.fuse import mount as fm
-
-        self.umount(via)
-        self.generation += 1
-        mp = self.work / f"mnt-{via}"
-        mp.mkdir(parents=True, exist_ok=True)
-        cache = self.work / f"fuse-cache-{via}-{self.generation}"
-        opts = fm.MountOptions(**_mount_kwargs(self.cluster_file, str(mp), str(cache),
-                                               prefetch=via == "fuse", log_file=str(
-                                                   self.work / f"mount-{via}.log")))
-        self.pids[via] = fm.start_background(opts)
-        self.points[via] = mp
-        return mp
-
-    def path(self, via: str) -> Path:
-        return self.points[via]
-
-    def pid(self, via: str) -> int | None:
-        """The mount daemon's pid (its CPU is client CPU)."""
-        return self.pids.get(via)
-
-    def stats(self, via: str) -> dict:
-        import json
-
-        try:
-            return json.loads((self.points[via] / ".jpfs" / "stats").read_text())
-        except (OSError, ValueError, KeyError):
-            return {}
-
-    def umount(self, via: str) -> None:
-        from jpfs.fuse import mount as fm
-
-        mp = self.points.pop(via, None)
-        self.pids.pop(via, None)
-        if mp is None:
-            return
-        try:
-            fm.unmount(str(mp))
-        except Exception as e:  # noqa: BLE001 - cleanup goes on with the next mount
-            log.warning("unmounting %s: %s; forcing", mp, e)
-            with contextlib.suppress(Exception):
-                fm.unmount(str(mp), lazy=True, force=True)
-        for old in self.work.glob(f"fuse-cache-{via}-*"):
-            shutil.rmtree(old, ignore_errors=True)
-
-    def close(self) -> None:
-        for via in list(self.points):
-            self.umount(via)
-
-
-def _mount_kwargs(cluster_file: str, mp: str, cache: str, *, prefetch: bool,
-                  log_file: str) -> dict:
-    """MountOptions for a read-only dataset mount (the fields the mount module defines)."""
-    import dataclasses
-
-    from jpfs.fuse.mount import MountOptions
-
-    wanted = {"cluster": cluster_file, "mountpoint": mp, "cache_dir": cache,
-              "prefetch": prefetch, "read_only": True, "log_file": log_file}
-    names = {f.name for f in dataclasses.fields(MountOptions)}
-    return {k: v for k, v in wanted.items() if k in names}
-
-
-def prefetch_summary(before: dict, after: dict) -> dict:
-    """Opens by outcome during an epoch, and the prefetch hit rate: opens whose bytes were
-    already prefetched, over opens that needed bytes (not those the kernel cache served)."""
-    b = (before.get("fuse") or {}).get("opens", {})
-    a = (after.get("fuse") or {}).get("opens", {})
-    opens = {k: a.get(k, 0) - b.get(k, 0) for k in a}
-    needed = sum(v for k, v in opens.items() if k not in ("kernel", "empty", "write"))
-    rb = (before.get("fuse") or {}).get("requests_total", 0)
-    ra = (after.get("fuse") or {}).get("requests_total", 0)
-    return {"opens": opens, "prefetch_hit_rate": opens.get("prefetched", 0) / needed
-            if needed else None, "fuse_requests": ra - rb}
-
-
-# ---------------------------------------------------------------------- the cluster
-
-
-class Setup:
-    """Dataset, cluster and (simulated) hosts for one run; everything made is undone on exit."""
-
-    def __init__(self, args: argparse.Namespace, ranks: Ranks):
-        self.args = args
-        self.ranks = ranks
-        self.stack = contextlib.ExitStack()
-        self.work: Path | None = None
-        self.dataset: Dataset | None = None
-        self.cluster_dir: Path | None = None
-        self.cluster_file: str | None = None
-        self.local_servers = False  # their page cache is ours to drop, their CPU ours to count
-        self.daemon_pids: list[int] = []
-        self.hosts = None
-        self.jpfs_root = ""
-        self.mounts: Mounts | None = None
-        self.import_stats: dict | None = None
-        self.drops_mark = 0
-        """Page-cache drops counted when the last epoch ended."""
-
-    def __enter__(self) -> Setup:
-        try:
-            self._setup()
-        except BaseException:
-            self.stack.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stack.close()
-
-    def _setup(self) -> None:
-        args, ranks = self.args, self.ranks
-        if args.work:
-            self.work = Path(args.work).resolve()
-            self.work.mkdir(parents=True, exist_ok=True)
-        else:
-            self.work = Path(tempfile.mkdtemp(prefix=f"jpfs-aggregate-{ranks.rank}-"))
-            self.stack.callback(shutil.rmtree, self.work, True)
-        needs_cluster = any(v != "local" for v in args.via)
-        if ranks.multi_host and needs_cluster and not args.cluster:
-            raise SystemExit("across hosts, pass --cluster FILE (a cluster every host reaches)")
-        if ranks.multi_host and not args.dataset and "local" in args.via:
-            raise SystemExit("across hosts, --via local needs --dataset DIR (a dataset every "
-                             "host has)")
-        # the dataset: rank 0 generates (if asked) and lists it; every rank gets the listing
-        listing = None
-        if ranks.rank == 0:
-            root = Path(args.dataset) if args.dataset else self._generate()
-            listing = scan_dataset(root)
-            if not listing.units:
-                raise SystemExit(f"{root}: no files under data/ or videos/")
-        self.dataset = ranks.bcast(listing)
-        if "local" in args.via and not Path(self.dataset.root).is_dir():
-            raise SystemExit(f"rank {ranks.rank}: {self.dataset.root} is not here: pass "
-                             "--dataset DIR present on every host, or leave out --via local")
-        if not needs_cluster:
-            return
-        name = Path(self.dataset.root).name or "dataset"
-        self.jpfs_root = f"{args.jpfs_path.rstrip('/')}/{name}"
-        info = None
-        if ranks.rank == 0:
-            info = self._cluster()
-            self._import()
-        info = ranks.bcast(info)
-        self.cluster_file, self.local_servers = info["file"], info["local"]
-        if args.cluster:  # every host reads its own copy of the cluster file
-            from jpfs import config
-
-            self.cluster_file = str(config.find_cluster_file(args.cluster).resolve())
-        if any(v.startswith("fuse") for v in args.via):
-            self.mounts = Mounts(self.cluster_file, self.work)
-            self.stack.callback(self.mounts.close)
-        ranks.barrier()
-
-    def _generate(self) -> Path:
-        from jpfs.lerobot.generate import generate
-
-        args = self.args
-        root = self.work / (f"lerobot-{args.episodes}ep-{args.cameras}cam-"
-                            f"{args.video_bytes}b-s{args.seed}")
-        done = root / ".complete"
-        if done.exists():
-            print(f"dataset: reusing {root}", flush=True)
-            return root
-        shutil.rmtree(root, ignore_errors=True)
-        print(f"dataset: generating {args.episodes} episodes x {args.cameras} cameras "
-              f"(LeRobot v2.1, stand-in mp4s of {args.video_bytes} bytes) in {root}", flush=True)
-        generate(str(root), episodes=args.episodes, cameras=args.cameras, video="stub",
-                 video_bytes=args.video_bytes, seed=args.seed, progress=not args.no_progress)
-        done.touch()
-        return root
-
-    def _cluster(self) -> dict:
-        """Start (or attach to) the cluster; returns what the other ranks need."""
-        from jpfs import config, localcluster
-
-        args = self.args
-        if args.cluster:
-            c = config.load(args.cluster)
-            hosts = {config.parse_address(s.address)[0] for s in c.meta + c.storage}
-            local = all(_is_local(h) for h in hosts)
-            d = c.path.parent if c.path else None
-            if local and d is not None:
-                self.daemon_pids = [x.pid for x in _status(d) if x.pid]
-                self.cluster_dir = d
-            return {"file": str(c.path), "local": local}
-        d = self.work / "cluster"
-        nodes = args.storage_nodes or (args.hosts or 2)
-        if args.hosts:
-            from .netns import SimHosts, start_cluster
-
-            if d.exists() and not (d / "cluster.toml").exists():
-                shutil.rmtree(d)
-            self.hosts = self.stack.enter_context(SimHosts(
-                args.hosts, rtt=0.0, rate=args.rate, method=args.delay_method))
-            self.stack.callback(_down, d)
-            _reset_addresses(d)
-            start_cluster(self.hosts, d, meta_shards=args.meta_shards, storage_nodes=nodes)
-        else:
-            self.stack.callback(_down, d)
-            _loopback_addresses(d)
-            localcluster.up(d, meta_shards=args.meta_shards, storage_nodes=nodes, sync=False)
-        self.cluster_dir = d
-        self.daemon_pids = [x.pid for x in _status(d) if x.pid]
-        return {"file": str(d / "cluster.toml"), "local": True}
-
-    def _import(self) -> None:
-        import trio
-        from tqdm import tqdm
-
-        import jpfs
-        from jpfs.client.transfer import import_tree
-
-        ds = self.dataset
-        bar = tqdm(total=ds.bytes, unit="B", unit_scale=True, desc="import",
-                   disable=self.args.no_progress, leave=False)
-
-        async def go() -> dict:
-            async with jpfs.aconnect(self.cluster_file or str(self.cluster_dir)) as c:
-                st = await import_tree(c, ds.root, self.jpfs_root,
-                                       progress=lambda f, b: bar.update(b))
-                return st.as_dict()
-
-        t = time.monotonic()
-        try:
-            self.import_stats = trio.run(go)
-        finally:
-            bar.close()
-        self.import_stats["seconds"] = round(time.monotonic() - t, 2)
-        if self.import_stats["errors"]:
-            raise RuntimeError(f"import failed: {self.import_stats['errors'][:5]}")
-        print(f"imported into {self.jpfs_root}: {self.import_stats['files']} files copied, "
-              f"{self.import_stats['skipped']} already there "
-              f"({self.import_stats['seconds']:.1f} s)", flush=True)
-
-    def cache_files(self) -> list[Path]:
-        """What fadvise evicts where drop_caches is not permitted."""
-        out = _files_under(Path(self.dataset.root)) if self.dataset else []
-        if self.cluster_dir:
-            out += [p for p in _files_under(self.cluster_dir) if p.suffix not in (".log",
-                                                                                 ".out")]
-        return out
-
-
-def _status(d: Path) -> list:
-    from jpfs import localcluster
-
-    try:
-        return localcluster.status(d)
-    except (OSError, ValueError):
-        return []
-
-
-def _down(d: Path) -> None:
-    from jpfs import localcluster
-
-    if (d / "cluster.toml").exists():
-        localcluster.down(d, timeout=10)
-
-
-def _loopback_addresses(d: Path) -> None:
-    """A kept cluster that last ran on simulated hosts moves back to loopback ports."""
-    import dataclasses
-
-    from jpfs import config
-
-    path = d / "cluster.toml"
-    if not path.exists():
-        return
-    c = config.load(path)
-    if all(s.host_port[0].startswith("127.") for s in c.meta + c.storage):
-        return
-
-    def free() -> int:
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            return sk.getsockname()[1]
-
-    moved = {role: tuple(config.Server(f"127.0.0.1:{free()}", srv.data) for srv in servers)
-             for role, servers in (("meta", c.meta), ("storage", c.storage))}
-    config.write(dataclasses.replace(c, **moved), path)
-
-
-def _reset_addresses(d: Path) -> None:
-    """A kept namespaced cluster gets new addresses each run: its data stays, its file is
-    rewritten (indices, not addresses, are what metadata records)."""
-    (d / "cluster.toml").unlink(missing_ok=True)
-
-
-def _is_local(host: str) -> bool:
-    if host in ("localhost", "::1") or host.startswith("127.") or host.startswith("10.231."):
-        return True
-    try:
-        return host in {socket.gethostbyname(socket.gethostname())}
-    except OSError:
-        return False
 
 
 # ---------------------------------------------------------------------- measuring
@@ -778,12 +353,12 @@ def run(args: argparse.Namespace) -> dict:
                     for epoch in range(1, args.epochs + 1):
                         row = run_epoch(setup, via, epoch, rtt)
                         if ranks.rank == 0:
-                            _check(row)
+                            check(row)
                             raw.append({**row, "round": rnd})
         if ranks.rank != 0:
             return {"rank": ranks.rank}
         rows = merge_rounds(raw)
-        _ratios(rows)
+        add_ratios(rows)
         result = {
             "benchmark": "aggregate",
             "dataset": {"root": ds.root, "files": ds.files, "episodes": len(ds.units),
@@ -807,188 +382,8 @@ def run(args: argparse.Namespace) -> dict:
         return result
 
 
-def merge_rounds(raw: list[dict]) -> list[dict]:
-    """One row per (via, epoch, RTT): the round with the median GB/s (so its latencies and CPU
-    figures belong together), with every round's GB/s and files/s alongside."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in raw:
-        groups.setdefault((r["via"], r["epoch"], r["rtt_ms"]), []).append(r)
-    out = []
-    for rs in groups.values():
-        mid = sorted(rs, key=lambda r: r["GBps"])[len(rs) // 2]
-        out.append({**mid, "rounds": len(rs),
-                    "GBps_rounds": [r["GBps"] for r in rs],
-                    "files_per_s_rounds": [r["files_per_s"] for r in rs],
-                    "page_cache_dropped_by_others": any(r["page_cache_dropped_by_others"]
-                                                        for r in rs)})
-    return out
-
-
-def _check(row: dict) -> None:
-    if row["n_errors"] or row["timed_out"]:
-        raise RuntimeError(f"{row['via']} epoch {row['epoch']}: {row['n_errors']} read "
-                           f"error(s){' and a timeout' if row['timed_out'] else ''}: "
-                           f"{row['errors'][:5]}")
-    if row["files"] != row["expected_files"] or row["bytes"] != row["expected_bytes"]:
-        raise RuntimeError(f"{row['via']} epoch {row['epoch']}: read {row['files']} files / "
-                           f"{row['bytes']} bytes, expected {row['expected_files']} / "
-                           f"{row['expected_bytes']}")
-
-
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
-
-
-def _ratios(rows: list[dict]) -> None:
-    """Each row's GB/s and files/s against local in the same epoch (local has no RTT)."""
-    for r in rows:
-        base = next((b for b in rows if b["via"] == "local" and b["epoch"] == r["epoch"]), None)
-        r["vs_local"] = None if base is None or r["via"] == "local" else {
-            "GBps": r["GBps"] / base["GBps"] if base["GBps"] else None,
-            "files_per_s": r["files_per_s"] / base["files_per_s"] if base["files_per_s"]
-            else None}
-
-
-def targets(rows: list[dict]) -> dict:
-    """The issue's target ratios, where this run measured them (None otherwise)."""
-    def get(via: str, epoch: int, rtt: float | None = None) -> dict | None:
-        cands = [r for r in rows if r["via"] == via and r["epoch"] == epoch
-                 and (r["rtt_ms"] or 0) == (rtt or 0)]
-        return cands[0] if cands else None
-
-    def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
-        return a[key] / b[key] if a and b and b[key] else None
-
-    last = max((r["epoch"] for r in rows), default=1)
-    warm = last if last > 1 else None
-    out: dict[str, Any] = {}
-    if warm:
-        out["native_warm_GBps_vs_local"] = ratio(get("native", warm), get("local", warm), "GBps")
-        out["fuse_warm_GBps_vs_local"] = ratio(get("fuse", warm), get("local", warm), "GBps")
-    out["native_cold_GBps_vs_local"] = ratio(get("native", 1), get("local", 1), "GBps")
-    out["fuse_epoch1_files_prefetch_vs_none"] = ratio(get("fuse", 1), get("fuse-noprefetch", 1),
-                                                      "files_per_s")
-    rtts = sorted({r["rtt_ms"] for r in rows if r["rtt_ms"]})
-    for rtt in rtts:
-        for via in ("fuse", "native", "fuse-noprefetch"):
-            for ep in (1, warm) if warm else (1,):
-                k = f"{via}_epoch{ep}_files_rtt{rtt:g}ms_vs_rtt0"
-                v = ratio(get(via, ep, rtt), get(via, ep, 0.0), "files_per_s")
-                if v is not None:
-                    out[k] = v
-    return out
-
-
-TARGETS = {
-    "native_warm_GBps_vs_local": ("native warm GB/s vs local warm", None),
-    "fuse_warm_GBps_vs_local": ("FUSE warm GB/s vs local warm", None),
-    "native_cold_GBps_vs_local": ("native cold GB/s vs local cold", None),
-    "fuse_epoch1_files_prefetch_vs_none": ("FUSE epoch 1 files/s, prefetch vs none", None),
-}
-
-
-def report(result: dict) -> None:
-    from .harness import fmt_rate, print_table
-
-    rows = result["results"]
-    headers = ["via", "epoch", "GB/s", "files/s", "vs local", "p50 ms", "p99 ms",
-               "CPU s/GB cli", "srv", "prefetch"]
-    has_rtt = any(r["rtt_ms"] is not None for r in rows)
-    if has_rtt:
-        headers.insert(1, "rtt")
-    table = []
-    for r in rows:
-        vs = r.get("vs_local")
-        state = "cold" if r["cold"] else ("warm" if r["epoch"] > 1 else "not cold")
-        if r["page_cache_dropped_by_others"]:
-            state += "*"
-        row = [r["via"], f"{r['epoch']} {state}",
-               f"{r['GBps']:.2f}", fmt_rate(r["files_per_s"]),
-               "-" if not vs or vs["GBps"] is None else f"{vs['GBps']:.2f}x",
-               _f(r["latency_ms"]["p50"]), _f(r["latency_ms"]["p99"]),
-               _f(r["client_cpu_s_per_GB"]), _f(r["server_cpu_s_per_GB"]),
-               "-" if r["prefetch_hit_rate"] is None else f"{r['prefetch_hit_rate']:.0%}"]
-        if has_rtt:
-            row.insert(1, "-" if r["rtt_ms"] is None else f"{r['rtt_ms']:g}ms")
-        table.append(row)
-    print()
-    rounds = f"; median of {result['rounds']} rounds" if result["rounds"] > 1 else ""
-    print_table(headers, table, title=f"aggregate reads: {result['dataset']['files']} files, "
-                f"{result['dataset']['bytes'] / 1e9:.2f} GB, {result['readers']} reader "
-                f"process(es){rounds}; load {result['load_avg']}")
-    notes = sorted({r["cache"] for r in rows if r["epoch"] == 1})
-    print("epoch 1 caches: " + "; ".join(notes))
-    if any(r["page_cache_dropped_by_others"] for r in rows):
-        print("* another process dropped the page cache during this measurement (shared "
-              "machine): its figure is not what its label says")
-    t = {k: v for k, v in result["targets"].items() if v is not None}
-    if t:
-        print("ratios:")
-        for k, v in t.items():
-            label = TARGETS.get(k, (k.replace("_", " "), None))[0]
-            goal = " (target >= 0.50)" if k.startswith("fuse_") and "_rtt" in k \
-                and "noprefetch" not in k else ""
-            print(f"  {label}: {v:.2f}x{goal}")
-
-
-def _f(x: float | None) -> str:
-    return "-" if x is None else (f"{x:.3f}" if x < 10 else f"{x:.1f}")
-
-
-def plot(result: dict, path: str) -> None:
-    """Grouped bars: GB/s and files/s per via, epoch (and RTT), with ratios to local."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["results"]
-    groups = []
-    for r in rows:
-        g = (r["epoch"], r["rtt_ms"] or 0)
-        if g not in groups:
-            groups.append(g)
-    vias = list(dict.fromkeys(r["via"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    width = 0.8 / max(1, len(vias))
-    for ax, key, label in ((axes[0], "GBps", "GB/s"), (axes[1], "files_per_s", "files/s")):
-        for j, via in enumerate(vias):
-            xs, ys, tags = [], [], []
-            for i, (ep, rtt) in enumerate(groups):
-                r = next((x for x in rows if x["via"] == via and x["epoch"] == ep
-                          and (x["rtt_ms"] or 0) == rtt), None)
-                if r is None and via == "local":
-                    r = next((x for x in rows if x["via"] == "local" and x["epoch"] == ep),
-                             None)
-                if r is None:
-                    continue
-                xs.append(i + (j - (len(vias) - 1) / 2) * width)
-                ys.append(r[key])
-                vs = r.get("vs_local")
-                tags.append((f"{vs[key]:.2f}x" if vs and vs.get(key) else "")
-                            + ("*" if r.get("page_cache_dropped_by_others") else ""))
-            bars = ax.bar(xs, ys, width, label=via)
-            for b, tag in zip(bars, tags, strict=True):
-                if tag:
-                    ax.annotate(tag, (b.get_x() + b.get_width() / 2, b.get_height()),
-                                ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(groups)))
-        ax.set_xticklabels([f"epoch {ep} ({'cold' if ep == 1 else 'warm'})"
-                            + (f"\nrtt {rtt:g} ms" if rtt else "") for ep, rtt in groups],
-                           fontsize=8)
-        ax.set_ylabel(label)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    ds = result["dataset"]
-    fig.suptitle(f"jpfs bench aggregate: {ds['files']} files, {ds['bytes'] / 1e9:.2f} GB, "
-                 f"{result['readers']} readers; ratios vs local, same epoch; load "
-                 f"{result['load_avg'][0]:g} on {os.cpu_count()} CPUs", fontsize=10)
-    if any(r.get("page_cache_dropped_by_others") for r in rows):
-        fig.text(0.01, 0.01, "* another process dropped the page cache during this measurement",
-                 fontsize=7)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,8 @@ import argparse
 import logging
 from typing import Any
 
+from .harness import size_arg
+
 log = logging.getLogger(__name__)
 
 HELP = "generate a synthetic LeRobot dataset (v2.1 or v3.0)"
@@ -42,15 +44,6 @@ def _resolution(text: str) -> tuple[int, int]:
     return int(w), int(h)
 
 
-def _size(text: str) -> int:
-    from jpfs.config import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR",
                         help="new or empty folder: a local path or jpfs:/path")
@@ -63,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--video", choices=("auto", "encoded", "stub"), default="auto",
                         help="encoded: real mp4s via PyAV; stub: stand-in bytes; auto: encoded "
                              "when PyAV is installed (default)")
-    parser.add_argument("--video-bytes", type=_size, default=256 * 1024, metavar="SIZE",
+    parser.add_argument("--video-bytes", type=size_arg, default=256 * 1024, metavar="SIZE",
                         help="size of each stand-in video with --video stub (default 256K)")
     parser.add_argument("--resolution", type=_resolution, default=(96, 72), metavar="WxH",
                         help="camera resolution of encoded videos (default 96x72)")

@@ -3,16 +3,23 @@ table that prints each figure beside its baseline from the same run."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
+import socket
+import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from jpfs import localcluster
+from jpfs.config import parse_size
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -90,3 +97,65 @@ def now() -> float:
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0))
+
+
+def wait_port(host: str, port: int, proc: subprocess.Popen | None = None,
+              timeout: float = 30.0) -> None:
+    """Wait until something accepts on ``host:port``; fails early if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {host}:{port} exited with {proc.returncode}")
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout:.0f}s")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (for a server started next)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def drop_caches(files: list[Path] | None = None) -> dict:
+    """Empty the page cache (``sync``, then ``drop_caches``); where that is not permitted,
+    evict the given files' pages with posix_fadvise (their own pages only)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return {"method": "drop_caches", "cold": True}
+    except OSError as e:
+        why = e.strerror
+    evicted = 0
+    for p in files or []:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            evicted += 1
+        finally:
+            os.close(fd)
+    return {"method": f"fadvise ({evicted} files; drop_caches: {why})", "cold": evicted > 0}
+
+
+def arg_type(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type=`` from a parser that raises ValueError (argparse then says why)."""
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+size_arg = arg_type(parse_size)
+"""``--x 4MiB``: a size in bytes."""

@@ -11,12 +11,12 @@ forwarding, nothing else addressed.
 - Rate: ``tbf`` on both ends of each veth (``--rate 10gbit``).
 - Delay: ``netem`` on both ends of each veth (half the RTT each way) where the kernel has it; a
   host then reaches another host in two veth hops (twice the RTT). Kernels built without
-  ``sch_netem`` (this project's VMs) get a relay instead: one process per host, listening on the
-  bridge address, that forwards every TCP stream to the daemon, holding each piece for half the
-  RTT in each direction (threads sleeping to a deadline: some 0.1 ms late under load, which is
-  why the RPC round trip is measured and reported). Clients and the other servers dial the
-  relay. It sits in the path at RTT 0 too, so a zero-latency baseline pays the same copies and
-  differs only in the delay.
+  ``sch_netem`` (this project's VMs) get a relay instead (``relay.py``): one process per host,
+  listening on the bridge address, that forwards every TCP stream to the daemon, holding each
+  piece for half the RTT in each direction (threads sleeping to a deadline: some 0.1 ms late
+  under load, which is why the RPC round trip is measured and reported). Clients and the other
+  servers dial the relay. It sits in the path at RTT 0 too, so a zero-latency baseline pays the
+  same copies and differs only in the delay.
 
 Everything is removed on exit, on exceptions, on SIGINT and SIGTERM, and the leftovers of a run
 that was killed (namespaces, veths, relays and daemons of a process that no longer exists) are
@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jpfs.localcluster import pid_alive
+
+from . import relay
+from .harness import wait_port
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ MAX_HOSTS = 64
 MAX_SLOTS = 64
 _NS_RE = re.compile(rf"^{PREFIX}-(\d+)-(\d+)$")
 _VETH_RE = re.compile(r"^jb(\d+)(?:h\d+|br)$")
-RELAY_MODULE = "jpfs_bench.netns"
 CMD_TIMEOUT = 20.0
 
 
@@ -170,7 +170,7 @@ def _relays() -> list[tuple[int, int]]:
             argv = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"-m" in argv and RELAY_MODULE.encode() in argv and b"--owner" in argv:
+        if b"-m" in argv and relay.MODULE.encode() in argv and b"--owner" in argv:
             try:
                 found.append((int(d.name), int(argv[argv.index(b"--owner") + 1])))
             except (IndexError, ValueError):
@@ -385,7 +385,7 @@ class SimHosts:
             log_file = open(work / f"relay-{host}.log", "ab")  # noqa: SIM115 - child's stderr
             try:
                 self.relays.append(subprocess.Popen(
-                    [sys.executable, "-m", RELAY_MODULE, "relay", "--owner", str(os.getpid()),
+                    [sys.executable, "-m", relay.MODULE, "--owner", str(os.getpid()),
                      "--delay-file", str(self.delay_file), *sum((["--map", m] for m in maps),
                                                                  [])],
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
@@ -393,7 +393,7 @@ class SimHosts:
             finally:
                 log_file.close()
             for p in ports:
-                _wait_port(h.outer, p, self.relays[-1])
+                wait_port(h.outer, p, self.relays[-1])
 
     def client_address(self, host: int, port: int) -> str:
         """What clients (and other servers) dial for a daemon on ``host``: the daemon itself
@@ -405,20 +405,6 @@ class SimHosts:
         return {"hosts": self.k, "rtt_ms": self.rtt * 1e3,
                 "rate_bit_s": self.rate, "delay_method": self.method,
                 "addresses": [h.inner for h in self.hosts]}
-
-
-def _wait_port(host: str, port: int, proc: subprocess.Popen | None = None,
-               timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {host}:{port} exited with {proc.returncode}")
-        try:
-            socket.create_connection((host, port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout:.0f}s")
 
 
 # ---------------------------------------------------------------------- a cluster in the hosts
@@ -469,7 +455,7 @@ def start_cluster(hosts: SimHosts, directory: Path, *, meta_shards: int, storage
 def _wait_in_ns(hosts: SimHosts, h: int, host: str, port: int, proc: subprocess.Popen,
                 timeout: float = 30.0) -> None:
     """Wait until ``host:port`` accepts (dialled directly: it is on a veth next to us)."""
-    _wait_port(host, port, proc, timeout)
+    wait_port(host, port, proc, timeout)
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -479,113 +465,14 @@ def _tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-# ---------------------------------------------------------------------- the relay process
-
-
-def relay_main(args: argparse.Namespace) -> None:
-    """Forward each ``--map LISTEN=TARGET`` TCP stream, holding every piece for the delay in
-    ``--delay-file`` (seconds, one way; re-read on SIGHUP). Exits when ``--owner`` is gone."""
-    delay = [_read_delay(args.delay_file)]
-
-    def reload(signum, frame) -> None:
-        delay[0] = _read_delay(args.delay_file)
-
-    signal.signal(signal.SIGHUP, reload)
-    for m in args.map:
-        listen, _, target = m.partition("=")
-        lh, _, lp = listen.rpartition(":")
-        th, _, tp = target.rpartition(":")
-        ls = socket.socket()
-        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        ls.bind((lh, int(lp)))
-        ls.listen(256)
-        threading.Thread(target=_accept_loop, args=(ls, (th, int(tp)), delay), daemon=True,
-                         name=f"accept-{lp}").start()
-    while pid_alive(args.owner):
-        time.sleep(0.5)
-    os._exit(0)
-
-
-def _read_delay(path: str) -> float:
-    try:
-        return max(0.0, float(Path(path).read_text().strip() or 0))
-    except (OSError, ValueError):
-        return 0.0
-
-
-def _accept_loop(ls: socket.socket, target: tuple[str, int], delay: list[float]) -> None:
-    while True:
-        conn, _ = ls.accept()
-        try:
-            up = socket.create_connection(target, timeout=10)
-        except OSError:
-            conn.close()
-            continue
-        up.settimeout(None)
-        for s in (conn, up):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        done = threading.Semaphore(0)
-        threading.Thread(target=_pump, args=(conn, up, delay, done), daemon=True).start()
-        threading.Thread(target=_pump, args=(up, conn, delay, done), daemon=True).start()
-        threading.Thread(target=_closer, args=(conn, up, done), daemon=True).start()
-
-
-def _closer(a: socket.socket, b: socket.socket, done: threading.Semaphore) -> None:
-    done.acquire()
-    done.acquire()
-    a.close()
-    b.close()
-
-
-def _pump(src: socket.socket, dst: socket.socket, delay: list[float],
-          done: threading.Semaphore) -> None:
-    """src -> dst, each piece sent no earlier than its arrival + delay (bounded queue)."""
-    q: queue.Queue = queue.Queue(maxsize=64)
-
-    def writer() -> None:
-        try:
-            while (item := q.get()) is not None:
-                due, data = item
-                wait = due - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-                dst.sendall(data)
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            while q.get() is not None:  # let the reader finish
-                pass
-        finally:
-            done.release()
-
-    t = threading.Thread(target=writer, daemon=True)
-    t.start()
-    try:
-        while data := src.recv(1 << 20):
-            q.put((time.monotonic() + delay[0], data))
-    except OSError:
-        pass
-    q.put(None)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m jpfs_bench.netns",
                                 description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("relay", help="(internal) the delaying TCP relay of one host")
-    r.add_argument("--owner", type=int, required=True)
-    r.add_argument("--delay-file", required=True)
-    r.add_argument("--map", action="append", default=[], metavar="LISTEN=TARGET")
     c = sub.add_parser("clean", help="remove leftovers of crashed runs")
     c.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
-    if args.cmd == "relay":
-        relay_main(args)
-    elif args.dry_run:
+    if args.dry_run:
         print(leftovers())
     else:
         print(clean_leftovers())

@@ -41,6 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .harness import size_arg
 from .readers import (
     Counters,
     Dataset,
@@ -66,26 +67,17 @@ MiB = 1 << 20
 JPFS_ROOT = "/bench/read"
 
 
-def _size(text: str) -> int:
-    from jpfs.config import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", metavar="DIR",
                    help="read this local tree as the small-file workload (default: make one)")
     p.add_argument("--episodes", type=int, default=2000,
                    help="episodes of the made tree (default 2000)")
     p.add_argument("--cameras", type=int, default=1, help="mp4s per episode (default 1)")
-    p.add_argument("--parquet-bytes", type=_size, default=100 * 1024, metavar="SIZE",
+    p.add_argument("--parquet-bytes", type=size_arg, default=100 * 1024, metavar="SIZE",
                    help="mean parquet size (default 100K; sizes vary +-30%%)")
-    p.add_argument("--video-bytes", type=_size, default=500 * 1024, metavar="SIZE",
+    p.add_argument("--video-bytes", type=size_arg, default=500 * 1024, metavar="SIZE",
                    help="mean mp4 size (default 500K; sizes vary +-10%%)")
-    p.add_argument("--large", type=_size, default=512 * MiB, metavar="SIZE",
+    p.add_argument("--large", type=size_arg, default=512 * MiB, metavar="SIZE",
                    help="size of the large file (default 512M; 0: skip it)")
     p.add_argument("--batch", type=int, default=64,
                    help="files per native call for the small files (default 64)")
@@ -265,9 +257,8 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     from jpfs import localcluster
     from jpfs.client.transfer import import_tree
 
-    from .aggregate import drop_caches
-    from .netns import _wait_port
-    from .storage_micro import _SENDFILE_SERVER, _free_port
+    from .harness import drop_caches, free_port, wait_port
+    from .storage_micro import SENDFILE_SERVER
 
     # ---- files
     if args.dataset:
@@ -299,11 +290,11 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     cdir = work / "cluster"
     localcluster.up(cdir, meta_shards=args.meta_shards, storage_nodes=args.storage_nodes,
                     sync=False)
-    port = _free_port()
-    base = subprocess.Popen([sys.executable, "-c", _SENDFILE_SERVER, str(base_file), str(port)],
+    port = free_port()
+    base = subprocess.Popen([sys.executable, "-c", SENDFILE_SERVER, str(base_file), str(port)],
                             stdin=subprocess.DEVNULL)
     try:
-        _wait_port("127.0.0.1", port, base)
+        wait_port("127.0.0.1", port, base)
         daemons = [d.pid for d in localcluster.status(cdir) if d.pid]
         bar = tqdm(total=len(names) * args.rounds + (0 if args.no_cold else len(COLD)),
                    desc="read", unit="run", disable=args.no_progress, leave=False)

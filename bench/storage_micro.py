@@ -33,31 +33,14 @@ from jpfs import config
 from jpfs.client.storage import StorageClient
 from jpfs.types import Chunk
 
+from .harness import free_port, wait_port
+
 MiB = 1 << 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    give_up = time.monotonic() + timeout
-    while time.monotonic() < give_up:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.02)
-    raise TimeoutError("server did not start")
 
 
 # ---------------------------------------------------------------------- the baseline
 
-_SENDFILE_SERVER = r"""
+SENDFILE_SERVER = r"""
 import socket, sys
 path, port = sys.argv[1], int(sys.argv[2])
 ls = socket.socket(); ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -280,7 +263,7 @@ def cold_main(args, work: Path, cluster: config.Cluster) -> dict:
         proc = subprocess.Popen([sys.executable, "-m", "jpfs_daemon.storage.server", "--cluster",
                                  str(work / "cluster.toml"), "--index", "0", "--cold-reads", mode,
                                  "--log-file", str(work / "storage-0.log")])
-        _wait_port(cluster.storage[0].host_port[1], proc)
+        wait_port("127.0.0.1", cluster.storage[0].host_port[1], proc)
         return proc
 
     async def fill() -> tuple[list[Chunk], list[Chunk]]:
@@ -339,8 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _main(args, work: Path) -> dict:
-    cfg = config.Cluster(meta=(config.Server(f"127.0.0.1:{_free_port()}"),),
-                         storage=(config.Server(f"127.0.0.1:{_free_port()}", "storage-0"),))
+    cfg = config.Cluster(meta=(config.Server(f"127.0.0.1:{free_port()}"),),
+                         storage=(config.Server(f"127.0.0.1:{free_port()}", "storage-0"),))
     config.new_secret(work / "secret")
     config.write(cfg, work / "cluster.toml")
     cluster = config.load(work / "cluster.toml")
@@ -351,17 +334,17 @@ def _main(args, work: Path) -> dict:
         for _ in range(args.big * 4):
             f.write(os.urandom(MiB))
     base_file.read_bytes()  # warm
-    base_port = _free_port()
+    base_port = free_port()
     procs = [
         subprocess.Popen([sys.executable, "-m", "jpfs_daemon.storage.server", "--cluster",
                           str(work / "cluster.toml"), "--index", "0", "--fsync", "never",
                           "--log-file", str(work / "storage-0.log")]),
-        subprocess.Popen([sys.executable, "-c", _SENDFILE_SERVER, str(base_file),
+        subprocess.Popen([sys.executable, "-c", SENDFILE_SERVER, str(base_file),
                           str(base_port)]),
     ]
     try:
-        _wait_port(cluster.storage[0].host_port[1], procs[0])
-        _wait_port(base_port, procs[1])
+        wait_port("127.0.0.1", cluster.storage[0].host_port[1], procs[0])
+        wait_port("127.0.0.1", base_port, procs[1])
         res = trio.run(run_storage, cluster, args, (procs[0].pid, procs[1].pid), base_port,
                        base_file)
     finally:
