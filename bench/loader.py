@@ -29,7 +29,9 @@ the same workers and batch size and a seeded shuffle sampler, video decoded by i
 backend (torchcodec where it loads, else PyAV); without lerobot that row says why it is missing.
 The hub is not contacted (HF_HUB_OFFLINE=1 unless set).
 
-Reported: samples/s and MB/s (bytes of the tensors delivered), for
+Reported: samples/s, MB/s (bytes of the tensors delivered) and the distinct episodes in a batch
+(how far the shuffle mixes: a global shuffle draws nearly every sample from another episode, the
+two-level one from the episodes in its buffer), for
   lerobot    the official LeRobotDataset over v3.0 (global random access over frames)
   naive      the map dataset over v2.1 (one file per episode)
   drop-in    ShardDataset yielding samples, batched by the DataLoader's default collate
@@ -45,6 +47,7 @@ examples:
   jpfs bench loader                      # generate a small dataset in a temp dir and compare
   jpfs bench loader --episodes 400 --workers 2 --seconds 10
   jpfs bench loader --video --episodes 20    # decode one camera too (encoded AV1)
+  jpfs bench loader --video --cameras 2 --episodes 30   # beside lerobot: run where it imports
 """
 
 
@@ -57,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames-per-episode", default="100-300", metavar="A-B",
                         help="frames per episode range (default 100-300)")
     parser.add_argument("--video", action="store_true",
-                        help="one encoded camera, decoded by both loaders (default: tabular)")
+                        help="encoded cameras, decoded by every loader (default: tabular)")
+    parser.add_argument("--cameras", type=int, default=1,
+                        help="cameras with --video (default 1)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
     parser.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
     parser.add_argument("--chunk", type=int, default=16,
@@ -173,14 +178,16 @@ def _nbytes(batch: dict[str, Any]) -> int:
 
 
 def measure(loader: Any, seconds: float) -> dict[str, float]:
-    """Samples/s and MB/s over ``seconds``, epoch after epoch, the first batch not timed.
+    """Samples/s, MB/s and distinct episodes per batch (what the shuffle mixes) over
+    ``seconds``, epoch after epoch, the first batch not timed.
 
     Epoch ends (and, for ShardDataset, the next epoch's first reads) are inside the timing.
     """
     epoch = 0
     it = iter(loader)
     next(it)
-    samples = nbytes = 0
+    samples = nbytes = batches = 0
+    mixed: list[int] = []
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         try:
@@ -194,9 +201,14 @@ def measure(loader: Any, seconds: float) -> dict[str, float]:
             continue
         samples += len(batch["index"])
         nbytes += _nbytes(batch)
+        # How far the shuffle mixes; every 8th batch, to keep the count off the clock.
+        if batches % 8 == 0 and "episode_index" in batch:
+            mixed.append(len(set(batch["episode_index"].tolist())))
+        batches += 1
     dt = time.perf_counter() - t0
     del it
-    return {"samples_s": samples / dt, "mb_s": nbytes / dt / 1e6, "samples": samples}
+    return {"samples_s": samples / dt, "mb_s": nbytes / dt / 1e6, "samples": samples,
+            "episodes_per_batch": statistics.fmean(mixed) if mixed else 0.0}
 
 
 def _exists(path: str) -> bool:
@@ -257,14 +269,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 gen[fmt] = _describe(root)
                 print(f"reusing {root} ({gen[fmt]['frames']} frames)")
                 continue
-            gen[fmt] = generate(root, episodes=args.episodes, cameras=1 if args.video else 0,
+            gen[fmt] = generate(root, episodes=args.episodes,
+                                cameras=args.cameras if args.video else 0,
                                 frames_per_episode=frames, video="encoded" if args.video else
                                 "stub", format=fmt, seed=args.seed, progress=False)
             log.info("generated %s in %.1fs", fmt, time.perf_counter() - t0)
         fps = 30
         deltas = {"action": [i / fps for i in range(args.chunk)]}
         if args.video:
-            print("video: one 96x72 AV1 camera decoded per sample")
+            print(f"video: {args.cameras} x 96x72 AV1 camera(s) decoded per sample")
         dl_kw = dict(num_workers=args.workers, persistent_workers=args.workers > 0)
         if args.workers:
             dl_kw["prefetch_factor"] = 4
@@ -338,15 +351,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"lerobot baseline: LeRobotDataset, video decoded by {backend} (its default "
               "here: torchcodec where it loads, else pyav)")
     print(f"{'loader':<16}{'samples/s':>12}{'MB/s':>10}{'x naive':>10}"
-          + (f"{'x lerobot':>11}" if lerobot_s else ""))
+          + (f"{'x lerobot':>11}" if lerobot_s else "") + f"{'episodes/batch':>16}")
     for name, r in res.items():
         ratio = r["samples_s"] / naive_s if naive_s else float("inf")
         line = f"{name:<16}{r['samples_s']:>12.0f}{r['mb_s']:>10.1f}{ratio:>10.1f}"
         if lerobot_s:
             line += f"{r['samples_s'] / lerobot_s:>11.1f}"
-        print(line)
+        print(line + f"{r['episodes_per_batch']:>16.1f}")
     fig: dict[str, Any] = {
         "workers": args.workers, "batch_size": args.batch_size, "video": args.video,
+        "cameras": args.cameras if args.video else 0,
         "episodes": gen["v2.1"]["episodes"], "frames": gen["v2.1"]["frames"],
         "lerobot_skipped": lerobot_why,
         "lerobot_video_backend": backend if video_keys else None,
@@ -355,6 +369,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         key = name.replace(" ", "_").replace("-", "").replace(".", "")
         fig[f"{key}_samples_s"] = round(r["samples_s"], 1)
         fig[f"{key}_mb_s"] = round(r["mb_s"], 2)
+        fig[f"{key}_episodes_per_batch"] = round(r["episodes_per_batch"], 2)
     best = max(res["batched v3.0"]["samples_s"], res["batched v2.1"]["samples_s"])
     fig["ratio_batched_vs_naive"] = round(best / naive_s, 2) if naive_s else None
     fig["ratio_dropin_vs_naive"] = round(

@@ -37,6 +37,9 @@ def test_bench_loader_says_why_the_lerobot_baseline_is_missing(tmp_path):
     assert "lerobot baseline: skipped:" in out
     assert "lerobot_v30_samples_s" not in fig and "ratio_dropin_vs_lerobot" not in fig
     assert fig["naive_v21_samples_s"] > 0 and fig["batched_v30_samples_s"] > 0
+    # How far each shuffle mixes: distinct episodes in a batch, 1 to min(batch, episodes).
+    for key in ("naive_v21", "dropin_v30", "batched_v30", "ring_v30"):
+        assert 1 <= fig[f"{key}_episodes_per_batch"] <= 3, key
 
 
 def test_bench_loader_measures_the_official_lerobot_dataset(tmp_path):
@@ -48,6 +51,7 @@ def test_bench_loader_measures_the_official_lerobot_dataset(tmp_path):
     assert f"video decoded by {fig['lerobot_video_backend']}" in out
     official = fig["lerobot_v30_samples_s"]
     assert official > 0 and fig["lerobot_v30_mb_s"] > 0
+    assert 1 <= fig["lerobot_v30_episodes_per_batch"] <= 3
     # The ratios are the same run's figures divided, as printed in the table's last column.
     assert fig["ratio_dropin_vs_lerobot"] == pytest.approx(
         fig["dropin_v30_samples_s"] / official, rel=0.01, abs=0.01)
