@@ -18,7 +18,25 @@ from .. import config, uri
 from .blocking import Client
 
 _clients: dict[tuple[str, int], tuple[tuple[int, int, int, int], Client]] = {}
+_found: dict[tuple[str | None, str | None, str], str] = {}
 _lock = threading.Lock()
+
+
+def _cluster_file(cluster: str | None) -> tuple[str, os.stat_result]:
+    """The cluster file ``cluster`` names now (default ``$JPFS_CLUSTER``) and its stat.
+
+    Where a (cluster, $JPFS_CLUSTER, cwd) led last time is remembered, so a call costs one
+    ``stat`` rather than a path search; a file gone from there is searched for again.
+    """
+    key = (cluster, os.environ.get(config.ENV_CLUSTER), os.getcwd())
+    path = _found.get(key)
+    if path is not None:
+        try:
+            return path, os.stat(path)
+        except OSError:
+            del _found[key]
+    path = _found[key] = os.fspath(config.find_cluster_file(cluster).resolve())
+    return path, os.stat(path)
 
 
 def _client(cluster: str | None) -> Client:
@@ -26,28 +44,26 @@ def _client(cluster: str | None) -> Client:
 
     The cluster is resolved at every call, not when the filesystem object was made: fsspec
     hands back one cached ``JPFSFileSystem()`` for every ``jpfs://`` URL, so ``$JPFS_CLUSTER``
-    may name another cluster by now, and a cluster file rewritten in place (``jpfs cluster up``
-    again in the same folder: new ports) may name other daemons. A client is reused for the
-    same file while its contents say the same; one for an older version is closed.
+    may name another cluster by now, and a cluster file rewritten in place (a new cluster in
+    the folder of one that is gone: new ports) may name other daemons. A client is reused for
+    the same file while its contents say the same; one for an older version is closed.
     """
-    path = os.fspath(config.find_cluster_file(cluster).resolve())
-    st = os.stat(path)
+    path, st = _cluster_file(cluster)
     ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
     key = (path, os.getpid())
-    stale = None
+    had = _clients.get(key)
+    if had is not None and had[0] == ident:
+        return had[1]
+    parsed = config.load(path)
     with _lock:
         had = _clients.get(key)
-        if had is not None and had[0] == ident:
-            return had[1]
-        parsed = config.load(path)
         if had is not None and had[1].cluster == parsed:
             _clients[key] = (ident, had[1])  # rewritten, same cluster (a second `cluster up`)
             return had[1]
         c = Client(parsed)
         _clients[key] = (ident, c)
-        stale = had[1] if had is not None else None
-    if stale is not None:
-        stale.close()  # it talks to daemons this cluster file no longer names
+    if had is not None:
+        had[1].close()  # it talks to daemons this cluster file no longer names
     return c
 
 
