@@ -80,7 +80,7 @@ def _closer(a: socket.socket, b: socket.socket, done: threading.Semaphore) -> No
 
 def _pump(src: socket.socket, dst: socket.socket, delay: list[float],
           done: threading.Semaphore) -> None:
-    """src -> dst, each piece sent no earlier than its arrival + delay (bounded queue)."""
+    """Copy src to dst, each piece sent no earlier than its arrival + delay (bounded queue)."""
     q: queue.Queue = queue.Queue(maxsize=64)
 
     def writer() -> None:

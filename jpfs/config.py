@@ -70,6 +70,8 @@ def parse_address(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class Server:
+    """One daemon in the cluster file: where it listens, its data folder, its metrics port."""
+
     address: str
     data: str | None = None
     metrics: str | None = None

@@ -107,9 +107,10 @@ def _class_for(err: int) -> type[JPFSError]:
 
 
 def error(err: int, message: str | None = None, filename: str | None = None) -> JPFSError:
-    """Shorthand used throughout: ``raise error(ENOENT, "no such entry", path)``.
+    """The JPFSError for an errno and a message, naming the path where there is one.
 
-    The instance is also the matching builtin (``FileNotFoundError`` for ENOENT), so callers of
-    the native client can catch what they would catch from ``os`` calls.
+    ``raise error(ENOENT, "no such entry", path)``. The instance is also the matching builtin
+    (``FileNotFoundError`` for ENOENT), so callers of the native client can catch what they
+    would catch from ``os`` calls.
     """
     return _class_for(err)(err, message, filename)

@@ -31,6 +31,8 @@ EXIT_ADDRESS_IN_USE = 98  # what a daemon exits with when its port is taken
 
 @dataclass(frozen=True)
 class Daemon:
+    """One daemon of a local cluster as ``status`` finds it."""
+
     role: str
     index: int
     address: str
@@ -91,6 +93,7 @@ def _read_pid(path: Path) -> int | None:
 
 
 def cluster_file(directory: str | os.PathLike) -> Path:
+    """The cluster file of a local cluster directory."""
     return Path(directory) / "cluster.toml"
 
 
@@ -233,6 +236,7 @@ def _tail(d: Path, role: str, index: int, lines: int = 20) -> str:
 
 
 def status(directory: str | os.PathLike) -> list[Daemon]:
+    """Every daemon of the cluster in ``directory``: its address, pid and whether it runs."""
     d = Path(directory).resolve()
     cluster = config.load(cluster_file(d))
     out = []

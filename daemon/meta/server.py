@@ -54,7 +54,7 @@ def _init_shard(t: Txn, chunk_size: int) -> int:
 
 
 def _unlink_here(t: Txn, parent: int, name: bytes) -> None:
-    """unlink in one transaction when the file's inode lives on this shard (the usual case:
+    """Unlink in one transaction when the file's inode lives on this shard (the usual case:
     files are made on their directory's shard); ``Defer`` to two-phase commit otherwise."""
     ino, kind, _ = ns.lookup(t, parent, name)
     if kind == stat.S_IFDIR:

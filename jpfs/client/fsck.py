@@ -35,6 +35,8 @@ SETTLE_TIME = 15.0
 
 @dataclass
 class Report:
+    """What fsck counted, found and repaired."""
+
     inodes: int = 0
     entries: int = 0
     chunks: int = 0
@@ -90,6 +92,7 @@ async def settle(meta: MetaClient, report: Report, repair: bool) -> None:
 
 
 async def fsck(meta: MetaClient, *, repair: bool = False) -> Report:
+    """Check every shard against the others (and with ``repair``, fix what is found)."""
     report = Report()
     await settle(meta, report, repair)
     inodes: dict[int, list] = {}

@@ -22,6 +22,7 @@ DELETE_BATCH = 10_000
 
 
 async def live_blobs(client: AsyncClient) -> set[bytes]:
+    """Mark: the id of every blob a chunk record points at, over every shard."""
     live: set[bytes] = set()
     for shard in range(client.meta.n_shards):
         after = b""

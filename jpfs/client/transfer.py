@@ -44,6 +44,8 @@ PARALLEL = 4
 
 @dataclass
 class TransferStats:
+    """What an import or export copied, skipped and failed on."""
+
     files: int = 0
     bytes: int = 0
     skipped: int = 0

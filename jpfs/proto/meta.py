@@ -125,29 +125,39 @@ class NamedLayouts:
 # checked to belong to the shard asked.
 
 class InoReq(NamedTuple):
+    """One inode: getattr, readlink, get_layout, getparent, listxattr."""
+
     ino: int
 
 
 class InosReq(NamedTuple):
+    """Inodes of this shard: batch_getattr, batch_layout."""
+
     inos: list[int]
 
 
 class NameReq(NamedTuple):
+    """A name in a directory: lookup, unlink, rmdir."""
+
     parent: int
     name: bytes
 
 
 class NamesReq(NamedTuple):
+    """Names in one directory: batch_lookup, lookup_layouts."""
+
     parent: int
     names: list
     """bytes each; a bad name gets its own errno in the answer."""
 
 
 class NoArgs(NamedTuple):
-    pass
+    """Methods without arguments: statfs, pending, shard_info, sync."""
 
 
 class ReaddirReq(NamedTuple):
+    """``readdir``: one page of a directory, in name order."""
+
     parent: int
     after: bytes
     """Entries after this name (b"" from the start)."""
@@ -157,11 +167,15 @@ class ReaddirReq(NamedTuple):
 
 
 class XattrReq(NamedTuple):
+    """One extended attribute: getxattr, removexattr."""
+
     ino: int
     name: bytes
 
 
 class CreateReq(NamedTuple):
+    """``create``: a regular file (``exclusive``: EEXIST if the name is taken)."""
+
     parent: int
     name: bytes
     mode: int
@@ -171,6 +185,8 @@ class CreateReq(NamedTuple):
 
 
 class MknodReq(NamedTuple):
+    """``mknod``: a device, fifo or socket node."""
+
     parent: int
     name: bytes
     mode: int
@@ -180,6 +196,8 @@ class MknodReq(NamedTuple):
 
 
 class MkdirReq(NamedTuple):
+    """``mkdir`` (the directory's inode may go to another shard)."""
+
     parent: int
     name: bytes
     mode: int
@@ -188,6 +206,8 @@ class MkdirReq(NamedTuple):
 
 
 class SymlinkReq(NamedTuple):
+    """``symlink``."""
+
     parent: int
     name: bytes
     target: bytes
@@ -196,12 +216,16 @@ class SymlinkReq(NamedTuple):
 
 
 class LinkReq(NamedTuple):
+    """``link``: a new name for ``ino`` in ``parent``."""
+
     ino: int
     parent: int
     name: bytes
 
 
 class RenameReq(NamedTuple):
+    """``rename``, sent to the source directory's shard (which coordinates)."""
+
     src_parent: int
     src_name: bytes
     dst_parent: int
@@ -211,12 +235,16 @@ class RenameReq(NamedTuple):
 
 
 class SetattrReq(NamedTuple):
+    """``setattr``: mode, owner, size, times."""
+
     ino: int
     fields: dict
     """Some of SETATTR_FIELDS, each an int."""
 
 
 class SetxattrReq(NamedTuple):
+    """``setxattr``."""
+
     ino: int
     name: bytes
     value: bytes
@@ -225,6 +253,8 @@ class SetxattrReq(NamedTuple):
 
 
 class WriteChunksReq(NamedTuple):
+    """``write_chunks``: point a file at stored blobs (the commit of a write)."""
+
     ino: int
     chunks: list[list]
     """``Chunk.to_wire()`` each."""
@@ -234,6 +264,8 @@ class WriteChunksReq(NamedTuple):
 
 
 class BulkCreateReq(NamedTuple):
+    """``bulk_create``: many files of one directory with their content (imports)."""
+
     parent: int
     entries: list
     """``[name, mode, uid, gid, mtime_ns, size, [Chunk.to_wire(), ...]]`` each."""
@@ -241,31 +273,43 @@ class BulkCreateReq(NamedTuple):
 
 
 class TxPrepareReq(NamedTuple):
+    """``tx_prepare``: a participant's ops of a cross-shard transaction."""
+
     txid: bytes
     coordinator: int
     ops: list[list]
 
 
 class TxReq(NamedTuple):
+    """One cross-shard transaction: tx_commit, tx_abort, tx_status."""
+
     txid: bytes
 
 
 class RenameLockReq(NamedTuple):
+    """``rename_lock``: the directory-move lease on shard 0."""
+
     owner: bytes
     ttl: float
 
 
 class OwnerReq(NamedTuple):
+    """``rename_unlock``: the lease's holder."""
+
     owner: bytes
 
 
 class ScanReq(NamedTuple):
+    """``scan``: a page of one database (fsck, gc)."""
+
     kind: str
     after: bytes
     limit: int
 
 
 class RepairReq(NamedTuple):
+    """``repair``: one fsck repair, stating what it expects to find."""
+
     kind: str
     args: list
 

@@ -48,26 +48,34 @@ MAX_LIST = 100_000
 
 
 class PutBlobsReq(NamedTuple):
+    """``put_blobs``: the blobs whose bytes follow as the payload."""
+
     entries: list[list]
     """``[id, length, xxh]`` per blob, in payload order."""
 
 
 class IdsReq(NamedTuple):
+    """``get_blobs``, ``delete_blobs``: blobs by id."""
+
     ids: list
     """16-byte blob ids, at most MAX_BATCH_BLOBS (checked by ``check_ids``)."""
 
 
 class ListBlobsReq(NamedTuple):
+    """``list_blobs``: a page of at most ``limit`` ids after ``after`` (gc's sweep)."""
+
     after: bytes
     limit: int
 
 
 class CompactReq(NamedTuple):
+    """``compact``: rewrite volumes whose dead share is at least ``min_dead_ratio``."""
+
     min_dead_ratio: float
 
 
 class NoArgs(NamedTuple):
-    pass
+    """``stats``: a method without arguments."""
 
 
 class PutResult(NamedTuple):

@@ -63,14 +63,17 @@ Payload = Sequence["bytes | bytearray | memoryview | FileSegment"]
 
 
 def payload_length(parts: Payload) -> int:
+    """Bytes a payload of byte views and file segments puts on the wire."""
     return sum(p.length if isinstance(p, FileSegment) else len(p) for p in parts)
 
 
 def pack_body(obj) -> bytes:
+    """A frame body as msgpack (bytes stay bytes)."""
     return msgpack.packb(obj, use_bin_type=True)
 
 
 def unpack_body(data) -> object:
+    """A frame body from msgpack; malformed input is a ProtocolError."""
     try:
         return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types on garbage

@@ -182,12 +182,14 @@ class ShardDataset(IterableDataset):
 
     @property
     def rank(self) -> int:
+        """This process's rank: the constructor's, else torch.distributed's, else 0."""
         if self._rank is None and _dist_ready():
             self._rank = dist.get_rank()
         return 0 if self._rank is None else int(self._rank)
 
     @property
     def world_size(self) -> int:
+        """The number of ranks: the constructor's, else torch.distributed's, else 1."""
         if self._world_size is None and _dist_ready():
             self._world_size = dist.get_world_size()
         return 1 if self._world_size is None else int(self._world_size)
@@ -213,6 +215,7 @@ class ShardDataset(IterableDataset):
 
     @property
     def epoch(self) -> int:
+        """The epoch the next iteration reads (shared with DataLoader workers)."""
         return int(self._epoch.item())
 
     def set_epoch(self, epoch: int) -> None:

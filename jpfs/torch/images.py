@@ -15,6 +15,7 @@ import pyarrow as pa
 
 
 def have_pillow() -> bool:
+    """Whether Pillow (what LeRobot decodes image features with) can be imported."""
     try:
         import PIL.Image  # noqa: F401
     except ImportError:

@@ -72,6 +72,7 @@ class PinnedRing:
 
     @property
     def depth(self) -> int:
+        """The number of host batches in the ring."""
         return len(self.slots)
 
     def acquire(self, stop: threading.Event | None = None) -> HostBatch:
@@ -84,6 +85,7 @@ class PinnedRing:
                     raise Stopped from None
 
     def release(self, slot: HostBatch) -> None:
+        """Give ``slot`` back to the producer (its device copy is done)."""
         self._free.put(slot)
 
 

@@ -76,6 +76,7 @@ class ReadAhead:
             self._cond.notify_all()
 
     def close(self) -> None:
+        """Stop the background thread and drop what it holds."""
         with self._cond:
             self._closed = True
             self._ready.clear()

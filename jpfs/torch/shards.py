@@ -88,10 +88,12 @@ class Source:
 
     @property
     def sizes(self) -> np.ndarray:
+        """Rows per shard, in canonical order."""
         return np.array([s.rows for s in self.shards], dtype=np.int64)
 
     @property
     def total(self) -> int:
+        """Rows (samples) in the whole dataset."""
         return int(sum(s.rows for s in self.shards))
 
 
@@ -322,6 +324,7 @@ class ShardDecoder:
         return shard.row_groups is None or not self.local
 
     def __call__(self, index: int, data: BytesLike | None) -> ShardTable:
+        """Decode shard ``index`` from its bytes (None where the decoder reads it itself)."""
         shard = self.source.shards[index]
         if shard.row_groups is None:
             assert data is not None
@@ -344,6 +347,7 @@ class ShardDecoder:
                             self.extra, self.source.image_keys)
 
     def close(self) -> None:
+        """Drop the kept parquet readers."""
         self._readers.clear()
 
 

@@ -81,13 +81,16 @@ class ClientStore(Store):
         return self._client
 
     def read_many(self, paths: Sequence[str]) -> list[BytesLike]:
+        """One ``read_many``: a lookup_layouts per directory, a blob read per storage node."""
         return list(self.client.read_many(list(paths)))
 
     def read_ranges(self, paths: Sequence[str], starts: Sequence[int],
                     stops: Sequence[int]) -> list[BytesLike]:
+        """One ``read_ranges``: each chunk fetched once however many ranges touch it."""
         return list(self.client.read_ranges(list(zip(paths, starts, stops, strict=True))))
 
     def open(self, path: str) -> Any:
+        """A buffered native file (video decoding seeks in it)."""
         return self.client.open(path, "rb")
 
 
@@ -108,6 +111,7 @@ class FsspecStore(Store):
         self.__init__(state["fs"], state["max_handles"])
 
     def read_many(self, paths: Sequence[str]) -> list[BytesLike]:
+        """One ``cat`` (a single path: ``cat_file``), as bytes."""
         if len(paths) == 1:
             return [self.fs.cat_file(paths[0])]
         got = self.fs.cat(list(paths), on_error="raise")
@@ -115,6 +119,7 @@ class FsspecStore(Store):
 
     def read_ranges(self, paths: Sequence[str], starts: Sequence[int],
                     stops: Sequence[int]) -> list[BytesLike]:
+        """The filesystem's own ``cat_ranges`` where it has one, else kept-open handles."""
         if type(self.fs).cat_ranges is not AbstractFileSystem.cat_ranges:
             return self.fs.cat_ranges(list(paths), list(starts), list(stops), on_error="raise")
         # fsspec's default opens the file per range: keep handles open instead
@@ -130,12 +135,15 @@ class FsspecStore(Store):
         return f.read(stop - start)
 
     def open(self, path: str) -> Any:
+        """The filesystem's file object."""
         return self.fs.open(path, "rb")
 
     def session(self) -> FsspecStore:
+        """A store with handles of its own, for one reader thread."""
         return FsspecStore(self.fs, self.max_handles)
 
     def close(self) -> None:
+        """Close the kept-open handles."""
         for f in self._handles.values():
             f.close()
         self._handles.clear()

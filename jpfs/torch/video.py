@@ -97,6 +97,7 @@ class FrameReader:
         self.seeks = 0
 
     def close(self) -> None:
+        """Close every open video."""
         for cur in self._open.values():
             cur.close()
         self._open.clear()
