@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 HELP = "FUSE mount files/s and FUSE requests per file, cold and warm, prefetch on/off, vs local"
 DESCRIPTION = __doc__
 VIAS = ("local", "fuse", "fuse-noprefetch", "fuse-rw")
+PHASES = ("read", "namespace", "large")
 
 
 def _list(kind, choices=None):
@@ -84,6 +85,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not drop the page cache before epoch 1 (then only the mount is "
                    "cold; the local tree and the servers' volumes stay in memory)")
     p.add_argument("--dir", help="work folder, kept afterwards (default: a temporary one)")
+    p.add_argument("--phases", type=_list(str, PHASES), default=["read"],
+                   help="read (the epochs above), namespace (creates, mkdirs, stats, renames, "
+                   "removes, cp -r-like writes, 4 KiB-write layouts, through a read-write "
+                   "mount), large (a large file in 1 MiB reads, small files in 4 KiB reads, "
+                   "cold); comma-separated (default read)")
+    p.add_argument("--write-procs", type=int, default=2,
+                   help="processes in the namespace phase (default 2)")
+    p.add_argument("--namespace-ops", type=int, default=500,
+                   help="files (and directories) each process creates, renames, removes "
+                   "(default 500)")
+    p.add_argument("--small-write-files", type=int, default=300,
+                   help="100 KB files each process writes whole (default 300)")
+    p.add_argument("--layout-files", type=int, default=50,
+                   help="100 KB files each process writes in 4 KiB writes (default 50)")
+    p.add_argument("--large-bytes", type=parse_size, default="512M",
+                   help="the large file of the large phase (default 512M)")
+    p.add_argument("--small-read-files", type=int, default=1000,
+                   help="100 KB files read in 4 KiB reads in the large phase (default 1000)")
 
 
 # ---- reading ----------------------------------------------------------------------------------
@@ -231,6 +250,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="jpfs-bench-mount-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
+        result: dict[str, Any] = {}
+        if set(args.phases) - {"read"}:
+            from .mount_write import ratios, run_phases
+
+            print("namespace/large phases ...", flush=True)
+            result["phases"] = run_phases(args, work)
+            result["phase_ratios"] = ratios(result["phases"])
+            if "read" not in args.phases:
+                report_phases(result)
+                return result
         local_root = args.dataset or str(work / "dataset")
         if not args.dataset and not (Path(local_root) / "meta").is_dir():
             from jpfs.lerobot.generate import generate
@@ -267,14 +296,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for v in args.via:
             if v.startswith("fuse") and mount_entry(str(work / f"mnt-{v}")):
                 raise RuntimeError(f"{work}/mnt-{v} is still mounted")
-        result = {"dataset": {"files": ds.files, "episodes": len(ds.units), "bytes": ds.bytes,
-                              "root": local_root},
-                  "runs": runs, "summary": summarize(runs, args)}
+        result.update({"dataset": {"files": ds.files, "episodes": len(ds.units),
+                                   "bytes": ds.bytes, "root": local_root},
+                       "runs": runs, "summary": summarize(runs, args)})
         report(result, args)
+        if "phases" in result:
+            report_phases(result)
         return result
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def report_phases(result: dict) -> None:
+    from .harness import fmt_ratio, print_table
+
+    rows = [[r["phase"], r["what"], r["unit"], f"{r['local']:,.0f}", f"{r['fuse']:,.0f}",
+             fmt_ratio(r["ratio"])] for r in result["phase_ratios"]]
+    print_table(["phase", "what", "unit", "local", "read-write mount", "vs local"], rows,
+                title="writes, namespace changes and large files")
 
 
 def _median(reps: list[list[dict]]) -> list[dict]:

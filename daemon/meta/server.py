@@ -164,6 +164,7 @@ class MetaShard:
             P.PENDING: Handler(self.pending),
             P.REPAIR: Handler(self.repair),
             P.SHARD_INFO: Handler(self.shard_info),
+            P.SYNC: Handler(self.sync),
         }
 
     # ---- reads that are not answered inline ------------------------------------------------------
@@ -173,6 +174,9 @@ class MetaShard:
 
     async def lookup(self, parent: int, name: bytes) -> list:
         return await self.store.view(ns.lookup, self._mine(parent), name)
+
+    async def sync(self) -> int:
+        return await self.store.sync()
 
     async def getparent(self, ino: int) -> int:
         return await self.store.view(_getparent, self._mine(ino))
@@ -394,6 +398,7 @@ class MetaShard:
         counts = self.store.read(ns.statfs)
         return {"shard": self.shard, "shards": self.n_shards, "chunk_size": self.chunk_size,
                 "commits": self.store.commits, "ops": self.store.ops,
+                "syncs": self.store.syncs,
                 "transactions_committed": self.coord.committed,
                 "transactions_aborted": self.coord.aborted, **counts,
                 "db_bytes": os.path.getsize(self.store.path / "data.mdb"), "pid": os.getpid()}
@@ -411,11 +416,12 @@ COUNTERS = frozenset({"commits", "ops", "transactions_committed", "transactions_
 
 
 async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: int, *,
-                    sync: bool = True, metrics: str | None = None,
+                    sync: bool = True, ack_after_sync: bool = False,
+                    metrics: str | None = None,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Open shard ``index`` and serve it until cancelled; ``task_status.started(port)``.
     ``metrics``: HOST:PORT for Prometheus."""
-    store = Store(data, index, cluster.n_shards, sync=sync)
+    store = Store(data, index, cluster.n_shards, sync=sync, ack_after_sync=ack_after_sync)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(store.committer)
@@ -444,12 +450,16 @@ def main(argv: list[str] | None = None) -> None:
     p = common.parser("meta", "Serve one metadata shard of a JPFS cluster (LMDB over TCP).")
     p.add_argument("--no-sync", action="store_true",
                    help="do not fsync commits (faster; loses recent changes on power failure)")
+    p.add_argument("--ack-after-sync", action="store_true",
+                   help="answer single-shard changes only once they are fsynced (default: once "
+                   "committed, durable within one fsync; clients call sync for fsync(2))")
     args = p.parse_args(argv)
     common.setup_logging(args.log_level, args.log_file)
     cluster, data, host, port = common.resolve(args, "meta")
 
     async def serve_shard() -> None:
         await run_shard(cluster, args.index, data, host, port, sync=not args.no_sync,
+                        ack_after_sync=args.ack_after_sync,
                         metrics=common.metrics_address(args, cluster, "meta"))
 
     common.run(args, serve_shard)

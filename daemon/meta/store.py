@@ -3,12 +3,21 @@
 Writes are functions ``fn(txn, *args)`` queued to a single committer task. The committer takes
 everything queued and runs it inside *one* LMDB write transaction (each operation in its own
 nested transaction, so one failing operation rolls back alone), on the event loop: an operation
-takes microseconds, less than a hop to a worker thread. The environment never fsyncs by itself;
-the committer makes the whole group durable with one ``env.sync()`` in a worker thread before any
-of its callers is answered. Durable metadata writes are fsync-bound, and sharing the fsync is the
-10x lever (PERF.md). Nothing awaits while a transaction is open. (Other readers may see a group's
-changes while its fsync is in flight; only a power failure in that window could lose them, and
-none of their writers has been told they succeeded.)
+takes microseconds, less than a hop to a worker thread. Nothing awaits while a transaction is
+open. The environment never fsyncs by itself: a syncer task makes everything committed so far
+durable with one ``env.sync()`` in a worker thread, again and again while commits keep coming,
+so one fsync covers many groups (durable metadata writes are fsync-bound, and sharing the fsync
+is the 10x lever: docs/perf.md).
+
+Who waits for the fsync: ``write`` (cross-shard steps, repairs: what another shard or a restart
+relies on) is answered once its group is durable. ``write_later`` (the single-shard changes a
+client makes: create, setattr, write_chunks, ...) is answered once its group is committed, as a
+local filesystem answers before its journal commit: the change is visible to every client at
+once and durable within one fsync (milliseconds); a client that needs to know it is durable
+calls ``sync`` (what fsync(2) and unmount do), which returns once everything committed before
+it is. A killed shard process loses nothing committed (the pages are in the kernel); only a
+power failure in that window could. With ``ack_after_sync`` every write waits (the old, slower
+policy, for comparison).
 
 Keys held by a prepared cross-shard transaction are recorded in the ``lock`` database. An
 operation that touches one raises ``Locked``; the caller waits for that transaction to resolve and
@@ -147,7 +156,7 @@ class Store:
     """The LMDB environment of shard ``shard`` of ``n_shards``."""
 
     def __init__(self, path: str | os.PathLike, shard: int, n_shards: int, *,
-                 sync: bool = True, map_size: int = 1 << 40):
+                 sync: bool = True, map_size: int = 1 << 40, ack_after_sync: bool = False):
         Path(path).mkdir(parents=True, exist_ok=True)
         self.path = Path(path)
         self.shard = shard
@@ -155,6 +164,12 @@ class Store:
         # Commits never fsync by themselves: the committer runs transactions on the event loop
         # and then makes a whole group durable with one env.sync() in a worker thread.
         self.durable = sync
+        self.ack_after_sync = ack_after_sync
+        self._committed = 0  # groups committed so far
+        self._synced = 0  # of those, durable
+        self._dirty = trio.Event()  # set when a group was committed and not yet synced
+        self._pending: list[tuple[int, _Slot | trio.Event]] = []  # waiting for a sync
+        self.syncs = 0
         self.env = lmdb.open(str(path), max_dbs=len(K.DBS) + 2, map_size=map_size, sync=False,
                              metasync=False, max_readers=1024, readahead=False)
         self.dbs = {name: self.env.open_db(name.encode()) for name in K.DBS}
@@ -212,8 +227,11 @@ class Store:
         return later
 
     async def committer(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """The single writer: drains the queue into group commits until cancelled."""
+        """The single writer: drains the queue into group commits until cancelled (and runs
+        the syncer beside it)."""
         async with trio.open_nursery() as waiters:  # write_later slots waiting out a lock
+            if self.durable:
+                waiters.start_soon(self._syncer)
             task_status.started()
             while True:
                 batch = [await self._recv.receive()]
@@ -223,22 +241,58 @@ class Store:
                     except trio.WouldBlock:
                         break
                 self._commit(batch)  # microseconds per operation: cheaper than a thread hop
+                self._committed += 1
                 if self.durable:
-                    try:
-                        await trio.to_thread.run_sync(self.env.sync, True)
-                    except lmdb.Error as e:
-                        log.exception("metadata fsync failed")
-                        self._fail_all(batch, error(errno.EIO, f"metadata fsync failed: {e}"))
+                    self._dirty.set()
                 for slot in batch:
-                    if slot.later is None:
-                        slot.done.set()
-                    elif isinstance(slot.exc, Locked):
+                    if slot.later is not None and isinstance(slot.exc, Locked):
                         waiters.start_soon(self._requeue_when_resolved, slot)
+                    elif self.durable and (slot.later is None or self.ack_after_sync):
+                        self._pending.append((self._committed, slot))
                     else:
-                        try:
-                            slot.later.settle(slot.result, slot.exc)
-                        except Exception:  # an answer that fails to send must not stop commits
-                            log.exception("answering %s failed", slot.fn.__name__)
+                        self._answer(slot)
+
+    async def _syncer(self) -> None:
+        """Make committed groups durable, one fsync for all committed since the last one."""
+        while True:
+            await self._dirty.wait()
+            self._dirty = trio.Event()
+            upto = self._committed
+            failure = None
+            try:
+                await trio.to_thread.run_sync(self.env.sync, True)
+                self.syncs += 1
+            except lmdb.Error as e:
+                log.exception("metadata fsync failed")
+                failure = error(errno.EIO, f"metadata fsync failed: {e}")
+            self._synced = upto
+            ready = [w for gen, w in self._pending if gen <= upto]
+            self._pending = [(gen, w) for gen, w in self._pending if gen > upto]
+            for w in ready:
+                if isinstance(w, trio.Event):
+                    w.set()
+                    continue
+                if failure is not None and w.exc is None:
+                    w.exc = failure
+                self._answer(w)
+
+    def _answer(self, slot: _Slot) -> None:
+        if slot.later is None:
+            slot.done.set()  # type: ignore[union-attr]
+            return
+        try:
+            slot.later.settle(slot.result, slot.exc)
+        except Exception:  # an answer that fails to send must not stop commits
+            log.exception("answering %s failed", slot.fn.__name__)
+
+    async def sync(self) -> int:
+        """Return once everything committed before the call is durable; the groups synced."""
+        if self.durable and self._synced < self._committed:
+            ev = trio.Event()
+            self._pending.append((self._committed, ev))
+            self._dirty.set()
+            await ev.wait()
+        return self._synced
 
     async def _requeue_when_resolved(self, slot: _Slot) -> None:
         """Run a ``write_later`` operation again once the transaction that held it resolves."""

@@ -134,7 +134,7 @@ FORWARDED = (
     "statfs", "getxattr", "listxattr", "mkdir", "makedirs", "remove", "unlink", "rmdir",
     "rmtree", "rename", "replace", "symlink", "link", "chmod", "chown", "utime", "truncate",
     "setxattr", "removexattr", "create", "read_bytes", "read_many", "read_ranges", "prefetch",
-    "write_bytes", "put", "get", "layout",
+    "write_bytes", "put", "get", "layout", "sync",
 )
 
 for _name in FORWARDED:

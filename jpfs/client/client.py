@@ -308,6 +308,11 @@ class AsyncClient:
     async def statfs(self) -> dict:
         return await self.meta.statfs()
 
+    async def sync(self) -> None:
+        """Return once every change answered so far is durable (changes are visible when
+        answered and durable within one fsync of their shard; this waits for that)."""
+        await self.meta.sync()
+
     async def getxattr(self, path: str, name: str) -> bytes:
         return await self.meta.getxattr((await self.stat(path)).ino, os.fsencode(name))
 

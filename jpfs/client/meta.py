@@ -123,6 +123,19 @@ class MetaClient:
                 totals[k] = totals.get(k, 0) + v
         return totals
 
+    async def sync(self, shards=None) -> None:
+        """Return once every change these shards (all by default) answered is durable: what
+        fsync(2) and unmount wait for (changes are answered once committed, durable within
+        one fsync of the shard's)."""
+        todo = range(self.n_shards) if shards is None else sorted(set(shards))
+
+        async def one(shard: int) -> None:
+            await self._ask(shard, P.SYNC, P.NoArgs())
+
+        async with trio.open_nursery() as nursery:
+            for shard in todo:
+                nursery.start_soon(one, shard)
+
     async def getxattr(self, ino: int, name: bytes) -> bytes:
         return await self._ask(shard_of(ino), P.GETXATTR, P.XattrReq(ino, name))
 

@@ -39,6 +39,7 @@ import trio
 
 from ..config import Cluster
 from ..errors import JPFSError, error
+from ..placement import shard_of
 from ..types import ROOT_INO, Attr, Layout, StatFS
 from .cache import BlobCache
 from .client import AsyncClient
@@ -550,7 +551,17 @@ class VFS:
         if h.writer is not None:
             await self._commit(h.node, h.writer)
 
-    fsync = flush
+    async def fsync(self, fh: int) -> None:
+        """Commit, and return once the file's bytes and metadata are durable (its blobs are
+        fsynced by the storage nodes before any commit; the shard's sync covers the rest)."""
+        h = self._handle(fh)
+        if h.writer is not None:
+            await self._commit(h.node, h.writer)
+        await self.meta.sync([shard_of(h.node.ino)])
+
+    async def fsyncdir(self, ino: int) -> None:
+        """Return once the directory's entries are durable."""
+        await self.meta.sync([shard_of(ino)])
 
     async def release(self, fh: int) -> None:
         h = self.handles.pop(fh)
@@ -598,7 +609,8 @@ class VFS:
             self.prefetcher.forget_dir(node.parent)
 
     async def commit_all(self) -> None:
-        """Commit every file with buffered writes (before an unmount); errors are logged."""
+        """Commit every file with buffered writes and make every change durable (before an
+        unmount); errors are logged."""
         for h in self.handles.values():
             if type(h) is FileHandle and h.writer is not None:
                 try:
@@ -606,6 +618,12 @@ class VFS:
                 except JPFSError as e:
                     log.error("could not commit %s before unmounting: %s",
                               self.name_of(h.node), e.strerror)
+        if not self.ro:
+            try:
+                await self.meta.sync()
+            except JPFSError as e:
+                log.error("could not make the metadata durable before unmounting: %s",
+                          e.strerror)
 
     # ------------------------------------------------------------------ directories
 

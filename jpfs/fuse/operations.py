@@ -413,7 +413,12 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("fsyncdir")
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        return None  # namespace changes are durable when answered
+        if fh >= CONTROL_FH:
+            return
+        h = self.vfs.handles.get(fh)
+        if h is None:
+            raise error(errno.EBADF, "no such directory handle")
+        await self.vfs.fsyncdir(h.ino)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ filesystem
 

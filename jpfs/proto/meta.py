@@ -333,7 +333,8 @@ STATFS = Method(8, "statfs", NoArgs, dict, idempotent=True)
 GETXATTR = Method(9, "getxattr", XattrReq, bytes, idempotent=True)
 LISTXATTR = Method(10, "listxattr", InoReq, list, idempotent=True)
 # namespace changes (coordinated by the parent directory's shard); the inline ones are one
-# local transaction, queued to the next group commit and answered when it is durable
+# local transaction, queued to the next group commit and answered once it is committed
+# (durable within one fsync of the shard's; SYNC waits for that)
 CREATE = Method(11, "create", CreateReq, Created, inline=True)
 MKNOD = Method(12, "mknod", MknodReq, Created, inline=True)
 MKDIR = Method(13, "mkdir", MkdirReq, Attr)
@@ -366,12 +367,15 @@ SCAN = Method(33, "scan", ScanReq, list, idempotent=True)
 PENDING = Method(34, "pending", NoArgs, dict, idempotent=True)
 REPAIR = Method(35, "repair", RepairReq, object)
 SHARD_INFO = Method(36, "shard_info", NoArgs, dict, idempotent=True)
+SYNC = Method(37, "sync", NoArgs, int, idempotent=True)
+"""Answered once every change this shard answered before is durable (fsync(2), unmount)."""
 
 METHODS = method_table(
     LOOKUP, BATCH_LOOKUP, GETATTR, BATCH_GETATTR, READDIR, READLINK, GETPARENT, STATFS, GETXATTR,
     LISTXATTR, CREATE, MKNOD, MKDIR, SYMLINK, LINK, UNLINK, RMDIR, RENAME, SETATTR, SETXATTR,
     REMOVEXATTR, GET_LAYOUT, BATCH_LAYOUT, LOOKUP_LAYOUTS, WRITE_CHUNKS, BULK_CREATE, TX_PREPARE,
     TX_COMMIT, TX_ABORT, TX_STATUS, RENAME_LOCK, RENAME_UNLOCK, SCAN, PENDING, REPAIR, SHARD_INFO,
+    SYNC,
 )
 """Every metadata method by name."""
 

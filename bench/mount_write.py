@@ -1,0 +1,222 @@
+"""``jpfs bench mount`` phases beyond whole-file reads: writes, namespace changes, large files.
+
+``namespace`` (2 processes by default, each in its own directory, started together): file
+creates (``open(O_CREAT|O_EXCL)`` + ``close``), directory creates, stats, renames, file removes,
+directory removes; then ``cp -r``-like small-file writes (each file written whole, then closed)
+and small files laid out in 4 KiB writes. ``large``: one large file read sequentially in 1 MiB
+reads, and many small files read in 4 KiB reads, page cache dropped before each. Each figure is
+measured on the local filesystem and through a read-write mount in the same run; ops/s and the
+ratio are reported.
+
+The mount's cluster keeps its metadata durable as configured by default (each change is synced
+before it is answered); the local filesystem's baseline is ext4 as mounted, which syncs at its
+journal's commit interval. That difference is the point of the comparison.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+NAMESPACE_OPS = ("create", "mkdir", "stat", "rename", "remove", "rmdir")
+
+
+def _namespace_worker(root: str, n: int, small: int, small_files: int, layout_files: int,
+                      barrier, results) -> None:
+    """One process's share of every namespace phase, timed phase by phase."""
+    out: dict[str, tuple[int, float, float]] = {}
+    os.makedirs(root, exist_ok=True)
+
+    def timed(name: str, count: int, fn) -> None:
+        barrier.wait()
+        t0 = time.perf_counter()
+        fn()
+        out[name] = (count, t0, time.perf_counter())
+
+    files = [os.path.join(root, f"f{i:06d}") for i in range(n)]
+    dirs = [os.path.join(root, f"d{i:06d}") for i in range(n)]
+
+    def create() -> None:
+        for p in files:
+            os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+
+    def mkdir() -> None:
+        for p in dirs:
+            os.mkdir(p)
+
+    def stat() -> None:
+        for p in files:
+            os.stat(p)
+
+    def rename() -> None:
+        for p in files:
+            os.rename(p, p + ".r")
+
+    def remove() -> None:
+        for p in files:
+            os.unlink(p + ".r")
+
+    def rmdir() -> None:
+        for p in dirs:
+            os.rmdir(p)
+
+    blob = os.urandom(small)
+
+    def write_small() -> None:
+        d = os.path.join(root, "small")
+        os.mkdir(d)
+        for i in range(small_files):
+            with open(os.path.join(d, f"s{i:05d}"), "wb") as f:
+                f.write(blob)
+
+    def layout_4k() -> None:
+        d = os.path.join(root, "layout")
+        os.mkdir(d)
+        for i in range(layout_files):
+            with open(os.path.join(d, f"l{i:05d}"), "wb", buffering=0) as f:
+                for off in range(0, small, 4096):
+                    f.write(blob[off:off + 4096])
+
+    for name, count, fn in (("create", n, create), ("mkdir", n, mkdir), ("stat", n, stat),
+                            ("rename", n, rename), ("remove", n, remove), ("rmdir", n, rmdir),
+                            ("write_small", small_files, write_small),
+                            ("layout_4k", layout_files, layout_4k)):
+        timed(name, count, fn)
+    results.put(out)
+
+
+def namespace_phase(root: Path, procs: int, n: int, small: int, small_files: int,
+                    layout_files: int) -> dict[str, dict]:
+    """Rates of each namespace phase over ``procs`` processes under ``root``."""
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(procs)
+    results = ctx.Queue()
+    ps = [ctx.Process(target=_namespace_worker, args=(str(root / f"p{k}"), n, small,
+                                                       small_files, layout_files, barrier,
+                                                       results)) for k in range(procs)]
+    for p in ps:
+        p.start()
+    got = [results.get(timeout=1800) for _ in ps]
+    for p in ps:
+        p.join(timeout=60)
+        if p.exitcode != 0:
+            raise RuntimeError(f"a namespace worker failed (exit {p.exitcode})")
+    out = {}
+    for name in got[0]:
+        count = sum(g[name][0] for g in got)
+        seconds = max(g[name][2] for g in got) - min(g[name][1] for g in got)
+        out[name] = {"ops": count, "seconds": seconds, "ops_s": count / seconds}
+    return out
+
+
+def _read_sequential(path: Path, size: int) -> float:
+    buf = bytearray(size)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - t0
+
+
+def _read_4k(paths: list[Path]) -> float:
+    buf = bytearray(4096)
+    t0 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    return time.perf_counter() - t0
+
+
+def make_large_data(src: Path, large_bytes: int, small_files: int, small: int) -> None:
+    """A large file and a directory of small files, written once locally."""
+    src.mkdir(parents=True, exist_ok=True)
+    with open(src / "large.bin", "wb") as f:
+        left = large_bytes
+        while left:
+            piece = os.urandom(min(left, 16 << 20))
+            f.write(piece)
+            left -= len(piece)
+    (src / "small").mkdir(exist_ok=True)
+    for i in range(small_files):
+        (src / "small" / f"s{i:05d}").write_bytes(os.urandom(small))
+
+
+def large_phase(root: Path, large_bytes: int, small_files: int, drop) -> dict[str, dict]:
+    """Cold reads under ``root``: the large file in 1 MiB reads, small files in 4 KiB reads."""
+    drop()
+    secs = _read_sequential(root / "large.bin", 1 << 20)
+    out = {"large_1m": {"bytes": large_bytes, "seconds": secs, "MBps": large_bytes / secs / 1e6}}
+    paths = sorted((root / "small").iterdir())
+    nbytes = sum(p.stat().st_size for p in paths)
+    drop()
+    secs = _read_4k(paths)
+    out["small_4k"] = {"bytes": nbytes, "files": len(paths), "seconds": secs,
+                       "MBps": nbytes / secs / 1e6}
+    return out
+
+
+def run_phases(args, work: Path) -> dict[str, Any]:
+    """The ``namespace`` and ``large`` phases, local and through a read-write mount."""
+    import jpfs
+
+    from .aggregate import drop_caches
+    from .harness import temporary_cluster
+    from .mount import Mount
+
+    phases = [p for p in args.phases if p != "read"]
+    out: dict[str, Any] = {}
+    src = work / "large-src"
+    if "large" in phases:
+        make_large_data(src, args.large_bytes, args.small_read_files, 100 << 10)
+    with temporary_cluster(2, 2, directory=str(work / "wcluster"), keep=bool(args.dir)) as cdir:
+        cluster_file = str(cdir / "cluster.toml")
+        if "large" in phases:
+            with jpfs.connect(cluster_file) as c:
+                c.makedirs("/large/small")
+                c.put(src / "large.bin", "/large/large.bin")
+                for p in sorted((src / "small").iterdir()):
+                    c.put(p, f"/large/small/{p.name}")
+        for via in ("local", "fuse-rw"):
+            mount = Mount(cluster_file, work, via, 0) if via != "local" else None
+            try:
+                base = (mount.mp if mount else work / "local-ns")
+                res: dict[str, Any] = {}
+                if "namespace" in phases:
+                    ns_root = base / "ns"
+                    ns_root.mkdir(parents=True, exist_ok=True)
+                    res["namespace"] = namespace_phase(ns_root, args.write_procs,
+                                                       args.namespace_ops, 100 << 10,
+                                                       args.small_write_files,
+                                                       args.layout_files)
+                if "large" in phases:
+                    res["large"] = large_phase(mount.mp / "large" if mount else src,
+                                               args.large_bytes, args.small_read_files,
+                                               drop_caches)
+                out[via] = res
+            finally:
+                if mount:
+                    mount.close()
+    return out
+
+
+def ratios(phases: dict[str, Any]) -> list[dict]:
+    """One row per figure: local, mount, mount vs local."""
+    rows = []
+    local, fuse = phases.get("local", {}), phases.get("fuse-rw", {})
+    for name, r in fuse.get("namespace", {}).items():
+        base = local["namespace"][name]
+        rows.append({"phase": "namespace", "what": name, "unit": "ops/s",
+                     "local": base["ops_s"], "fuse": r["ops_s"],
+                     "ratio": r["ops_s"] / base["ops_s"]})
+    for name, r in fuse.get("large", {}).items():
+        base = local["large"][name]
+        rows.append({"phase": "large", "what": name, "unit": "MB/s", "local": base["MBps"],
+                     "fuse": r["MBps"], "ratio": r["MBps"] / base["MBps"]})
+    return rows
+
+
+__all__ = ["NAMESPACE_OPS", "large_phase", "namespace_phase", "ratios", "run_phases"]
