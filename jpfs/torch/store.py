@@ -70,7 +70,7 @@ class ClientStore(Store):
         return {"cluster": self.cluster}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["cluster"])
+        self.cluster, self._client, self._pid = state["cluster"], None, -1
 
     @property
     def client(self) -> Client:
@@ -108,7 +108,8 @@ class FsspecStore(Store):
         return {"fs": self.fs, "max_handles": self.max_handles}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["fs"], state["max_handles"])
+        self.fs, self.max_handles, self._handles = state["fs"], state["max_handles"], {}
+        self.local = isinstance(self.fs, LocalFileSystem)
 
     def read_many(self, paths: Sequence[str]) -> list[BytesLike]:
         """One ``cat`` (a single path: ``cat_file``), as bytes."""
