@@ -53,7 +53,7 @@ def _init_shard(t: Txn, chunk_size: int) -> int:
     return int(stored)
 
 
-def _unlink_here(t: Txn, parent: int, name: bytes) -> None:
+def _unlink_here(t: Txn, parent: int, name: bytes) -> list:
     """Unlink in one transaction when the file's inode lives on this shard (the usual case:
     files are made on their directory's shard); ``Defer`` to two-phase commit otherwise."""
     ino, kind, _ = ns.lookup(t, parent, name)
@@ -62,6 +62,7 @@ def _unlink_here(t: Txn, parent: int, name: bytes) -> None:
     if shard_of(ino) != t.store.shard:
         raise Defer
     apply_local(t, [["rmdent", parent, name, ino], ["nlink", ino, -1]])
+    return t.need_inode(parent).attr().to_wire()  # the directory after: post-op attributes
 
 
 def _getparent(t: Txn, ino: int) -> int:
@@ -228,7 +229,7 @@ class MetaShard:
         await self._run(plan)
         return await self._getattr(ino)
 
-    async def unlink(self, parent: int, name: bytes) -> None:
+    async def unlink(self, parent: int, name: bytes) -> list:
         """The general case (the inode on another shard): planned, and run by 2PC if needed."""
         self._mine(parent)
 
@@ -240,8 +241,9 @@ class MetaShard:
                           (shard_of(ino), ["nlink", ino, -1]))
 
         await self._run(plan)
+        return self.store.read(ns.getattr_, parent)
 
-    async def rmdir(self, parent: int, name: bytes) -> None:
+    async def rmdir(self, parent: int, name: bytes) -> list:
         self._mine(parent)
 
         async def plan():
@@ -253,9 +255,10 @@ class MetaShard:
                           (shard_of(ino), ["rmdir", ino]))
 
         await self._run(plan)
+        return self.store.read(ns.getattr_, parent)
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
-                     flags: int) -> None:
+                     flags: int) -> list:
         self._mine(src_parent)
         check_name(src_name)
         check_name(dst_name)
@@ -275,6 +278,9 @@ class MetaShard:
             if owner is not None:
                 with trio.CancelScope(shield=True):
                     await self._call(0, P.RENAME_UNLOCK, [owner])
+        # post-op attributes of the directories this shard holds (the other one: None)
+        return [self.store.read(ns.getattr_, p) if shard_of(p) == self.shard else None
+                for p in (src_parent, dst_parent)]
 
     async def _plan_rename(self, sp: int, sn: bytes, dp: int, dn: bytes, flags: int):
         src_ino, src_kind, _ = await self.store.view(ns.lookup, sp, sn)

@@ -183,16 +183,23 @@ class MetaClient:
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
         return await self._ask(shard_of(parent), P.LINK, P.LinkReq(ino, parent, name))
 
-    async def unlink(self, parent: int, name: bytes) -> None:
-        await self._ask(shard_of(parent), P.UNLINK, P.NameReq(parent, name))
+    async def unlink(self, parent: int, name: bytes) -> Attr | None:
+        """Remove a non-directory; returns the directory's attributes after it (None when the
+        shard does not say)."""
+        got = await self._ask(shard_of(parent), P.UNLINK, P.NameReq(parent, name))
+        return got.parent
 
-    async def rmdir(self, parent: int, name: bytes) -> None:
-        await self._ask(shard_of(parent), P.RMDIR, P.NameReq(parent, name))
+    async def rmdir(self, parent: int, name: bytes) -> Attr | None:
+        """Remove an empty directory; returns the parent's attributes after it."""
+        got = await self._ask(shard_of(parent), P.RMDIR, P.NameReq(parent, name))
+        return got.parent
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
-                     flags: int = 0) -> None:
-        await self._ask(shard_of(src_parent), P.RENAME,
-                        P.RenameReq(src_parent, src_name, dst_parent, dst_name, flags))
+                     flags: int = 0) -> tuple[Attr | None, Attr | None]:
+        """rename(2); returns both directories' attributes after it (None where unknown)."""
+        got = await self._ask(shard_of(src_parent), P.RENAME,
+                              P.RenameReq(src_parent, src_name, dst_parent, dst_name, flags))
+        return got.src, got.dst
 
     async def setattr(self, ino: int, **fields: int) -> Attr:
         return await self._ask(shard_of(ino), P.SETATTR, P.SetattrReq(ino, fields))

@@ -204,10 +204,34 @@ class VFS:
             raise error(errno.EROFS, "the mount is read-only")
 
     def _changed_dir(self, *inos: int) -> None:
-        """Directories whose entries (and so times, nlink) changed."""
+        """Directories whose entries (and so times, nlink) changed, attributes unknown."""
         for ino in inos:
             self.prefetcher.forget_dir(ino)
         self.inodes.stale(*inos)
+
+    def _post_op(self, ino: int, attr: Attr | None) -> None:
+        """A directory changed and the shard said how it is now (its post-op attributes)."""
+        self.prefetcher.forget_dir(ino)
+        if attr is None:
+            self.inodes.stale(ino)
+        else:
+            self.inodes.update(attr)
+
+    def _made_in(self, parent: int, child: Attr, subdir: bool = False) -> None:
+        """``child`` was just made in ``parent``. Made in one transaction on the parent's shard
+        (files, symlinks, directories placed there), the parent's new mtime and ctime are the
+        child's ctime to the nanosecond (and a directory adds a link): no need to ask again,
+        and the attributes stay as fresh as they were. Anything else: ask next time."""
+        self.prefetcher.forget_dir(parent)
+        node = self.inodes.get(parent)
+        if node is None:
+            return
+        if shard_of(child.ino) != shard_of(parent) or node.fetched == float("-inf"):
+            self.inodes.stale(parent)
+            return
+        t = child.ctime_ns
+        node.attr = node.attr.with_(mtime_ns=t, ctime_ns=t,
+                                    nlink=node.attr.nlink + (1 if subdir else 0))
 
     async def _node(self, ino: int) -> Node:
         node = self.inodes.get(ino)
@@ -300,14 +324,14 @@ class VFS:
         gid, mode = self._owner(parent, uid, gid, mode)
         attr = await self.meta.mknod(parent, name, mode, rdev if stat.S_IFMT(mode) in _DEVICES
                                      else 0, uid, gid)
-        self._changed_dir(parent)
+        self._made_in(parent, attr)
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
         self._writable()
         gid, mode = self._owner(parent, uid, gid, stat.S_IFDIR | (mode & 0o7777))
         attr = await self.meta.mkdir(parent, name, mode & 0o7777, uid, gid)
-        self._changed_dir(parent)
+        self._made_in(parent, attr, subdir=True)
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int
@@ -315,7 +339,7 @@ class VFS:
         self._writable()
         gid, _ = self._owner(parent, uid, gid, stat.S_IFLNK)
         attr = await self.meta.symlink(parent, name, target, uid, gid)
-        self._changed_dir(parent)
+        self._made_in(parent, attr)
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
@@ -326,17 +350,17 @@ class VFS:
 
     async def unlink(self, parent: int, name: bytes) -> None:
         self._writable()
-        await self.meta.unlink(parent, name)
+        after = await self.meta.unlink(parent, name)
         gone = self.inodes.unname(parent, name)
-        self._changed_dir(parent)
+        self._post_op(parent, after)
         if gone is not None:
             self.inodes.stale(gone.ino)  # nlink and ctime changed
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         self._writable()
-        await self.meta.rmdir(parent, name)
+        after = await self.meta.rmdir(parent, name)
         gone = self.inodes.unname(parent, name)
-        self._changed_dir(parent)
+        self._post_op(parent, after)
         if gone is not None:
             self.inodes.stale(gone.ino)
         self.inodes.moved()
@@ -345,10 +369,13 @@ class VFS:
                      flags: int) -> None:
         """rename(2) with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2)."""
         self._writable()
-        await self.meta.rename(parent_old, name_old, parent_new, name_new, flags)
+        src_after, dst_after = await self.meta.rename(parent_old, name_old, parent_new,
+                                                      name_new, flags)
         moved = self.inodes.unname(parent_old, name_old)
         other = self.inodes.unname(parent_new, name_new)
-        self._changed_dir(parent_old, parent_new)
+        self._post_op(parent_old, src_after)
+        if parent_new != parent_old:
+            self._post_op(parent_new, dst_after)
         for node, p, n in ((moved, parent_new, name_new),
                            (other if flags & 2 else None, parent_old, name_old)):
             if node is not None:  # keep the names right: co-access learning works on paths
@@ -480,7 +507,7 @@ class VFS:
         attr, created = await self.meta.create(parent, name, mode, uid, gid,
                                                exclusive=bool(flags & os.O_EXCL))
         if created:
-            self._changed_dir(parent)
+            self._made_in(parent, attr)
         node = self.inodes.remember(attr, parent, name)
         if created:
             node.kernel_version = attr.version

@@ -57,6 +57,33 @@ class Created(NamedTuple):
         return cls(ino, kind, Attr.from_wire(attr) if attr is not None else None, created)
 
 
+class PostOp(NamedTuple):
+    """``unlink``/``rmdir``: the directory's attributes after the change (as NFS's wcc data),
+    so a client need not ask again. Wire: an attr list (None from older shards)."""
+
+    parent: Attr | None
+
+    @classmethod
+    def from_wire(cls, w) -> PostOp:
+        return cls(Attr.from_wire(w) if w is not None else None)
+
+
+class RenamePostOp(NamedTuple):
+    """``rename``: both directories' attributes after it, each None where the coordinating
+    shard does not hold it. Wire: ``[src attr or None, dst attr or None]`` (None from older
+    shards)."""
+
+    src: Attr | None
+    dst: Attr | None
+
+    @classmethod
+    def from_wire(cls, w) -> RenamePostOp:
+        if w is None:
+            return cls(None, None)
+        a, b = w
+        return cls(_attr(a), _attr(b))
+
+
 class DirPage(NamedTuple):
     """``readdir``: entries in name order (``attr`` set for inodes of this shard when ``plus``)
     and whether more follow. Wire: ``[[DirEntry.to_wire(), ...], more]``."""
@@ -340,10 +367,10 @@ MKNOD = Method(12, "mknod", MknodReq, Created, inline=True)
 MKDIR = Method(13, "mkdir", MkdirReq, Attr)
 SYMLINK = Method(14, "symlink", SymlinkReq, Attr, inline=True)
 LINK = Method(15, "link", LinkReq, Attr)
-UNLINK = Method(16, "unlink", NameReq, None, inline=True)
+UNLINK = Method(16, "unlink", NameReq, PostOp, inline=True)
 """Inline when the file's inode is on the directory's shard; deferred to 2PC otherwise."""
-RMDIR = Method(17, "rmdir", NameReq, None)
-RENAME = Method(18, "rename", RenameReq, None)
+RMDIR = Method(17, "rmdir", NameReq, PostOp)
+RENAME = Method(18, "rename", RenameReq, RenamePostOp)
 SETATTR = Method(19, "setattr", SetattrReq, Attr, inline=True)
 SETXATTR = Method(20, "setxattr", SetxattrReq, None, inline=True)
 REMOVEXATTR = Method(21, "removexattr", XattrReq, None, inline=True)
