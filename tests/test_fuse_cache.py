@@ -85,7 +85,7 @@ def test_remount_reuses_the_disk_cache_and_catches_corrupt_files(cluster, tmp_pa
     c, src = cluster
     names = sorted(os.listdir(src / "e"))[:60]
     cache_dir = tmp_path / "cache"
-    opts = ("--read-only", "--no-prefetch")
+    opts = ("--read-only", "--no-prefetch", "--cache-admit", "all")
     with mounted(c, tmp_path / "m1", *opts, cache_dir=cache_dir) as m:
         for n in names:
             _read(m / f"e/{n}")
@@ -109,6 +109,24 @@ def test_remount_reuses_the_disk_cache_and_catches_corrupt_files(cluster, tmp_pa
         assert s["cache"]["disk_stale"] == 1  # the torn record, dropped when the cache opened
         assert s["cache"]["misses"] == 2  # both refetched from storage
         assert s["fuse"]["opens"]["disk"] == 58
+
+
+@requires_fuse
+def test_disk_cache_admits_what_is_read_again(cluster, tmp_path):
+    """A cold read on its way to the page cache is not written to the disk cache; what the
+    page cache could not keep (read again after it was dropped) is."""
+    c, src = cluster
+    names = sorted(os.listdir(src / "e"))[60:100]
+    with mounted(c, tmp_path / "m", "--read-only", "--no-prefetch") as m:
+        for n in names:
+            _read(m / f"e/{n}")
+        s = m.stats()["cache"]
+        assert s["disk_writes"] == 0 and s["write_queue_bytes"] == 0 and s["misses"] == 40
+        Path("/proc/sys/vm/drop_caches").write_text("3")  # the kernel forgets the pages
+        for n in names:
+            assert _read(m / f"e/{n}") == (src / "e" / n).read_bytes()
+        s = m.wait_for(lambda s: s["cache"]["disk_writes"] == 40, what="40 blobs admitted")
+        assert s["cache"]["misses"] == 80
 
 
 async def test_concurrent_reads_of_one_blob_share_one_fetch(cluster):

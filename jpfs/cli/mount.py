@@ -62,6 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=argparse.SUPPRESS)
     p.add_argument("--metrics", metavar="HOST:PORT",
                    help="also serve Prometheus metrics over HTTP there")
+    p.add_argument("--cache-admit", choices=("second", "all"), default="second",
+                   help="what the disk cache keeps: blobs fetched a second time or pushed out "
+                   "of memory unread (second, the default), or every blob fetched (all)")
     p.add_argument("--nonempty", action="store_true",
                    help="mount over a directory that has files (they are hidden while mounted)")
     p.add_argument("--max-tasks", type=int, default=256, help=argparse.SUPPRESS)
@@ -99,7 +102,7 @@ def _options(args: argparse.Namespace):
         open_cache=args.open_cache, read_ahead=args.read_ahead, small_file=args.small_file,
         notify_store=args.notify_store, metrics=args.metrics,
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
-        max_tasks=args.max_tasks, nonempty=args.nonempty)
+        max_tasks=args.max_tasks, nonempty=args.nonempty, cache_admit=args.cache_admit)
 
 
 def cmd_mount(args: argparse.Namespace) -> int:

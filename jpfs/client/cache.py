@@ -14,6 +14,14 @@ segment is dropped when a batch does not fit, so the disk cache never holds more
 a blob read from the oldest half is written again at the head, which makes the order LRU-like.
 After a remount the index is rebuilt from the segments; a record torn by a crash ends its segment.
 
+What goes to disk (``admit``): by default a blob is written to the disk cache when it is
+fetched from storage a second time (seen in a bounded set of recent fetches: the dataset is
+read again and the kernel's page cache no longer held it) or pushed out of memory before its
+reader used it (prefetched too far ahead); a blob read once on its way to the kernel's page
+cache is not written at all. Writing every fetched blob doubled the disk traffic of a cold
+epoch (the storage servers read from the same disks) for data the page cache then held anyway.
+``admit="all"`` writes every fetched blob (a mount whose disk cache should fill on first use).
+
 Prefetched blobs are tagged until a reader uses them: a use counts as a prefetch hit, an eviction
 of a still-unused blob as wasted bytes. Concurrent requests for one blob share one fetch.
 """
@@ -50,6 +58,9 @@ WRITE_QUEUE_BYTES = 64 << 20
 """Blobs waiting for the disk writer; beyond this, new blobs are not written (it is a cache)."""
 
 WRITE_BATCH_BYTES = 16 << 20
+
+SEEN_MAX = 1 << 18
+"""Blob ids remembered as fetched once, for admission on the second fetch."""
 
 Fetch = Callable[[Sequence[Chunk]], Awaitable[list[memoryview]]]
 """Fetches whole blobs from storage, verified (``StorageClient.get``)."""
@@ -126,12 +137,19 @@ class BlobCache:
     """
 
     def __init__(self, memory_bytes: int, disk_dir: str | os.PathLike | None = None,
-                 disk_bytes: int = 0, *, write_queue_bytes: int = WRITE_QUEUE_BYTES):
+                 disk_bytes: int = 0, *, write_queue_bytes: int = WRITE_QUEUE_BYTES,
+                 admit: str = "second", seen_max: int = SEEN_MAX):
+        if admit not in ("second", "all"):
+            raise ValueError(f"admit must be 'second' or 'all', not {admit!r}")
         self.memory_bytes = max(0, int(memory_bytes))
         self.disk_dir = Path(disk_dir) if disk_dir is not None and disk_bytes > 0 else None
         self.disk_bytes = max(0, int(disk_bytes)) if self.disk_dir else 0
         self.write_queue_bytes = write_queue_bytes
         self.stats = CacheStats()
+        self.admit = admit
+        self._seen: OrderedDict[bytes, None] = OrderedDict()  # recently fetched (admission)
+        self._seen_max = seen_max
+        self._xxh: dict[bytes, int] = {}  # checksums of blobs in memory (for writes on eviction)
         self._mem: OrderedDict[bytes, memoryview] = OrderedDict()
         self._mem_used = 0
         self._unused: dict[bytes, int] = {}  # prefetched, not yet read: blob -> bytes
@@ -217,6 +235,7 @@ class BlobCache:
         for b in blobs:
             view = self._mem.pop(b, None)
             if view is not None:
+                self._xxh.pop(b, None)
                 self._mem_used -= len(view)
                 m = self._unused.pop(b, None)
                 if m is not None:
@@ -352,7 +371,8 @@ class BlobCache:
             b = chunks[i].blob
             self._inflight.pop(b, None)
             if keep:
-                self._insert(b, chunks[i].xxh, view, prefetch=prefetch)
+                self._insert(b, chunks[i].xxh, view, prefetch=prefetch,
+                             write=self._admit_fetched(b))
             f = flights[i]
             f.view = view
             f.event.set()
@@ -430,12 +450,25 @@ class BlobCache:
         st.mem_hit_bytes += n
         return "memory"
 
+    def _admit_fetched(self, blob: bytes) -> bool:
+        """Whether a blob just fetched from storage goes to the disk cache (see ``admit``)."""
+        if self.disk_dir is None:
+            return False
+        if self.admit == "all" or blob in self._seen:
+            self._seen.pop(blob, None)
+            return True
+        self._seen[blob] = None
+        if len(self._seen) > self._seen_max:
+            self._seen.popitem(last=False)
+        return False
+
     def _insert(self, blob: bytes, xxh: int, view: memoryview, *, prefetch: bool,
                 write: bool = True) -> None:
         n = len(view)
         if n <= self.memory_bytes and blob not in self._mem:
             while self._mem_used + n > self.memory_bytes and self._mem:
                 old, oldv = self._mem.popitem(last=False)
+                oldx = self._xxh.pop(old, None)
                 self._mem_used -= len(oldv)
                 self.stats.mem_evictions += 1
                 self.stats.mem_evicted_bytes += len(oldv)
@@ -444,7 +477,10 @@ class BlobCache:
                     self._unused_bytes -= m
                     self.stats.prefetch_wasted += 1
                     self.stats.prefetch_wasted_bytes += len(oldv)
+                if self.disk_dir is not None and oldx is not None and old not in self._disk:
+                    self._queue_write(old, oldx, oldv)  # pushed out before its use: keep it
             self._mem[blob] = view
+            self._xxh[blob] = xxh
             self._mem_used += n
             if prefetch:
                 self._unused[blob] = n

@@ -69,6 +69,7 @@ class MountOptions:
     log_file: str | None = None
     max_tasks: int = 256
     nonempty: bool = False
+    cache_admit: str = "second"
 
     def child_argv(self) -> list[str]:
         """Arguments for ``jpfs`` that run this mount in the foreground."""
@@ -76,7 +77,7 @@ class MountOptions:
              "--cache-size", str(self.cache_size), "--memory-cache", str(self.memory_cache),
              "--prefetch" if self.prefetch else "--no-prefetch",
              "--open-cache", str(self.open_cache), "--read-ahead", str(self.read_ahead),
-             "--max-tasks", str(self.max_tasks)]
+             "--max-tasks", str(self.max_tasks), "--cache-admit", self.cache_admit]
         for flag, value in (("--cache-dir", self.cache_dir), ("--log-file", self.log_file),
                             ("--entry-timeout", self.entry_timeout),
                             ("--attr-timeout", self.attr_timeout),
@@ -219,7 +220,7 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
         raise error(errno.ENODEV, "this cluster has no storage nodes: nothing to mount")
     async with trio.open_nursery() as nursery:
         cache = BlobCache(opts.memory_cache, cache_dir if opts.cache_size > 0 else None,
-                          opts.cache_size)
+                          opts.cache_size, admit=opts.cache_admit)
         vfs: VFS | None = None
         try:
             await cache.open(nursery)
