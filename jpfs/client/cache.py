@@ -610,6 +610,7 @@ def _has_cancel(e: BaseException) -> bool:
 # ---- worker-thread helpers (no shared state: arguments in, results out) -------------------------
 
 def segment_path(root: Path, seq: int) -> Path:
+    """The file of disk-cache segment ``seq``."""
     return root / "segments" / f"seg-{seq:012d}"
 
 

@@ -55,12 +55,15 @@ class Entry:
     attr: Attr
 
     def is_dir(self) -> bool:
+        """Whether the entry is a directory (not following a symlink)."""
         return self.attr.is_dir
 
     def is_file(self) -> bool:
+        """Whether the entry is a regular file (not following a symlink)."""
         return self.attr.is_reg
 
     def is_symlink(self) -> bool:
+        """Whether the entry is a symbolic link."""
         return self.attr.is_link
 
 
@@ -112,6 +115,7 @@ class AsyncClient:
         self.umask = _umask()
 
     def close(self) -> None:
+        """Close the connections and the cache (the nursery's tasks end with it)."""
         self.meta.close()
         if self.storage:
             self.storage.close()
@@ -203,13 +207,16 @@ class AsyncClient:
     # ---- reads ----------------------------------------------------------------------------------
 
     async def stat(self, path: str, *, follow_symlinks: bool = True) -> Attr:
+        """Attributes of ``path`` (following a final symlink unless told not to)."""
         attr, _ = await self._walk(_path(path), follow_symlinks)
         return attr
 
     async def lstat(self, path: str) -> Attr:
+        """Attributes of ``path`` itself (a final symlink is not followed)."""
         return await self.stat(path, follow_symlinks=False)
 
     async def exists(self, path: str) -> bool:
+        """Whether ``path`` names something (a dangling symlink does not)."""
         try:
             await self.stat(path)
             return True
@@ -221,12 +228,14 @@ class AsyncClient:
             raise
 
     async def isdir(self, path: str) -> bool:
+        """Whether ``path`` is a directory (or a symlink to one)."""
         try:
             return (await self.stat(path)).is_dir
         except JPFSError:
             return False
 
     async def isfile(self, path: str) -> bool:
+        """Whether ``path`` is a regular file (or a symlink to one)."""
         try:
             return (await self.stat(path)).is_reg
         except JPFSError:
@@ -280,6 +289,7 @@ class AsyncClient:
                 yield Entry(os.fsdecode(e.name), f"{base}/{os.fsdecode(e.name)}", e.attr)
 
     async def listdir(self, path: str = "/") -> list[str]:
+        """Names in a directory, in name order."""
         attr, _ = await self._walk(_path(path), True)
         if not attr.is_dir:
             raise error(errno.ENOTDIR, "not a directory", path)
@@ -300,12 +310,14 @@ class AsyncClient:
             stack.extend(reversed([f"{d.rstrip('/')}/{n}" for n in dirs]))
 
     async def readlink(self, path: str) -> str:
+        """The target of a symbolic link (EINVAL for anything else)."""
         attr = await self.lstat(path)
         if not attr.is_link:
             raise error(errno.EINVAL, "not a symbolic link", path)
         return os.fsdecode(await self.meta.readlink(attr.ino))
 
     async def statfs(self) -> dict:
+        """Totals over the metadata shards (``inodes``, ``dentries``, ``chunks``)."""
         return await self.meta.statfs()
 
     async def sync(self) -> None:
@@ -314,14 +326,17 @@ class AsyncClient:
         await self.meta.sync()
 
     async def getxattr(self, path: str, name: str) -> bytes:
+        """An extended attribute's value (ENODATA if it is not set)."""
         return await self.meta.getxattr((await self.stat(path)).ino, os.fsencode(name))
 
     async def listxattr(self, path: str) -> list[str]:
+        """Names of the extended attributes set on ``path``."""
         return [os.fsdecode(n) for n in await self.meta.listxattr((await self.stat(path)).ino)]
 
     # ---- changes --------------------------------------------------------------------------------
 
     async def mkdir(self, path: str, mode: int = 0o777) -> Attr:
+        """Make a directory (``mode`` less the umask); EEXIST if the name is taken."""
         parent, name, p = await self._parent(path)
         try:
             return await self.meta.mkdir(parent, name, mode & ~self.umask)
@@ -329,6 +344,7 @@ class AsyncClient:
             raise error(e.errno, e.strerror, p) from None
 
     async def makedirs(self, path: str, mode: int = 0o777, exist_ok: bool = True) -> None:
+        """Make a directory and any missing parents, as ``os.makedirs``."""
         p = _path(path)
         try:
             attr = await self.stat(p)
@@ -351,6 +367,7 @@ class AsyncClient:
                 raise
 
     async def remove(self, path: str) -> None:
+        """Remove a file, symlink or other non-directory."""
         parent, name, p = await self._parent(path)
         try:
             await self.meta.unlink(parent, name)
@@ -360,6 +377,7 @@ class AsyncClient:
     unlink = remove
 
     async def rmdir(self, path: str) -> None:
+        """Remove an empty directory."""
         parent, name, p = await self._parent(path)
         try:
             await self.meta.rmdir(parent, name)
@@ -385,7 +403,7 @@ class AsyncClient:
         return n + 1
 
     async def rename(self, src: str, dst: str, *, flags: int = 0) -> None:
-        """Move ``src`` to ``dst``, replacing it as POSIX rename(2) does."""
+        """Move ``src`` to ``dst``, replacing it as POSIX ``rename(2)`` does."""
         sp, sn, s = await self._parent(src)
         dp, dn, d = await self._parent(dst)
         try:
@@ -398,6 +416,7 @@ class AsyncClient:
     replace = rename
 
     async def symlink(self, target: str, path: str) -> Attr:
+        """Make ``path`` a symbolic link to ``target``."""
         parent, name, p = await self._parent(path)
         try:
             return await self.meta.symlink(parent, name, os.fsencode(target))
@@ -405,6 +424,7 @@ class AsyncClient:
             raise error(e.errno, e.strerror, p) from None
 
     async def link(self, src: str, dst: str) -> Attr:
+        """Make ``dst`` a hard link to the file ``src``."""
         attr = await self.lstat(src)
         parent, name, p = await self._parent(dst)
         try:
@@ -413,25 +433,31 @@ class AsyncClient:
             raise error(e.errno, e.strerror, p) from None
 
     async def chmod(self, path: str, mode: int) -> Attr:
+        """Set the permission bits (``mode & 0o7777``)."""
         return await self.meta.setattr((await self.stat(path)).ino, mode=mode & 0o7777)
 
     async def chown(self, path: str, uid: int, gid: int) -> Attr:
+        """Set the owner and group (-1 or None leaves one as it is)."""
         fields = {k: v for k, v in (("uid", uid), ("gid", gid)) if v is not None and v >= 0}
         return await self.meta.setattr((await self.stat(path)).ino, **fields)
 
     async def utime(self, path: str, ns: tuple[int, int] | None = None) -> Attr:
+        """Set (atime, mtime) in nanoseconds; now for both when ``ns`` is None."""
         now = time.time_ns()
         atime, mtime = ns if ns is not None else (now, now)
         return await self.meta.setattr((await self.stat(path)).ino, atime_ns=atime,
                                        mtime_ns=mtime)
 
     async def truncate(self, path: str, size: int) -> Attr:
+        """Cut or extend a file to ``size`` bytes (new bytes read as zeros)."""
         return await self.meta.setattr((await self.stat(path)).ino, size=size)
 
     async def setxattr(self, path: str, name: str, value: bytes, flags: int = 0) -> None:
+        """Set an extended attribute (``flags``: XATTR_CREATE / XATTR_REPLACE)."""
         await self.meta.setxattr((await self.stat(path)).ino, os.fsencode(name), value, flags)
 
     async def removexattr(self, path: str, name: str) -> None:
+        """Remove an extended attribute (ENODATA if it is not set)."""
         await self.meta.removexattr((await self.stat(path)).ino, os.fsencode(name))
 
     async def create(self, path: str, mode: int = 0o666, *, exclusive: bool = True) -> Attr:
@@ -475,6 +501,7 @@ class AsyncClient:
         return AsyncFile(reader, data, self.prefetcher, _path(path), mode, layout, parent)
 
     async def layout(self, path: str) -> Layout:
+        """The file's attributes and chunk records (where its bytes are stored)."""
         return await self.meta.get_layout((await self.stat(path)).ino)
 
     async def read_bytes(self, path: str) -> bytes:

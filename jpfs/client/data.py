@@ -19,6 +19,7 @@ from .storage import StorageClient
 
 
 def new_blob_id() -> bytes:
+    """A fresh random 128-bit blob id (blobs are immutable: a change is a new id)."""
     return os.urandom(16)
 
 

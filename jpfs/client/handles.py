@@ -18,6 +18,8 @@ from .writer import FileWriter
 
 @dataclass(slots=True, eq=False)
 class FileHandle:
+    """An open file: the node, what the reader opened (layout, whole small file), the writer."""
+
     node: Node
     layout: Layout | None = None
     data: memoryview | None = None
@@ -30,6 +32,8 @@ class FileHandle:
 
 @dataclass(slots=True, eq=False)
 class DirHandle:
+    """An open directory: a window of its listing, paged in as the reader moves on."""
+
     ino: int
     entries: list[tuple[bytes, Attr]] = field(default_factory=list)
     done: bool = False

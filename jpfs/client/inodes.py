@@ -23,6 +23,8 @@ from .writer import FileWriter
 
 @dataclass(slots=True, eq=False)
 class Node:
+    """One inode the kernel holds (see the module docstring)."""
+
     ino: int
     attr: Attr
     fetched: float

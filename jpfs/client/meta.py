@@ -35,8 +35,11 @@ class MetaClient:
         return await self.pool.call(shard, P.METHODS[method], list(args), **kw)
 
     async def _ask(self, shard: int, method: Method, req: tuple):
-        """Call ``method`` and decode its answer with its response record. (The hottest calls,
-        getattr, lookup and create, inline this: a coroutine frame is ~2% of a call.)"""
+        """Call ``method`` and decode its answer with its response record.
+
+        The hottest calls (getattr, lookup and create) inline this: a coroutine frame is ~2%
+        of a call.
+        """
         return method.decode(await self.pool.call(shard, method, req))
 
     async def _grouped(self, method: Method, inos: Sequence[int]) -> list:
@@ -196,7 +199,8 @@ class MetaClient:
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
                      flags: int = 0) -> tuple[Attr | None, Attr | None]:
-        """rename(2); returns both directories' attributes after it (None where unknown)."""
+        """Rename as ``rename(2)``; returns both directories' attributes after it (None where
+        unknown)."""
         got = await self._ask(shard_of(src_parent), P.RENAME,
                               P.RenameReq(src_parent, src_name, dst_parent, dst_name, flags))
         return got.src, got.dst

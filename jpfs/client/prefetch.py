@@ -88,6 +88,8 @@ class PrefetchConfig:
 
 @dataclass
 class PrefetchStats:
+    """What prefetch did: listings, scans, co-access rules, hints, read-ahead, batches."""
+
     listings: int = 0
     listing_entries: int = 0
     scan_streams: int = 0
@@ -290,7 +292,7 @@ class _Opened:
 
 
 def shape_of(path: str) -> _Opened:
-    """A path's shape (numbers replaced by ``\\0``) and its numbers."""
+    r"""A path's shape (numbers replaced by ``\0``) and its numbers."""
     base = path.rsplit("/", 1)[-1]
     stem, dot, ext = base.rpartition(".")
     cut = len(ext) + 1 if dot and stem and len(ext) <= 8 else 0
@@ -337,6 +339,7 @@ def _match(runs: list[str], run: str, k: int) -> int | None:
 
 
 def apply_rule(parts: tuple, runs: list[str]) -> str | None:
+    """The path a rule makes from a file's numbers (None if the file has too few)."""
     out = []
     for p in parts:
         if isinstance(p, int):

@@ -112,6 +112,8 @@ file); an empty file; a write open."""
 
 @dataclass
 class VFSStats:
+    """What the VFS counts: opens by how they were served, bytes, commits."""
+
     opens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPEN_OUTCOMES, 0))
     read_bytes: int = 0
     write_bytes: int = 0
@@ -367,7 +369,7 @@ class VFS:
 
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
                      flags: int) -> None:
-        """rename(2) with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2)."""
+        """Rename as ``rename(2)``, with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2)."""
         self._writable()
         src_after, dst_after = await self.meta.rename(parent_old, name_old, parent_new,
                                                       name_new, flags)
@@ -562,7 +564,8 @@ class VFS:
         return n
 
     async def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
-        """fallocate(2) modes 0 and FALLOC_FL_KEEP_SIZE (others: EOPNOTSUPP)."""
+        """Allocate as ``fallocate(2)``: modes 0 and FALLOC_FL_KEEP_SIZE (others:
+        EOPNOTSUPP)."""
         h = self._handle(fh)
         if mode & ~FALLOC_FL_KEEP_SIZE:
             raise error(errno.EOPNOTSUPP, "fallocate: only modes 0 and FALLOC_FL_KEEP_SIZE")

@@ -39,10 +39,12 @@ _BOOT_NS = time.time_ns()
 
 
 def is_control(ino: int) -> bool:
+    """Whether ``ino`` is the control directory or one of its files."""
     return ino >= CONTROL_DIR
 
 
 def attr(ino: int) -> Attr:
+    """The attributes of a control inode (owned by root; only the hint file is writable)."""
     if ino == CONTROL_DIR:
         mode, nlink = stat.S_IFDIR | 0o555, 2
     elif ino == PREFETCH:
@@ -91,6 +93,7 @@ def parse_hints(text: bytes, mountpoint: str) -> list[str]:
 
 
 def prefetch_status(pf_stats: dict, errors: list[str]) -> bytes:
+    """What reading ``.jpfs/prefetch`` shows: the hint counters, recent errors, the usage."""
     keys = ("enabled", "hint_paths", "hint_files", "hint_opened", "hint_errors", "hints_queued")
     doc = {k: pf_stats.get(k) for k in keys}
     doc["last_errors"] = errors
@@ -99,6 +102,7 @@ def prefetch_status(pf_stats: dict, errors: list[str]) -> bytes:
 
 
 def stats_json(snapshot: dict) -> bytes:
+    """``.jpfs/stats``: the mount's snapshot as indented JSON."""
     return (json.dumps(snapshot, indent=1, sort_keys=True, default=str) + "\n").encode()
 
 

@@ -139,7 +139,8 @@ class Fallocate:
         return None
 
     def _request(self, req, ino, mode, offset, length, fi) -> None:
-        """libfuse's callback, on the loop thread: answer in a task (never raise into C)."""
+        """Serve libfuse's callback, on the loop thread: answer in a task (never raise into
+        C)."""
         try:
             fh = ctypes.c_uint64.from_address(fi + _FH_OFFSET).value
             self.nursery.start_soon(self._serve, req, fh, mode, offset, length)

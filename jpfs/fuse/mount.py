@@ -95,6 +95,7 @@ class MountOptions:
 # ---- where things live -------------------------------------------------------------------------
 
 def state_dir() -> Path:
+    """Where mounts record their daemons and logs ($JPFS_STATE_DIR, default ~/.jpfs)."""
     return Path(os.environ.get("JPFS_STATE_DIR") or Path.home() / ".jpfs")
 
 
@@ -142,6 +143,7 @@ def mount_entry(mountpoint: str) -> dict | None:
 
 
 def is_jpfs_mount(mountpoint: str) -> bool:
+    """Whether a jpfs FUSE filesystem is mounted at ``mountpoint`` (the top mount)."""
     e = mount_entry(mountpoint)
     return e is not None and e["fstype"] == f"fuse.{FSNAME}"
 

@@ -107,6 +107,7 @@ class SnapshotCollector:
 
 
 def registry_for(snapshot) -> CollectorRegistry:
+    """A Prometheus registry whose every scrape takes a fresh ``snapshot()``."""
     reg = CollectorRegistry(auto_describe=False)
     reg.register(SnapshotCollector(snapshot))
     return reg
