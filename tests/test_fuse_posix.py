@@ -410,6 +410,8 @@ def test_read_only_mount(cluster, tmp_path):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             assert b'jpfs_fuse_requests_total{op="lookup"}' in r.read()
         assert (m.path / "ro-data").read_bytes() == b"frozen"
+        opts = Path("/proc/self/mounts").read_text().split(f" {m.path} ", 1)[1].split()[1]
+        assert "ro" in opts.split(","), opts  # read-only in the kernel too
         assert _errno(os.open, m.path / "ro-data", os.O_WRONLY) == errno.EROFS
         assert _errno(os.mkdir, m.path / "newdir") == errno.EROFS
         assert _errno(os.unlink, m.path / "ro-data") == errno.EROFS

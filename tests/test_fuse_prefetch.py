@@ -198,3 +198,18 @@ def test_no_prefetch_turns_it_all_off(cluster, tmp_path):
         assert s["cache"]["prefetched"] == 0 and s["prefetch"]["listings"] == 0
         m.hint([f"scan/{names[0]}"])  # hints are still checked, but not fetched
         assert m.stats()["prefetch"]["hint_files"] == 0
+
+
+def test_a_data_loader_hints_a_read_only_mount_through_its_socket(cluster, tmp_path):
+    """A --read-only mount is read-only in the kernel: ShardDataset's hints find the socket."""
+    pytest.importorskip("torch", reason="jpfs.torch (the hint sender) needs torch")
+    from jpfs.torch.readahead import mount_hint
+
+    c, src = cluster
+    names = sorted(os.listdir(src / "scan"))[::7][:40]
+    with mounted(c, tmp_path / "m", "--read-only") as m:
+        hint = mount_hint(str(m / "scan"))
+        assert hint is not None
+        hint([str(m / f"scan/{n}") for n in names])
+        m.wait_for(lambda s: s["prefetch"]["hint_paths"] == 40
+                   and s["cache"]["prefetched"] >= 40, what="hinted files fetched")

@@ -8,6 +8,9 @@
   the mount root, or ``jpfs:/...``. A write fails with EINVAL on a malformed line and ENOENT on a
   path that does not exist, and then queues nothing of that write; reading the file shows the
   queue, the counters and the last errors.
+- ``.jpfs/socket``: the path of a Unix socket that takes the same lines. A ``--read-only`` mount
+  is read-only in the kernel too (``ro``), so nothing on it can be opened for writing: hints go
+  to the socket there (``jpfs.torch`` does this by itself).
 
 The directory is not listed in the root (``find``, ``du``, ``rsync`` and ``cp -r`` never see it)
 but can always be looked up. Its inode numbers sit at the very top of the 64-bit range, where no
@@ -30,7 +33,9 @@ CONTROL_DIR = (1 << 64) - 256
 STATS = CONTROL_DIR + 1
 METRICS = CONTROL_DIR + 2
 PREFETCH = CONTROL_DIR + 3
-FILES: dict[bytes, int] = {b"stats": STATS, b"metrics": METRICS, b"prefetch": PREFETCH}
+SOCKET = CONTROL_DIR + 4
+FILES: dict[bytes, int] = {b"stats": STATS, b"metrics": METRICS, b"prefetch": PREFETCH,
+                           b"socket": SOCKET}
 MAX_LINE = 4096
 USAGE = ("write paths to this file, one per line, in the order they will be read: absolute under "
          "the mount point, relative to the mount root, or jpfs:/...")

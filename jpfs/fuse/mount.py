@@ -35,6 +35,7 @@ from .. import config
 from ..client.cache import BlobCache
 from ..client.vfs import VFS, VFSConfig
 from ..errors import error
+from . import hints
 from .lowlevel import Fallocate
 from .notifier import KernelNotifier
 from .operations import FuseConfig, Operations
@@ -230,11 +231,17 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
                 read_only=opts.read_only, attr_timeout=attr_t, entry_timeout=entry_t,
                 open_cache=opts.open_cache, small_file=small, notify_store=opts.notify_store),
                 KernelNotifier(), prefetch=opts.prefetch)
+            sock = hints.socket_path(state_dir(), mp)
+            if len(sock) > hints.MAX_PATH:
+                sock = ""
             ops = Operations(vfs, FuseConfig(mountpoint=mp, entry_timeout=entry_t,
-                                             attr_timeout=attr_t, negative_timeout=neg_t))
+                                             attr_timeout=attr_t, negative_timeout=neg_t),
+                             hint_socket=sock)
             fuse_options = {f"fsname={FSNAME}", f"subtype={FSNAME}", "default_permissions"}
             if opts.allow_other:
                 fuse_options.add("allow_other")
+            if opts.read_only:
+                fuse_options.add("ro")  # hints still arrive, on the socket
             await _serve_mounted(ops, mp, opts, fuse_options, nursery, cache_dir, ready)
         finally:
             if vfs is not None:
@@ -276,6 +283,8 @@ async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_opti
                                   "log_file": opts.log_file, "cache_dir": str(cache_dir),
                                   "started": time.time()}))
         nursery.start_soon(_on_signals, ops)
+        if ops.hint_socket:
+            await nursery.start(hints.serve, ops.hint_socket, ops.submit_hints)
         if opts.metrics:
             _serve_metrics(ops, opts.metrics)
         log.info("mounted %s at %s (%s, prefetch %s)", ops.vfs.client.cluster.path, mp,

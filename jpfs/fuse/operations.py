@@ -102,7 +102,7 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, vfs: VFS, config: FuseConfig):
+    def __init__(self, vfs: VFS, config: FuseConfig, hint_socket: str = ""):
         super().__init__()
         self.vfs = vfs
         self.config = config
@@ -111,6 +111,8 @@ class Operations(pyfuse3.Operations):
         self.registry = registry_for(self.snapshot)
         self.initialized = trio.Event()
         """Set when the kernel's INIT has been answered (its settings then apply)."""
+        self.hint_socket = hint_socket
+        """The Unix socket that takes prefetch hints ("" when there is none)."""
         self._controls: dict[int, ControlHandle] = {}
         self._next_control = CONTROL_FH
 
@@ -484,6 +486,8 @@ class Operations(pyfuse3.Operations):
             content = control.stats_json(self.snapshot())
         elif inode == control.METRICS:
             content = generate_latest(self.registry)
+        elif inode == control.SOCKET:
+            content = (self.hint_socket + "\n").encode() if self.hint_socket else b""
         else:
             content = control.prefetch_status(self.vfs.prefetcher.as_dict(),
                                               list(self.hint_errors))
@@ -509,6 +513,11 @@ class Operations(pyfuse3.Operations):
                            ) -> None:
         if not keep_pending and h.pending is not None:
             h.pending.clear()
+        await self.submit_hints(text)
+
+    async def submit_hints(self, text: bytes) -> None:
+        """Queue the paths of complete hint lines (the control file's and the socket's);
+        JPFSError, recorded for ``.jpfs/prefetch`` to show, if one is bad."""
         try:
             paths = control.parse_hints(text, self.config.mountpoint)
             await self.vfs.prefetcher.hint(paths)

@@ -10,8 +10,10 @@ the consumer is blocked on is always fetched, so one shard larger than the budge
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable, Sequence
 
@@ -21,6 +23,7 @@ from .store import BytesLike, Store
 log = logging.getLogger(__name__)
 
 HINT_FILE = os.path.join(".jpfs", "prefetch")  # the mount's control file (jpfs/fuse/control.py)
+SOCKET_FILE = os.path.join(".jpfs", "socket")  # names the hint socket (read-only mounts)
 
 
 class ReadAhead:
@@ -167,7 +170,9 @@ def mount_hint(root: str) -> Callable[[list[str]], None] | None:
     """A hint function for a path inside a JPFS mount that offers a prefetch control file.
 
     Looks for ``.jpfs/prefetch`` at the mount root (walking up from ``root``); writing paths to
-    it, one per line, asks the mount to fetch them ahead. None when there is no such file.
+    it, one per line, asks the mount to fetch them ahead. On a read-only mount (the kernel
+    refuses every write there) the same lines go to the Unix socket named by ``.jpfs/socket``.
+    None when there is no such file.
     """
     if "://" in root:
         return None
@@ -181,15 +186,43 @@ def mount_hint(root: str) -> Callable[[list[str]], None] | None:
             return None
         d = parent
     sent: set[str] = set()
+    conn: dict[int, socket.socket] = {}  # by pid: DataLoader workers fork
+
+    def to_socket(text: bytes) -> None:
+        s = conn.get(os.getpid())
+        if s is None:
+            with open(os.path.join(d, SOCKET_FILE)) as f:
+                where = f.read().strip()
+            if not where:
+                raise OSError(errno.EROFS, "read-only mount without a hint socket")
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(where)
+            conn.clear()
+            conn[os.getpid()] = s
+        try:
+            s.sendall(text)
+        except OSError:
+            conn.pop(os.getpid(), None)
+            s.close()
+            raise
 
     def hint(paths: list[str]) -> None:
         new = [p for p in paths if p not in sent]
         if not new:
             return
         sent.update(new)
+        text = "".join(p + "\n" for p in new)
         try:
-            with open(candidate, "a") as f:
-                f.write("".join(p + "\n" for p in new))
+            if os.getpid() in conn:
+                to_socket(text.encode())
+                return
+            try:
+                with open(candidate, "a") as f:
+                    f.write(text)
+            except OSError as e:
+                if e.errno != errno.EROFS:
+                    raise
+                to_socket(text.encode())
         except OSError as e:
             log.debug("prefetch hint to %s failed: %s", candidate, e)
 
