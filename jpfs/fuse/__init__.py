@@ -1,10 +1,13 @@
 """The per-node FUSE mount: unchanged programs read (and write) JPFS as a local tree.
 
-- ``operations``: pyfuse3 Operations over the client (the one place errors become FUSEError)
-- ``inodes``, ``handles``: what the mount knows about the kernel's inodes and open files
-- ``control``: the ``.jpfs`` directory (stats, metrics, prefetch hints)
-- ``stats``: request and open counters, Prometheus families
-- ``mount``: serving, background start, unmount
+A thin layer over ``jpfs.client.vfs`` (the inode-level filesystem, where every decision is):
 
-Caching and prefetch live in ``jpfs.client.cache`` and ``jpfs.client.prefetch``.
+- ``operations``: pyfuse3 Operations: translate, call the VFS, translate back; the one place
+  errors become FUSEError; the ``.jpfs`` control files
+- ``notifier``: how the VFS reaches the kernel's caches (notify_store, invalidation)
+- ``lowlevel``: FALLOCATE, served through libfuse's operations table (pyfuse3 lacks it)
+- ``control``: the ``.jpfs`` directory (stats, metrics, prefetch hints)
+- ``hints``: the prefetch-hint socket of read-only mounts
+- ``stats``: request counters, Prometheus families
+- ``mount``: serving, background start, unmount
 """
