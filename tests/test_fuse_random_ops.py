@@ -68,6 +68,16 @@ class Pair:
         return a
 
 
+def _copy(src: int, dst: int, n: int, src_off: int, dst_off: int) -> None:
+    """copy_file_range until ``n`` bytes are copied or the source ends."""
+    done = 0
+    while done < n:
+        k = os.copy_file_range(src, dst, n - done, src_off + done, dst_off + done)
+        if k == 0:
+            return
+        done += k
+
+
 def _step(pair: Pair, src: Pair, rng: random.Random, log: list[str]) -> None:
     size = pair.size()
     op = rng.choices(["write", "read", "truncate", "mmap_read", "mmap_write", "copy",
@@ -107,23 +117,13 @@ def _step(pair: Pair, src: Pair, rng: random.Random, log: list[str]) -> None:
         if ssize:
             soff = rng.randrange(ssize)
             for s_fd, d_fd in zip(src.fds, pair.fds, strict=True):
-                done = 0
-                while done < n:
-                    k = os.copy_file_range(s_fd, d_fd, n - done, soff + done, off + done)
-                    if k == 0:
-                        break
-                    done += k
+                _copy(s_fd, d_fd, n, soff, off)
     elif op == "copy_self" and size:
         soff = rng.randrange(size)
         k = min(n, size - soff)
         if soff + k <= off or off + k <= soff:  # ranges must not overlap (EINVAL)
             for fd in pair.fds:
-                done = 0
-                while done < k:
-                    got = os.copy_file_range(fd, fd, k - done, soff + done, off + done)
-                    if got == 0:
-                        break
-                    done += got
+                _copy(fd, fd, k, soff, off)
     elif op == "fallocate":
         mode = rng.choice([0, 1])  # 0 or FALLOC_FL_KEEP_SIZE
         pair.both(lambda fd: _fallocate(fd, mode, off, n))
