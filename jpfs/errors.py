@@ -74,9 +74,10 @@ class ChecksumError(JPFSError):
 _BY_NAME = {name: value for value, name in _errno.errorcode.items()}
 
 
-def errno_name(err: int) -> str:
-    """The symbolic name of an errno (``ENOENT``), which is what travels on the wire."""
-    return _errno.errorcode.get(err, "EIO")
+def errno_name(err: int | None) -> str:
+    """The symbolic name of an errno (``ENOENT``), which is what travels on the wire; ``EIO`` for
+    an unknown one or none (an ``OSError`` made without an errno has ``errno`` None)."""
+    return _errno.errorcode.get(err, "EIO") if err is not None else "EIO"
 
 
 def from_name(name: str, message: str | None = None) -> JPFSError:

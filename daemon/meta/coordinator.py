@@ -19,12 +19,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
 from jpfs.errors import JPFSError, Unavailable, error
 from jpfs.proto import meta as P
-from jpfs.rpc import Pool
+from jpfs.rpc import Method, Pool
 
 from ..common import fault_point
 from . import keys as K
@@ -63,7 +65,7 @@ def _prepared(t: Txn) -> list[tuple[bytes, dict]]:
 class Coordinator:
     """Applies op plans for one shard and serves the participant side of 2PC."""
 
-    def __init__(self, store: Store, peers: Pool | None):
+    def __init__(self, store: Store, peers: Pool):
         self.store = store
         self.shard = store.shard
         self.peers = peers
@@ -121,9 +123,11 @@ class Coordinator:
         return created
 
     async def _participant(self, shard: int, step: str, txid: bytes, plan_ops=None):
-        method, local = {"prepare": (P.TX_PREPARE, self.tx_prepare),
-                         "commit": (P.TX_COMMIT, self.tx_commit),
-                         "abort": (P.TX_ABORT, self.tx_abort)}[step]
+        steps: dict[str, tuple[Method, Callable[..., Awaitable[Any]]]] = {
+            "prepare": (P.TX_PREPARE, self.tx_prepare),
+            "commit": (P.TX_COMMIT, self.tx_commit),
+            "abort": (P.TX_ABORT, self.tx_abort)}
+        method, local = steps[step]
         args = [txid, self.shard, plan_ops] if step == "prepare" else [txid]
         if shard == self.shard:
             return await local(*args)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -40,7 +41,7 @@ def dentry_prefix(parent: int) -> bytes:
     return U64.pack(parent)
 
 
-def split_dentry_key(key: bytes) -> tuple[int, bytes]:
+def split_dentry_key(key: bytes | memoryview) -> tuple[int, bytes]:
     return U64.unpack_from(key)[0], bytes(key[8:])
 
 
@@ -48,7 +49,7 @@ def dentry_value(ino: int, kind: int) -> bytes:
     return DENTRY_VALUE.pack(ino, kind)
 
 
-def split_dentry_value(value: bytes) -> tuple[int, int]:
+def split_dentry_value(value: bytes | memoryview) -> tuple[int, int]:
     return DENTRY_VALUE.unpack(value)
 
 
@@ -56,7 +57,7 @@ def chunk_key(ino: int, index: int) -> bytes:
     return U64.pack(ino) + U64.pack(index)
 
 
-def split_chunk_key(key: bytes) -> tuple[int, int]:
+def split_chunk_key(key: bytes | memoryview) -> tuple[int, int]:
     return U64.unpack_from(key)[0], U64.unpack_from(key, 8)[0]
 
 
@@ -78,11 +79,13 @@ def lock_inode(ino: int) -> bytes:
     return b"i" + U64.pack(ino)
 
 
-def pack(obj) -> bytes:
+def pack(obj: object) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(data) -> object:
+def unpack(data: bytes | memoryview) -> Any:
+    """Decode a msgpack record. ``Any``: its shape is the one the database it came from holds
+    (this module's docstring), which the caller knows and msgpack cannot say."""
     return msgpack.unpackb(data, raw=False, use_list=True)
 
 
@@ -111,7 +114,7 @@ class Inode:
                      self.target])
 
     @classmethod
-    def decode(cls, ino: int, data) -> Inode:
+    def decode(cls, ino: int, data: bytes | memoryview) -> Inode:
         return cls(ino, *unpack(data))
 
     def attr(self) -> Attr:
@@ -123,6 +126,6 @@ def encode_chunk(c: Chunk) -> bytes:
     return pack([c.blob, list(c.nodes), c.length, c.blob_len, c.xxh])
 
 
-def decode_chunk(ino_index: tuple[int, int], data) -> Chunk:
+def decode_chunk(ino_index: tuple[int, int], data: bytes | memoryview) -> Chunk:
     blob, nodes, length, blob_len, xxh = unpack(data)
     return Chunk(ino_index[1], blob, tuple(nodes), length, blob_len, xxh)

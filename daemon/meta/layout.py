@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import stat
 
-from jpfs.errors import error
+from jpfs.errors import errno_name, error
 from jpfs.placement import shard_of
 from jpfs.proto.meta import check_name
 from jpfs.types import Chunk
@@ -54,8 +54,10 @@ def batch_layout(t: Txn, inos: list, chunk_size: int) -> list:
     out = []
     for ino in inos:
         node = t.inode(ino)
-        ok = node is not None and not stat.S_ISDIR(node.mode)
-        out.append(_layout(t, node, chunk_size) if ok else None)
+        if node is None or stat.S_ISDIR(node.mode):
+            out.append(None)
+        else:
+            out.append(_layout(t, node, chunk_size))
     return out
 
 
@@ -149,7 +151,7 @@ def bulk_create(t: Txn, parent: int, entries: list, replace: bool, chunk_size: i
                 t.t.put(K.chunk_key(node.ino, c.index), K.encode_chunk(c), db=t.db["chunk"])
             out.append(node.attr().to_wire())
         except OSError as err:
-            out.append(errno.errorcode.get(err.errno, "EIO"))
+            out.append(errno_name(err.errno))
         except (TypeError, ValueError):
             out.append("EINVAL")
     touch(t, pdir)

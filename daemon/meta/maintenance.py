@@ -56,8 +56,9 @@ def pending(t: Txn) -> dict:
     return {"intents": intents, "prepared": prepared}
 
 
-def repair(t: Txn, kind: str, args: list) -> bool:
-    """Apply one fsck fix; False when the state is no longer what fsck saw."""
+def repair(t: Txn, kind: str, args: list) -> bool | int:
+    """Apply one fsck fix; False when the state is no longer what fsck saw. ``make_dir``
+    answers the directory's ino instead (the one it made, or the one already there)."""
     if kind == "drop_dentry":
         parent, name, ino = args
         d = t.dentry(parent, name, lock=False)

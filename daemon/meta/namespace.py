@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import stat
 
-from jpfs.errors import error
+from jpfs.errors import errno_name, error
 from jpfs.placement import shard_of
 from jpfs.proto.meta import XATTR_CREATE, XATTR_REPLACE, check_name
 
@@ -63,7 +63,7 @@ def each_name(t: Txn, parent: int, names: list, answer) -> list:
             d = t.dentry(parent, name)
             out.append(answer(*d) if d else "ENOENT")
         except OSError as e:
-            out.append(errno.errorcode.get(e.errno, "EIO"))
+            out.append(errno_name(e.errno))
     return out
 
 

@@ -14,6 +14,8 @@ import logging
 import os
 import stat
 import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
@@ -72,15 +74,16 @@ def _getparent(t: Txn, ino: int) -> int:
 class MetaShard:
     """One shard's handlers for the methods of ``jpfs.proto.meta`` (see ``handlers``)."""
 
-    def __init__(self, store: Store, peers: Pool | None, chunk_size: int):
+    def __init__(self, store: Store, peers: Pool, chunk_size: int):
         self.store = store
         self.shard = store.shard
         self.n_shards = store.n_shards
         self.peers = peers
         self.coord = Coordinator(store, peers)
         self.chunk_size = chunk_size
-        self._local = {P.LOOKUP: self.lookup, P.GETATTR: self.getattr, P.GETPARENT: self.getparent,
-                       P.RENAME_LOCK: self.rename_lock, P.RENAME_UNLOCK: self.rename_unlock}
+        self._local: dict[Method, Callable[..., Awaitable[Any]]] = {
+            P.LOOKUP: self.lookup, P.GETATTR: self.getattr, P.GETPARENT: self.getparent,
+            P.RENAME_LOCK: self.rename_lock, P.RENAME_UNLOCK: self.rename_unlock}
         """Async handlers of the methods this shard calls on itself (``_call``)."""
 
     def _mine(self, ino: int) -> int:
@@ -451,7 +454,7 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from jpfs_daemon import common
+    from .. import common
 
     p = common.parser("meta", "Serve one metadata shard of a JPFS cluster (LMDB over TCP).")
     p.add_argument("--no-sync", action="store_true",

@@ -209,9 +209,10 @@ class Store:
     async def write(self, fn: Callable, *args):
         """Run ``fn(txn, *args)`` in the next group commit; returns its result once durable."""
         while True:
-            slot = _Slot(fn, args, done=trio.Event())
+            done = trio.Event()
+            slot = _Slot(fn, args, done=done)
             self._send.send_nowait(slot)
-            await slot.done.wait()
+            await done.wait()
             if isinstance(slot.exc, Locked):
                 await self.wait_resolved(slot.exc.txid)
                 continue
@@ -246,7 +247,8 @@ class Store:
                     self._dirty.set()
                 for slot in batch:
                     if slot.later is not None and isinstance(slot.exc, Locked):
-                        waiters.start_soon(self._requeue_when_resolved, slot)
+                        waiters.start_soon(self._requeue_when_resolved, slot, slot.later,
+                                           slot.exc)
                     elif self.durable and (slot.later is None or self.ack_after_sync):
                         self._pending.append((self._committed, slot))
                     else:
@@ -278,7 +280,8 @@ class Store:
 
     def _answer(self, slot: _Slot) -> None:
         if slot.later is None:
-            slot.done.set()  # type: ignore[union-attr]
+            if slot.done is not None:  # a slot has one of the two (write, write_later)
+                slot.done.set()
             return
         try:
             slot.later.settle(slot.result, slot.exc)
@@ -294,12 +297,13 @@ class Store:
             await ev.wait()
         return self._synced
 
-    async def _requeue_when_resolved(self, slot: _Slot) -> None:
-        """Run a ``write_later`` operation again once the transaction that held it resolves."""
+    async def _requeue_when_resolved(self, slot: _Slot, later: Later, held: Locked) -> None:
+        """Run a ``write_later`` operation (``slot``, answered by ``later``) again once the
+        transaction that held it (``held``, its error) resolves."""
         try:
-            await self.wait_resolved(slot.exc.txid)
+            await self.wait_resolved(held.txid)
         except Exception as e:  # noqa: BLE001 - the caller is told; the committer lives on
-            slot.later.settle(None, e)
+            later.settle(None, e)
             return
         slot.result = slot.exc = None
         self._send.send_nowait(slot)
