@@ -51,7 +51,7 @@ def get_layout(t: Txn, ino: int, chunk_size: int) -> list:
 
 def batch_layout(t: Txn, inos: list, chunk_size: int) -> list:
     """Layouts of many files in one read (None where an inode does not exist or is a dir)."""
-    out = []
+    out: list[list | None] = []
     for ino in inos:
         node = t.inode(ino)
         if node is None or stat.S_ISDIR(node.mode):
