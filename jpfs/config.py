@@ -6,6 +6,7 @@ name = "jpfs"
 secret_file = "secret"        # relative paths are relative to this file
 replicas = 1
 chunk_size = "4MiB"
+peer_timeout = 1.5            # seconds a client waits for a daemon that does not answer
 
 [[meta]]                       # one table per metadata shard, in shard order
 address = "127.0.0.1:7301"
@@ -32,6 +33,9 @@ from pathlib import Path
 import tomli_w
 
 DEFAULT_CHUNK_SIZE = 4 << 20
+DEFAULT_PEER_TIMEOUT = 1.5
+"""Seconds a client gives a daemon that does not answer (connect, handshake, a call that hears
+nothing at all) before it fails over or gives up. A refused connection is not waited on."""
 ENV_CLUSTER = "JPFS_CLUSTER"
 DEFAULT_CLUSTER_PATHS = (
     "./jpfs-cluster/cluster.toml", "~/.jpfs/cluster.toml", "/etc/jpfs/cluster.toml"
@@ -94,6 +98,8 @@ class Cluster:
     name: str = "jpfs"
     path: Path | None = None
     secret_file: str = "secret"
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT
+    """Seconds to wait for a silent daemon (see ``DEFAULT_PEER_TIMEOUT``)."""
 
     @property
     def n_shards(self) -> int:
@@ -116,6 +122,8 @@ class Cluster:
                 "secret_file": self.secret_file,
                 "replicas": self.replicas,
                 "chunk_size": self.chunk_size,
+                **({"peer_timeout": self.peer_timeout}
+                   if self.peer_timeout != DEFAULT_PEER_TIMEOUT else {}),
             },
             "meta": [_server_table(s) for s in self.meta],
             "storage": [_server_table(s) for s in self.storage],
@@ -156,6 +164,10 @@ def load(path: str | os.PathLike | None = None) -> Cluster:
         raise ValueError(f"{p}: replicas must be at least 1")
     if storage and replicas > len(storage):
         raise ValueError(f"{p}: replicas = {replicas} but only {len(storage)} storage nodes")
+    peer_timeout = float(c.get("peer_timeout", DEFAULT_PEER_TIMEOUT))
+    if not 0 < peer_timeout <= 3600:
+        raise ValueError(f"{p}: cluster.peer_timeout must be between 0 and 3600 seconds, not "
+                         f"{c['peer_timeout']!r}")
     return Cluster(
         meta=meta,
         storage=storage,
@@ -165,11 +177,13 @@ def load(path: str | os.PathLike | None = None) -> Cluster:
         name=str(c.get("name", "jpfs")),
         path=p.resolve(),
         secret_file=secret_file,
+        peer_timeout=peer_timeout,
     )
 
 
 _CLUSTER_KEYS: dict[str, tuple[type, ...]] = {
     "name": (str,), "secret_file": (str,), "replicas": (int,), "chunk_size": (int, str),
+    "peer_timeout": (float, int),
 }
 _SERVER_KEYS = ("address", "data", "metrics")
 _KIND = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",

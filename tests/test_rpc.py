@@ -393,7 +393,9 @@ async def test_reconnects_after_restart_and_retries_idempotent(nursery):
                         task_status=task_status)
 
     await nursery.start(run_server)
-    p = Pool(nursery, [f"127.0.0.1:{port}"], SECRET, role="test", retry_for=10)
+    # refused connections fail at once by default; a caller may choose to ride out a restart
+    p = Pool(nursery, [f"127.0.0.1:{port}"], SECRET, role="test", retry_for=10,
+             refused_retry_for=10)
     assert await p.call(0, METHODS["add"], [1, 2]) == 3
     scope.cancel()
     await trio.sleep(0.05)

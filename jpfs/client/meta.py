@@ -21,11 +21,17 @@ from ..types import Attr, DirEntry, Layout
 
 
 class MetaClient:
-    """Async access to every metadata shard of a cluster."""
+    """Async access to every metadata shard of a cluster.
+
+    ``pool_options`` go to the ``Pool``; ``peer_timeout`` (how long a shard that does not answer
+    is given) defaults to the cluster file's. A shard that refuses the connection fails the
+    call at once, with an error naming the shard.
+    """
 
     def __init__(self, nursery: trio.Nursery, cluster: Cluster, **pool_options):
         self.cluster = cluster
         self.n_shards = cluster.n_shards
+        pool_options.setdefault("peer_timeout", cluster.peer_timeout)
         self.pool = Pool(nursery, [s.address for s in cluster.meta], cluster.secret, role="meta",
                          **pool_options)
 

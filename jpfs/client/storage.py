@@ -3,7 +3,9 @@
 Every call is batched per node (one request carries many blobs, bounded in bytes) and all nodes
 are asked in parallel. Reads verify every blob's xxh3-64 end to end and fail over to another
 replica on a dead node, a missing blob or a checksum mismatch; only when no replica has good bytes
-does a read fail, with an error naming the blob. Nodes that just failed are remembered for a few
+does a read fail, with an error naming the chunk, the nodes and why each failed. A node that
+refuses the connection is not waited on (the next replica is asked at once); one that does not
+answer gets the cluster's ``peer_timeout``. Nodes that just failed are remembered for a few
 seconds, so reads go straight to a replica instead of waiting on a dead node each time.
 
 Writes store each blob on R live nodes: the preferred nodes given by the caller
@@ -49,8 +51,11 @@ class StorageClient:
         down_for: how long (seconds) a node that failed is tried last.
         read_retry_for: how long a read waits for an unreachable node when another replica
             could serve it instead.
-        retry_for: how long a call waits for an unreachable node when nothing else can serve it.
+        retry_for: how long a call waits for an unreachable node when nothing else can serve it
+            (default: the cluster's ``peer_timeout``; a refused connection is never waited on).
         timeout: the deadline of one call, retries included.
+        peer_timeout: how long a node that does not answer at all is given (default: the
+            cluster file's ``cluster.peer_timeout``).
     """
 
     def __init__(
@@ -64,21 +69,23 @@ class StorageClient:
         down_for: float = 3.0,
         read_retry_for: float = 0.2,
         write_retry_for: float = 1.0,
-        retry_for: float = 10.0,
+        retry_for: float | None = None,
         timeout: float = 60.0,
+        peer_timeout: float | None = None,
     ):
         self.cluster = cluster
         self.n_nodes = cluster.n_nodes
         self.pool = Pool(
             nursery, [s.address for s in cluster.storage], cluster.secret, role="storage",
             connections_per_server=connections_per_node, retry_for=retry_for, timeout=timeout,
+            peer_timeout=cluster.peer_timeout if peer_timeout is None else peer_timeout,
         )
         self.batch_bytes = max(1, batch_bytes)
         self.batch_blobs = max(1, min(batch_blobs, P.MAX_BATCH_BLOBS))
         self.down_for = down_for
         self.read_retry_for = read_retry_for
         self.write_retry_for = write_retry_for
-        self.retry_for = retry_for
+        self.retry_for = self.pool.retry_for
         self._down_until: dict[int, float] = {}
 
     def close(self) -> None:
@@ -97,8 +104,7 @@ class StorageClient:
 
     def _mark_down(self, node: int, why: JPFSError) -> None:
         if not self.is_down(node):
-            log.warning("storage node %d (%s) is down: %s", node, self.pool.addresses[node],
-                        why.strerror)
+            log.warning("%s is down: %s", self.pool.name(node), why.strerror)
         self._down_until[node] = trio.current_time() + self.down_for
 
     def _down_now(self) -> frozenset[int]:
@@ -198,12 +204,12 @@ class StorageClient:
         except (Unavailable, DeadlineError) as e:
             self._mark_down(node, e)
             for i in batch:
-                failures[i].append(f"node {node}: {e.strerror}")
+                failures[i].append(e.strerror)  # names the node
                 unreachable[i] += 1
             return
         except JPFSError as e:
             for i in batch:
-                failures[i].append(f"node {node}: {e.strerror}")
+                failures[i].append(f"{self.pool.name(node)}: {e.strerror}")
             return
         try:
             statuses = P.GET_BLOBS.decode(statuses)
@@ -211,7 +217,7 @@ class StorageClient:
             statuses = None
         if statuses is None or len(statuses) != len(batch):
             for i in batch:
-                failures[i].append(f"node {node}: malformed answer")
+                failures[i].append(f"{self.pool.name(node)}: malformed answer")
             return
         found = P.BlobStatuses.found
         views = None
@@ -245,13 +251,14 @@ class StorageClient:
         for s, i, view in zip(statuses, batch, views, strict=True):
             c = chunks[i]
             if view is None:
-                failures[i].append(f"node {node}: {s if isinstance(s, str) else 'bad status'}")
+                failures[i].append(f"{self.pool.name(node)}: "
+                                   f"{s if isinstance(s, str) else 'bad status'}")
                 continue
             xxh = sums[k]
             k += 1
             if len(view) != c.blob_len or xxh != c.xxh:
                 corrupt[i] = True
-                failures[i].append(f"node {node}: checksum mismatch ({len(view)} bytes, "
+                failures[i].append(f"{self.pool.name(node)}: checksum mismatch ({len(view)} bytes, "
                                    f"xxh {xxh:016x}, expected {c.blob_len} bytes, "
                                    f"xxh {c.xxh:016x})")
                 log.error("blob %s on storage node %d fails its checksum; trying another "
@@ -341,15 +348,15 @@ class StorageClient:
         except (Unavailable, DeadlineError) as e:
             self._mark_down(node, e)
             for i in batch:
-                failures[i].append(f"node {node}: {e.strerror}")
+                failures[i].append(e.strerror)  # names the node
             return
         except JPFSError as e:
             if e.errno not in _TRANSIENT:
                 fatal.append(e)
                 return
-            log.warning("storage node %d refused a put: %s", node, e.strerror)
+            log.warning("%s refused a put: %s", self.pool.name(node), e.strerror)
             for i in batch:
-                failures[i].append(f"node {node}: {e.strerror}")
+                failures[i].append(f"{self.pool.name(node)}: {e.strerror}")
             return
         for i in batch:
             stored[i].append(node)
@@ -383,7 +390,7 @@ class StorageClient:
                     nursery.start_soon(one, node, ids[k:k + P.MAX_BATCH_BLOBS])
         if failed:
             raise Unavailable("delete: storage nodes unreachable: " + "; ".join(
-                f"node {x}: {why}" for x, why in sorted(failed.items())))
+                why for _, why in sorted(failed.items())))
 
     async def list_blobs(
         self, node: int, after: bytes = b"", limit: int = 10000
@@ -410,9 +417,15 @@ def _hash_all(views: Sequence[memoryview]) -> list[int]:
 
 
 def _read_error(chunk: Chunk, failures: list[str], corrupt: bool, all_down: bool) -> JPFSError:
-    what = f"blob {P.blob_name(chunk.blob)} (chunk {chunk.index}): " + "; ".join(failures)
+    """Why chunk ``chunk`` could not be read, naming each replica's node and its answer (the
+    path is added by the layers that know it)."""
+    why = "; ".join(failures)
+    blob = f"(blob {P.blob_name(chunk.blob)})"
     if corrupt:
-        return ChecksumError(f"no replica has good bytes of {what}")
+        return ChecksumError(f"chunk {chunk.index}: no replica has good bytes: {why} {blob}")
     if all_down:
-        return Unavailable(f"no replica reachable for {what}")
-    return error(errno.EIO, f"no replica could serve {what}")
+        if len(set(chunk.nodes)) == 1:
+            return Unavailable(f"chunk {chunk.index}: {why}, and no other replica holds it "
+                               f"{blob}")
+        return Unavailable(f"chunk {chunk.index}: no replica reachable: {why} {blob}")
+    return error(errno.EIO, f"chunk {chunk.index}: no replica could serve it: {why} {blob}")

@@ -4,6 +4,11 @@ A ``Connection`` sends requests with fresh ids and a single reader task matches 
 callers, so one TCP connection carries many calls in flight. A ``Pool`` keeps connections to a
 list of servers, reconnects after a server restart, and retries calls that are safe to repeat
 (idempotent methods, or any call that never left this host).
+
+Failures are answered quickly: a refused connection is an answer (nothing listens there), so it
+fails the call at once, and the caller (the storage client) tries another replica; a peer that
+does not answer at all is given ``peer_timeout`` seconds (the cluster file's
+``cluster.peer_timeout``), retries included. Errors name the server by role and index.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..config import parse_address
+from ..config import DEFAULT_PEER_TIMEOUT, parse_address
 from ..errors import DeadlineError, JPFSError, ProtocolError, Unavailable, error
 from . import frame as F
 from .auth import HANDSHAKE_TIMEOUT, client_handshake
@@ -29,8 +34,21 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 60.0
 """Per-call deadline when the caller gives none."""
 
-DEFAULT_RETRY_FOR = 15.0
-"""How long a call keeps retrying an unreachable server before giving up."""
+DEFAULT_RETRY_FOR = DEFAULT_PEER_TIMEOUT
+"""How long a call keeps retrying an unreachable (not refusing) server before giving up."""
+
+ROLE_NAMES = {"meta": "metadata shard", "storage": "storage node"}
+"""How errors name a server of each role (``metadata shard 1 (127.0.0.1:7301)``)."""
+
+
+class Refused(Unavailable):
+    """The server's host answered that nothing listens on its port (ECONNREFUSED): the daemon
+    is not running there. Never retried: another replica is tried, or the call fails."""
+
+
+class Silent(Unavailable):
+    """The server did not answer within the deadline (connect, handshake or a liveness probe):
+    a hung daemon, or a host that is gone."""
 
 _SEND_TIMEOUT = 60.0
 
@@ -241,7 +259,7 @@ async def connect(
     sock = _socket.socket(family, _socket.SOCK_STREAM)
     sock.setblocking(False)
     try:
-        with trio.fail_after(timeout):
+        with trio.fail_after(max(timeout, 0.001)):
             err = sock.connect_ex((host, port))
             if err in (errno.EINPROGRESS, errno.EAGAIN):
                 await trio.lowlevel.wait_writable(sock)
@@ -254,7 +272,7 @@ async def connect(
                 role = await client_handshake(fs, secret)
     except trio.TooSlowError:
         _close(sock)
-        raise Unavailable(f"connecting to {address} timed out") from None
+        raise Silent(f"{address} did not answer within {timeout:.3g} s") from None
     except EOFError:
         _close(sock)
         raise Unavailable(f"{address} closed the connection during the handshake") from None
@@ -262,6 +280,8 @@ async def connect(
         _close(sock)
         if isinstance(e, JPFSError):
             raise
+        if e.errno == errno.ECONNREFUSED:
+            raise Refused(f"{address} refused the connection") from None
         raise Unavailable(f"cannot connect to {address}: {e.strerror or e}") from None
     except BaseException:
         _close(sock)
@@ -285,7 +305,10 @@ class Pool:
 
     Calls name a server by index. A broken connection is replaced on the next call; a call that
     fails because the server is unreachable is retried with backoff for ``retry_for`` seconds when
-    that is safe: always if the request never left, and for idempotent methods otherwise.
+    that is safe: always if the request never left, and for idempotent methods otherwise. A
+    refused connection is not retried (the daemon is not running); a connection attempt gets
+    ``peer_timeout`` seconds at most, and ``retry_for`` defaults to it. ``refused_retry_for``
+    (default 0) is for callers that would rather ride out a restart than answer at once.
     """
 
     def __init__(
@@ -297,8 +320,10 @@ class Pool:
         role: str,
         limits: F.Limits = F.Limits(),
         connections_per_server: int = 1,
-        retry_for: float = DEFAULT_RETRY_FOR,
+        retry_for: float | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+        refused_retry_for: float = 0.0,
     ):
         self.nursery = nursery
         self.addresses = list(addresses)
@@ -306,7 +331,9 @@ class Pool:
         self.role = role
         self.limits = limits
         self.per_server = connections_per_server
-        self.retry_for = retry_for
+        self.peer_timeout = peer_timeout
+        self.retry_for = peer_timeout if retry_for is None else retry_for
+        self.refused_retry_for = refused_retry_for
         self.timeout = timeout
         self._conns: list[list[Connection]] = [[] for _ in addresses]
         self._locks = [trio.Lock() for _ in addresses]
@@ -315,21 +342,45 @@ class Pool:
     def __len__(self) -> int:
         return len(self.addresses)
 
-    async def _connection(self, index: int) -> Connection:
+    def name(self, index: int) -> str:
+        """How errors name server ``index``: ``storage node 1 (127.0.0.1:7402)``."""
+        role = ROLE_NAMES.get(self.role, f"{self.role} server")
+        return f"{role} {index} ({self.addresses[index]})"
+
+    async def _connection(self, index: int, give_up: float) -> Connection:
         conns = self._conns[index]
         live = [c for c in conns if c.alive]
         if len(live) != len(conns):
             self._conns[index] = conns = live
         if len(conns) >= self.per_server:
             return min(conns, key=lambda c: c.in_flight)
-        async with self._locks[index]:
-            conns = self._conns[index] = [c for c in self._conns[index] if c.alive]
-            if len(conns) < self.per_server and (not conns or conns[0].in_flight):
-                conn = await connect(self.addresses[index], self.secret, self.nursery,
-                                     limits=self.limits)
-                conns.append(conn)
-                return conn
-            return min(conns, key=lambda c: c.in_flight)
+        # the slow path only: waiting for another task's connection attempt counts too
+        left = min(give_up - trio.current_time(), self.peer_timeout)
+        with trio.move_on_after(max(left, 0.001)):
+            async with self._locks[index]:
+                conns = self._conns[index] = [c for c in self._conns[index] if c.alive]
+                if len(conns) < self.per_server and (not conns or conns[0].in_flight):
+                    conn = await connect(self.addresses[index], self.secret, self.nursery,
+                                         limits=self.limits,
+                                         timeout=max(give_up - trio.current_time(), 0.001))
+                    conns.append(conn)
+                    return conn
+                return min(conns, key=lambda c: c.in_flight)
+        raise Silent(f"{self.addresses[index]} did not answer within {self.peer_timeout:.3g} s")
+
+    def _named(self, index: int, e: JPFSError) -> JPFSError:
+        """``e`` reworded to name the server by role and index (the address alone says little
+        to a user who has to find the daemon)."""
+        address = self.addresses[index]
+        if isinstance(e, Refused):
+            return Refused(f"{self.name(index)} refused the connection (not running?)")
+        if isinstance(e, Silent):
+            return Silent(f"{self.name(index)} did not answer within "
+                          f"{self.peer_timeout:.3g} s")
+        if type(e) not in (Unavailable, DeadlineError):
+            return e
+        text = (e.strerror or str(e)).replace(f"{self.role} server {address}", "the server")
+        return type(e)(f"{self.name(index)}: {text.replace(address, 'the server')}")
 
     async def call(self, index: int, method: Method, args: list, payload: F.Payload = (),
                    **kw) -> object:
@@ -362,16 +413,22 @@ class Pool:
         delay = 0.02
         while True:
             try:
-                conn = await self._connection(index)
+                conn = await self._connection(index, give_up)
                 return await conn.call(method, args, payload, deadline=deadline, into=into)
+            except Refused as e:  # an answer: nothing listens there
+                if trio.current_time() + delay >= min(deadline, now + self.refused_retry_for):
+                    raise self._named(index, e) from None
+                last = e
             except Unavailable as e:  # never reached the server: always safe to retry
                 last: JPFSError = e
             except _Sent as e:
                 if not method.idempotent:
-                    raise e.cause from None
+                    raise self._named(index, e.cause) from None
                 last = e.cause
+            except DeadlineError as e:
+                raise self._named(index, e) from None
             if trio.current_time() + delay >= give_up:
-                raise last
+                raise self._named(index, last)
             log.debug("%s server %s unavailable (%s); retrying", self.role,
                       self.addresses[index], last.strerror)
             await trio.sleep(delay)
