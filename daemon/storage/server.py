@@ -22,6 +22,11 @@ warm-up (2.6-6.9k against 2.6-4.7k blobs/s), and a cached read issued meanwhile 
 9-40 ms behind the stalled event loop without it, 2-8 ms with it.
 (``--cold-reads direct`` turns the warm-up off, to measure.)
 
+Scrubbing (``scrub.py``): a task re-reads the live blobs in disk order at ``--scrub-rate`` bytes/s
+(default 32 MiB/s; 0 turns it off) and marks those whose bytes fail their checksum; reads refuse
+a marked blob with ``EIO`` (clients fail over to a replica), and a ``put_blobs`` of its id with its
+checksum replaces the copy (``jpfs scrub repair``). ``--scrub-pause`` is the wait between passes.
+
 Volumes in use by an answer being sent are pinned: compaction retires them, but the open file
 descriptor is closed (and the unlinked file's space freed) only after the last send. Volume ids are
 never reused, so a stale descriptor can never be mistaken for a new volume.
@@ -46,6 +51,7 @@ from jpfs.proto import storage as P
 from jpfs.rpc import FileSegment, Handler, Limits, Reply, Service, serve
 
 from .. import common
+from .scrub import DEFAULT_PAUSE, DEFAULT_RATE, Scrubber
 from .store import (
     AllocOp,
     DeleteOp,
@@ -171,11 +177,13 @@ class _Files:
 class StorageServer:
     """The storage service's handlers over one ``Store``. Start ``run`` before serving."""
 
-    def __init__(self, store: Store, node: int = 0, *, warm_cold_reads: bool = True):
+    def __init__(self, store: Store, node: int = 0, *, warm_cold_reads: bool = True,
+                 scrub_rate: float = DEFAULT_RATE, scrub_pause: float = DEFAULT_PAUSE):
         self.store = store
         self.node = node
         self.warm_cold_reads = warm_cold_reads
         self.writer = _Writer(store)
+        self.scrubber = Scrubber(store, self.writer.submit, rate=scrub_rate, pause=scrub_pause)
         self.files = _Files(store)
         self._compact_lock = trio.Lock()
         self._devnull = os.open(os.devnull, os.O_WRONLY)
@@ -184,8 +192,11 @@ class StorageServer:
              "cold_warmups", "compactions"), 0)
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """The group-commit writer; runs until cancelled."""
-        await self.writer.run(task_status=task_status)
+        """The group-commit writer and the scrubber; runs until cancelled."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.writer.run)
+            await nursery.start(self.scrubber.run)
+            task_status.started()
 
     def close(self) -> None:
         self.files.close()
@@ -201,6 +212,9 @@ class StorageServer:
             P.LIST_BLOBS: Handler(self.list_blobs),
             P.COMPACT: Handler(self.compact),
             P.STATS: Handler(self.stats),
+            P.SCRUB_STATUS: Handler(self.scrub_status),
+            P.SCRUB_START: Handler(self.scrub_start),
+            P.BAD_BLOBS: Handler(self.bad_blobs),
         }
 
     # ------------------------------------------------------------------ put
@@ -233,10 +247,14 @@ class StorageServer:
         seg_vol = seg_fd = seg_start = seg_end = -1
         sent = nbytes = 0
         short = self.store.short
+        bad = self.store.bad_ids
         try:
             for bid, e in zip(ids, entries, strict=True):
                 if e is None:
                     statuses.append("ENOENT")
+                    continue
+                if bad and bid in bad:  # the scrubber found this copy bad: fail over now
+                    statuses.append("EIO")
                     continue
                 vol, offset, length, xxh, _ = e
                 if short and vol in short and offset + length > short[vol]:
@@ -304,7 +322,32 @@ class StorageServer:
 
     async def stats(self) -> dict:
         usage = await trio.to_thread.run_sync(self.store.usage)
-        return {"node": self.node, **usage, **self.counters, "commits": self.writer.commits}
+        sc = self.scrubber.s
+        return {"node": self.node, **usage, **self.counters, "commits": self.writer.commits,
+                "scrub_passes": sc["passes"], "scrub_bytes": sc["bytes_verified"],
+                "scrub_bad_found": sc["bad_found"],
+                "scrub_repaired": await trio.to_thread.run_sync(self.store.repaired)}
+
+    # ------------------------------------------------------------------ scrub
+
+    async def scrub_status(self) -> dict:
+        return {**self.scrubber.status(),
+                "repaired": await trio.to_thread.run_sync(self.store.repaired)}
+
+    async def scrub_start(self) -> dict:
+        if not self.scrubber.enabled:
+            raise error(errno.EINVAL, f"scrub_start: scrubbing is off on storage node "
+                                      f"{self.node} (--scrub-rate 0)")
+        self.scrubber.start_now()
+        return await self.scrub_status()
+
+    async def bad_blobs(self, after: bytes, limit: int) -> list:
+        if len(after) > P.BLOB_ID_BYTES:
+            raise error(errno.EINVAL, "bad_blobs: 'after' must be a blob id or b''")
+        if limit < 0:
+            raise error(errno.EINVAL, "bad_blobs: negative limit")
+        return await trio.to_thread.run_sync(self.store.bad_blobs, after,
+                                             min(limit, P.MAX_LIST))
 
     # ------------------------------------------------------------------ compaction
 
@@ -485,17 +528,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cold-reads", choices=["warm", "direct"], default="warm",
                    help="warm: read uncached pages in a worker thread before sendfile (default); "
                         "direct: sendfile at once, stalling the server on the disk (to measure)")
+    p.add_argument("--scrub-rate", default=f"{DEFAULT_RATE >> 20}MiB",
+                   help="re-read and verify live blobs at most this fast, per second (default "
+                        f"{config.format_size(DEFAULT_RATE)}; 0 turns scrubbing off)")
+    p.add_argument("--scrub-pause", type=float, default=DEFAULT_PAUSE,
+                   help=f"seconds from the end of one scrub pass to the start of the next "
+                        f"(default {DEFAULT_PAUSE:.0f})")
     args = p.parse_args(argv)
     common.setup_logging(args.log_level, args.log_file)
     cluster, data, host, port = common.resolve(args, "storage")
     volume_size = config.parse_size(args.volume_size)
     fsync = args.fsync == "always" and not args.no_sync
+    scrub_rate = config.parse_size(args.scrub_rate)
 
     async def amain() -> None:
         store = await trio.to_thread.run_sync(
             functools.partial(Store, data, volume_size=volume_size, fsync=fsync))
         server = StorageServer(store, node=args.index,
-                               warm_cold_reads=args.cold_reads == "warm")
+                               warm_cold_reads=args.cold_reads == "warm",
+                               scrub_rate=scrub_rate, scrub_pause=args.scrub_pause)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.run)

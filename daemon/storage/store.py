@@ -11,7 +11,12 @@ LMDB databases:
 - ``byvol``:   volume u32 | offset u64 | id (big-endian, so a cursor walks a volume in disk order)
                -> (length, xxh); what compaction copies, in order
 - ``volumes``: volume u32 -> ``VOLREC`` (committed end, live bytes, live blobs, flags)
-- ``meta``:    ``next_volume`` (ids are never reused), ``active`` (the volume appends go to)
+- ``meta``:    ``next_volume`` (ids are never reused), ``active`` (the volume appends go to),
+               ``scrub`` (the scrubber's progress, JSON), ``repaired`` (bad copies replaced)
+- ``bad``:     id -> ``BAD_VAL`` (length, xxh, found time) + reason: blobs the scrubber found
+               whose bytes do not match their checksum (or cannot be read). Reads refuse them
+               (``EIO``, so clients fail over at once); a put of the same id and checksum writes
+               a fresh copy, points the index at it and clears the record (the repair).
 
 Crash safety rests on one rule: **bytes are durable before the index names them.** A write appends
 to the active volume past its committed end, fsyncs, and only then commits the index transaction
@@ -58,6 +63,8 @@ VOL_KEY = struct.Struct(">I")
 VOLREC = struct.Struct("<QQQI")
 """volumes value: committed end, live bytes, live blobs, flags."""
 U64 = struct.Struct("<Q")
+BAD_VAL = struct.Struct("<QQd")
+"""bad value: length, xxh, found (seconds since the epoch); the reason follows, UTF-8."""
 
 SEALED = 1
 """Volume flag: no more appends (rolled over, or a compaction target)."""
@@ -153,7 +160,20 @@ class SwitchOp:
     """(id, old volume, old offset, new offset, length) for every blob copied."""
 
 
-Op = PutOp | DeleteOp | SealOp | AllocOp | SwitchOp
+@dataclass
+class ScrubOp:
+    """The scrubber's findings and progress: mark ``bad`` blobs, save ``state`` (JSON).
+
+    ``bad`` holds (id, volume, offset, length, xxh, reason) as read; a blob is marked only if
+    the index still has it at that place with that checksum (a blob moved by compaction or
+    deleted meanwhile was read from a stale place and proves nothing).
+    """
+
+    bad: list[tuple[bytes, int, int, int, int, str]]
+    state: bytes | None = None
+
+
+Op = PutOp | DeleteOp | SealOp | AllocOp | SwitchOp | ScrubOp
 
 
 @dataclass
@@ -177,6 +197,9 @@ class _Commit:
     opened: list[tuple[int, int]] = field(default_factory=list)
     """(volume, fd) created in this commit; closed and unlinked if it aborts."""
     meta_changed: bool = False
+    bad_added: set[bytes] = field(default_factory=set)
+    bad_removed: set[bytes] = field(default_factory=set)
+    repaired: int = 0
 
 
 class Store:
@@ -196,13 +219,17 @@ class Store:
         self.volume_size = volume_size
         self.fsync = fsync
         self.env = lmdb.open(
-            str(self.dir / "index.lmdb"), map_size=map_size, max_dbs=4, max_readers=1024,
+            str(self.dir / "index.lmdb"), map_size=map_size, max_dbs=8, max_readers=1024,
             sync=fsync, metasync=fsync,
         )
         self.blobs = self.env.open_db(b"blobs")
         self.byvol = self.env.open_db(b"byvol")
         self.vols = self.env.open_db(b"volumes")
         self.meta = self.env.open_db(b"meta")
+        self.bad_db = self.env.open_db(b"bad")
+        with self.env.begin(db=self.bad_db) as txn:
+            self.bad_ids: frozenset[bytes] = frozenset(bytes(k) for k, _ in txn.cursor())
+        """Ids in ``bad``, for reads to refuse; replaced whole (never mutated) by commits."""
         self.short: dict[int, int] = {}
         """Volumes whose file is shorter than the index says (lost writes): vol -> real size."""
         self._w = _WriterState()
@@ -319,7 +346,133 @@ class Store:
             "disk_total": st.f_blocks * st.f_frsize,
             "disk_id": f"{socket.gethostname()}:{os.stat(self.dir).st_dev}",
             # nodes that share a disk (a local cluster) report the same id: count it once
+            "bad_blobs": len(self.bad_ids),
         }
+
+    # ------------------------------------------------------------------ scrubbing (read side)
+
+    def scrub_entries(self, after: bytes, limit: int) -> list[tuple[bytes, int, int, int, int]]:
+        """Up to ``limit`` live blobs after byvol key ``after`` (b"" for the start), in disk
+        order: (byvol key, volume, offset, length, xxh)."""
+        out: list[tuple[bytes, int, int, int, int]] = []
+        with self.env.begin(db=self.byvol) as txn:
+            cur = txn.cursor()
+            ok = cur.set_range(after) if after else cur.first()
+            if ok and after and bytes(cur.key()) == after:
+                ok = cur.next()
+            while ok and len(out) < limit:
+                key = bytes(cur.key())
+                try:
+                    vol, off, _ = BYVOL_KEY.unpack(key)
+                    length, xxh = BYVOL_VAL.unpack(cur.value())
+                except struct.error:
+                    log.error("scrub: malformed index key %s skipped", key.hex())
+                else:
+                    out.append((key, vol, off, length, xxh))
+                ok = cur.next()
+        return out
+
+    def verify(self, entries: Sequence[tuple[bytes, int, int, int, int]]
+               ) -> list[tuple[bytes, int, int, int, int, str]]:
+        """Re-read ``entries`` (as ``scrub_entries`` gives them) from their volumes and check
+        each against its xxh3; the failures as (id, volume, offset, length, xxh, reason).
+
+        Never raises for a bad file: a missing or short volume, an unreadable range and a
+        checksum mismatch are all findings. Pages that were not cached before are dropped
+        again afterwards, so a pass does not push the clients' pages out of the page cache.
+        """
+        bad: list[tuple[bytes, int, int, int, int, str]] = []
+        fds: dict[int, int | str] = {}
+        probe = [bytearray(1)]
+        try:
+            for key, vol, off, length, xxh in entries:
+                bid = key[12:]
+                reason = None
+                fd = fds.get(vol)
+                if fd is None:
+                    try:
+                        fd = fds[vol] = os.open(self.vol_path(vol), os.O_RDONLY)
+                    except OSError as e:
+                        fd = fds[vol] = f"volume {vol} cannot be opened: {e.strerror or e}"
+                if isinstance(fd, str):
+                    reason = fd
+                elif length and vol in self.short and off + length > self.short[vol]:
+                    reason = f"lies past the end of volume {vol} ({self.short[vol]} bytes)"
+                else:
+                    reason = self._verify_one(fd, off, length, xxh, probe)
+                if reason is not None:
+                    log.error("scrub: blob %s (volume %d, offset %d, %d bytes): %s",
+                              blob_name(bid), vol, off, length, reason)
+                    bad.append((bid, vol, off, length, xxh, reason))
+        finally:
+            for fd in fds.values():
+                if isinstance(fd, int):
+                    os.close(fd)
+        return bad
+
+    @staticmethod
+    def _verify_one(fd: int, off: int, length: int, xxh: int, probe: list) -> str | None:
+        cached = True
+        if length:
+            try:
+                os.preadv(fd, probe, off, os.RWF_NOWAIT)
+            except BlockingIOError:
+                cached = False
+            except OSError:
+                pass
+        buf = bytearray(length)
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < length:
+                n = os.preadv(fd, [view[got:]], off + got)
+                if n <= 0:
+                    break
+                got += n
+        except OSError as e:
+            return f"read error: {e.strerror or e}"
+        finally:
+            if not cached:
+                try:
+                    os.posix_fadvise(fd, off, length, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass
+        if got != length:
+            return f"cut short: {got} of {length} bytes in the volume"
+        if xxhash.xxh3_64_intdigest(view) != xxh:
+            return "checksum mismatch"
+        return None
+
+    def scrub_state(self) -> bytes | None:
+        """The scrubber's saved progress (JSON), None before its first save."""
+        with self.env.begin(db=self.meta) as txn:
+            raw = txn.get(b"scrub")
+            return bytes(raw) if raw is not None else None
+
+    def repaired(self) -> int:
+        """Bad copies replaced by a re-put, ever."""
+        with self.env.begin(db=self.meta) as txn:
+            raw = txn.get(b"repaired")
+            return U64.unpack(raw)[0] if raw else 0
+
+    def bad_blobs(self, after: bytes, limit: int) -> list[list]:
+        """Up to ``limit`` [id, length, xxh, found, reason] with id > ``after``, in id order."""
+        out: list[list] = []
+        with self.env.begin(db=self.bad_db) as txn:
+            cur = txn.cursor()
+            ok = cur.set_range(after) if after else cur.first()
+            if ok and after and bytes(cur.key()) == after:
+                ok = cur.next()
+            while ok and len(out) < limit:
+                raw = bytes(cur.value())
+                try:
+                    length, xxh, found = BAD_VAL.unpack_from(raw)
+                    reason = raw[BAD_VAL.size:].decode(errors="replace")
+                except struct.error:
+                    length, xxh, found, reason = 0, 0, 0.0, "malformed record"
+                out.append([bytes(cur.key()), length, xxh, found, reason])
+                ok = cur.next()
+        return out
 
     # ------------------------------------------------------------------ the group commit
 
@@ -347,6 +500,10 @@ class Store:
                 if c.meta_changed:
                     txn.put(b"next_volume", U64.pack(c.state.next_volume), db=self.meta)
                     txn.put(b"active", U64.pack(c.state.active or 0), db=self.meta)
+                if c.repaired:
+                    raw = txn.get(b"repaired", db=self.meta)
+                    before = U64.unpack(raw)[0] if raw else 0
+                    txn.put(b"repaired", U64.pack(before + c.repaired), db=self.meta)
         except BaseException:
             for vol, fd in c.opened:
                 os.close(fd)
@@ -359,17 +516,21 @@ class Store:
             if fd != c.state.fd:
                 os.close(fd)
         self._w = c.state
+        if c.bad_added or c.bad_removed:
+            self.bad_ids = (self.bad_ids - c.bad_removed) | c.bad_added
         return results
 
     def _apply_alone(self, txn, c: _Commit, op: Op):
         """Apply one op in a nested transaction, so an op that fails leaves no trace."""
         saved = (replace(c.state), {v: replace(r) for v, r in c.recs.items()}, dict(c.dirty),
-                 len(c.opened), c.meta_changed)
+                 len(c.opened), c.meta_changed, set(c.bad_added), set(c.bad_removed),
+                 c.repaired)
         try:
             with self.env.begin(write=True, parent=txn) as sub:
                 return self._apply(sub, c, op)
         except (JPFSError, OSError) as e:
-            c.state, c.recs, c.dirty, n_opened, c.meta_changed = saved
+            (c.state, c.recs, c.dirty, n_opened, c.meta_changed, c.bad_added, c.bad_removed,
+             c.repaired) = saved
             for vol, fd in c.opened[n_opened:]:
                 os.close(fd)
                 _unlink_quietly(self.vol_path(vol))
@@ -404,12 +565,15 @@ class Store:
             return vol
         if isinstance(op, SwitchOp):
             return self._switch(txn, c, op)
+        if isinstance(op, ScrubOp):
+            return self._scrub(txn, c, op)
         raise TypeError(f"unknown op {op!r}")
 
     def _put(self, txn, c: _Commit, op: PutOp) -> list[int]:
         new: list[tuple[bytes, int, int, int]] = []  # id, length, xxh, payload offset
         present = 0
         batch: set[bytes] = set()
+        replaced: dict[bytes, Entry] = {}  # bad copies this put supersedes
         pos = 0
         for bid, length, xxh in op.entries:
             raw = txn.get(bid, db=self.blobs)
@@ -419,7 +583,15 @@ class Store:
                     n[0] == bid and (n[1], n[2]) == (length, xxh) for n in new)
                 if not same:
                     raise error(errno.EEXIST, f"blob {blob_name(bid)} exists with other bytes")
-                present += 1
+                if have is not None and bid not in batch and bid in self._bad_now(c) \
+                        and txn.get(bid, db=self.bad_db) is not None:
+                    # A repair: the payload was verified against this checksum, the stored
+                    # copy was not; write the good bytes afresh.
+                    replaced[bid] = have
+                    batch.add(bid)
+                    new.append((bid, length, xxh, pos))
+                else:
+                    present += 1
             else:
                 batch.add(bid)
                 new.append((bid, length, xxh, pos))
@@ -442,7 +614,20 @@ class Store:
         now = time.time()
         off = start
         for bid, length, xxh, _ in new:
-            txn.put(bid, ENTRY.pack(vol, off, length, xxh, now), db=self.blobs)
+            old = replaced.get(bid)
+            if old is not None:
+                txn.delete(BYVOL_KEY.pack(old.vol, old.offset, bid), db=self.byvol)
+                old_rec = self._rec(txn, c, old.vol)
+                old_rec.live_bytes -= old.length
+                old_rec.live_blobs -= 1
+                txn.delete(bid, db=self.bad_db)
+                c.bad_removed.add(bid)
+                c.bad_added.discard(bid)
+                c.repaired += 1
+                log.info("blob %s: bad copy in volume %d at %d replaced by a good one",
+                         blob_name(bid), old.vol, old.offset)
+            created = now if old is None else old.created
+            txn.put(bid, ENTRY.pack(vol, off, length, xxh, created), db=self.blobs)
             txn.put(BYVOL_KEY.pack(vol, off, bid), BYVOL_VAL.pack(length, xxh), db=self.byvol)
             off += length
         rec = self._rec(txn, c, vol)
@@ -478,8 +663,38 @@ class Store:
             rec = self._rec(txn, c, e.vol)
             rec.live_bytes -= e.length
             rec.live_blobs -= 1
+            if bid in self._bad_now(c) and txn.delete(bid, db=self.bad_db):
+                c.bad_removed.add(bid)
+                c.bad_added.discard(bid)
             n += 1
         return n
+
+    def _bad_now(self, c: _Commit) -> frozenset[bytes] | set[bytes]:
+        """Bad ids as this commit sees them so far (a set lookup before any LMDB get)."""
+        if not c.bad_added and not c.bad_removed:
+            return self.bad_ids
+        return (self.bad_ids - c.bad_removed) | c.bad_added
+
+    def _scrub(self, txn, c: _Commit, op: ScrubOp) -> int:
+        """Mark the blobs still where they were read as bad; save the state. Returns how many
+        were newly marked."""
+        marked = 0
+        now = time.time()
+        for bid, vol, off, length, xxh, reason in op.bad:
+            raw = txn.get(bid, db=self.blobs)
+            if raw is None:
+                continue
+            e = Entry.unpack(raw)
+            if (e.vol, e.offset, e.length, e.xxh) != (vol, off, length, xxh):
+                continue
+            if txn.get(bid, db=self.bad_db) is None:
+                marked += 1
+            txn.put(bid, BAD_VAL.pack(length, xxh, now) + reason.encode()[:512], db=self.bad_db)
+            c.bad_added.add(bid)
+            c.bad_removed.discard(bid)
+        if op.state is not None:
+            txn.put(b"scrub", op.state, db=self.meta)
+        return marked
 
     def _switch(self, txn, c: _Commit, op: SwitchOp) -> dict:
         new_rec = VolRec(end=op.new_end, flags=SEALED)

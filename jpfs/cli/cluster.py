@@ -8,6 +8,7 @@ import errno
 from .. import config, localcluster
 from ..config import format_size, parse_size
 from .common import add_json, cluster_dir, plural, print_json
+from .scrub import describe as describe_scrub
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     st = csub.add_parser("status", help="daemons, shards and storage use",
                          description="List every daemon (running or not) with its address and "
                          "pid; for running ones, metadata counts per shard and volumes, bytes "
-                         "used and live/dead share per storage node.")
+                         "used, live/dead share, scrub progress and bad blobs (found, "
+                         "repaired) per storage node.")
     st.add_argument("--dir", help="cluster directory (default ./jpfs-cluster)")
     add_json(st)
     st.set_defaults(func=cmd_status)
@@ -113,6 +115,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             detail = [f"volumes {row.get('volumes', 0):,}",
                       f"used {format_size(row.get('bytes_used', 0))}",
                       f"live {ratio:.0%}", f"blobs {row.get('blobs', 0):,}"]
+            if "scrub" in row:
+                detail += describe_scrub(row["scrub"])
         if row["metrics"]:
             detail.append(f"metrics http://{row['metrics']}/metrics")
         rows.append([name, row["address"], state, *detail])
@@ -174,4 +178,8 @@ async def _storage_stats(aclient, index: int) -> dict:
     storage = getattr(aclient, "storage", None)
     if storage is None:
         return {}
-    return await storage.stats(index)
+    from ..client.scrub import node_status
+
+    stats = await storage.stats(index)
+    stats["scrub"] = await node_status(aclient, index)
+    return stats

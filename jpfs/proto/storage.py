@@ -20,6 +20,13 @@ Wire shapes (msgpack; ids are 16-byte ``bytes``):
     order, with their creation time (seconds since the epoch); an empty list at the end.
 ``compact(min_dead_ratio)`` -> a summary map (volumes rewritten, bytes reclaimed, ...).
 ``stats()`` -> a map of counters (see ``STATS_KEYS``).
+``scrub_status()`` -> the scrubber's progress (see ``SCRUB_KEYS``).
+``scrub_start()`` -> the same, after starting a pass now if none runs (EINVAL when scrubbing
+    is off on the node, ``--scrub-rate 0``).
+``bad_blobs(after, limit)`` -> ``[[id, length, xxh, found, reason], ...]``: blobs the scrubber
+    found bad (the node refuses to serve them: ``"EIO"`` in ``get_blobs``), ids greater than
+    ``after``, with the length and checksum their index records. A ``put_blobs`` of such an id
+    with that length and checksum replaces the bad copy (it counts as stored) and clears it.
 """
 
 from __future__ import annotations
@@ -78,6 +85,13 @@ class NoArgs(NamedTuple):
     """``stats``: a method without arguments."""
 
 
+class BadBlobsReq(NamedTuple):
+    """``bad_blobs``: a page of at most ``limit`` bad blobs after id ``after`` (the repair)."""
+
+    after: bytes
+    limit: int
+
+
 class PutResult(NamedTuple):
     """``put_blobs``: blobs newly stored and blobs that were there already.
     Wire: ``[stored, already_present]``."""
@@ -118,6 +132,14 @@ class BlobPage:
         return [(bid, created) for bid, created in w]
 
 
+class BadPage:
+    """``bad_blobs``: ``(id, length, xxh, found, reason)`` in id order; empty at the end."""
+
+    @staticmethod
+    def from_wire(w: list) -> list[tuple[bytes, int, int, float, str]]:
+        return [(bid, length, xxh, found, reason) for bid, length, xxh, found, reason in w]
+
+
 # ---- the methods (ids are stable: never reuse one) ---------------------------------------------
 
 PUT_BLOBS = Method(1, "put_blobs", PutBlobsReq, PutResult, idempotent=True, payload=True)
@@ -126,8 +148,12 @@ DELETE_BLOBS = Method(3, "delete_blobs", IdsReq, int, idempotent=True)
 LIST_BLOBS = Method(4, "list_blobs", ListBlobsReq, BlobPage, idempotent=True)
 COMPACT = Method(5, "compact", CompactReq, dict, idempotent=True)
 STATS = Method(6, "stats", NoArgs, dict, idempotent=True)
+SCRUB_STATUS = Method(7, "scrub_status", NoArgs, dict, idempotent=True)
+SCRUB_START = Method(8, "scrub_start", NoArgs, dict, idempotent=True)
+BAD_BLOBS = Method(9, "bad_blobs", BadBlobsReq, BadPage, idempotent=True)
 
-METHODS = method_table(PUT_BLOBS, GET_BLOBS, DELETE_BLOBS, LIST_BLOBS, COMPACT, STATS)
+METHODS = method_table(PUT_BLOBS, GET_BLOBS, DELETE_BLOBS, LIST_BLOBS, COMPACT, STATS,
+                       SCRUB_STATUS, SCRUB_START, BAD_BLOBS)
 """Every storage method by name."""
 
 STATS_KEYS = (
@@ -149,6 +175,33 @@ STATS_KEYS = (
     "bytes_sent",       # payload bytes sent by get_blobs
     "cold_warmups",     # get_blobs answers whose pages were read in a worker thread first
     "compactions",      # volumes rewritten by compact
+    "bad_blobs",        # blobs the scrubber found bad and no re-put has replaced yet
+    "scrub_passes",     # full scrub passes completed
+    "scrub_bytes",      # bytes the scrubber verified, over all passes
+    "scrub_bad_found",  # bad blobs the scrubber found, over all passes
+    "scrub_repaired",   # bad copies replaced by a re-put (a repair), ever
+)
+
+SCRUB_KEYS = (
+    "enabled",          # False with --scrub-rate 0
+    "state",            # "scrubbing", "waiting" (for the next pass) or "off"
+    "rate_limit",       # bytes/s the scrubber reads at most
+    "pause",            # seconds between the end of a pass and the start of the next
+    "passes",           # full passes completed
+    "pass_started",     # when the current (or last) pass began (seconds since the epoch)
+    "pass_bytes",       # bytes verified in the current pass
+    "pass_blobs",       # blobs verified in the current pass
+    "pass_total",       # live bytes when the current pass began (its length)
+    "progress",         # pass_bytes / pass_total, 0 to 1 (1 while waiting)
+    "position",         # [volume, offset] the pass has reached, or None
+    "bytes_per_s",      # the current pass's read rate, pauses for pacing included
+    "last_finished",    # when the last full pass ended, or None
+    "next_pass",        # when the next pass starts (while waiting), or None
+    "bytes_verified",   # over all passes
+    "blobs_verified",   # over all passes
+    "bad_found",        # bad blobs found, over all passes
+    "bad_blobs",        # bad blobs not yet replaced
+    "repaired",         # bad copies replaced by a re-put, ever
 )
 
 
