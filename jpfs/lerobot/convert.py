@@ -288,7 +288,7 @@ def _concat_parquet(fs: Any, inputs: list[str], lengths: list[int], output: str,
                 raise DatasetError(path, "missing") from None
             except (OSError, ValueError) as e:
                 raise DatasetError(path, f"not a readable parquet file ({e})") from None
-            if schema is None:
+            if schema is None or writer is None:  # the first input: both are set here
                 schema = table.schema
                 writer = pq.ParquetWriter(output, schema)
             elif problem := _schema_problem(table.schema, schema):
@@ -535,6 +535,7 @@ def _write_meta(fs: Any, base: str, meta: DatasetMeta, plan: ConvertPlan,
             continue
         segs = results[task.key]["segments"]
         k = task.video_key
+        assert k is not None, task  # every video task names its camera (plan)
         for pos, (_, dn, dd, sn, sd) in zip(task.episodes, segs, strict=True):
             begin = Fraction(sn, sd)
             video_cols[pos][k] = {

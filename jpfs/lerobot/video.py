@@ -13,13 +13,16 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import fsspec
 import numpy as np
 
 from .fsutil import DatasetError, open_input
 from .layout import STUB_CODEC
+
+if TYPE_CHECKING:
+    from av.video.stream import VideoStream
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +101,9 @@ def encode(frames: np.ndarray, fps: int, encoder: str) -> bytes:
     _, options = ENCODERS[encoder]
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as out:
-        stream = out.add_stream(encoder, rate=fps, options=dict(options))
+        # ENCODERS names video encoders only; PyAV types a codec chosen by a run-time name as
+        # any kind of stream.
+        stream = cast("VideoStream", out.add_stream(encoder, rate=fps, options=dict(options)))
         stream.width = frames.shape[2]
         stream.height = frames.shape[1]
         stream.pix_fmt = "yuv420p"
@@ -186,10 +191,11 @@ def probe(fs: fsspec.AbstractFileSystem, path: str) -> VideoInfo:
 
     with open_input(fs, path) as src:
         try:
-            with av.open(src) as inp:
+            with av.open(src, "r") as inp:
                 if not inp.streams.video:
                     raise DatasetError(path, "has no video stream")
                 s = inp.streams.video[0]
+                tb = _time_base(path, s)
                 step = _frame_ticks(s)
                 for pkt in inp.demux(s):
                     if pkt.dts is None:
@@ -200,10 +206,18 @@ def probe(fs: fsspec.AbstractFileSystem, path: str) -> VideoInfo:
                     frames += 1
                 info = VideoInfo(path, s.codec_context.name, s.codec_context.width,
                                  s.codec_context.height, frames,
-                                 Fraction(end - (first or 0)) * s.time_base, fs.size(path))
+                                 Fraction(end - (first or 0)) * tb, fs.size(path))
         except av.error.FFmpegError as e:
             raise _av_error(path, e) from None
     return info
+
+
+def _time_base(path: str, stream: VideoStream) -> Fraction:
+    """A demuxed stream's time base: FFmpeg gives every stream it opens one (PyAV's None is for
+    an output stream not yet set up)."""
+    if stream.time_base is None:
+        raise DatasetError(path, "has a video stream without a time base")
+    return Fraction(stream.time_base)
 
 
 def _frame_ticks(stream: Any) -> int:
@@ -241,12 +255,12 @@ def concat(fs: fsspec.AbstractFileSystem, inputs: list[str], output: str,
     segments: list[Segment] = []
     with av.open(output, "w", format="mp4", options={"movflags": "faststart"}) as out:
         ostream = None
-        ref: tuple[Any, ...] | None = None
+        ref: tuple[Any, ...] = ()  # the first input's codec parameters, set with ostream
         offset = 0  # output ticks
         for i, path in enumerate(inputs):
             with open_input(fs, path) as src:
                 try:
-                    inp = av.open(src)
+                    inp = av.open(src, "r")
                 except av.error.FFmpegError as e:
                     raise _av_error(path, e) from None
                 with inp:
@@ -257,14 +271,14 @@ def concat(fs: fsspec.AbstractFileSystem, inputs: list[str], output: str,
                     key = (cc.name, cc.width, cc.height, bytes(cc.extradata or b""))
                     if ostream is None:
                         ostream = out.add_stream_from_template(s, opaque=True)
-                        ostream.time_base = s.time_base
-                        out_tb = Fraction(s.time_base)
+                        out_tb = _time_base(path, s)
+                        ostream.time_base = out_tb
                         ref = key
                     elif key != ref:
                         raise DatasetError(
                             path, f"cannot be joined by stream copy to {inputs[0]}: codec "
                             f"parameters differ ({key[:3]} vs {ref[:3]})")
-                    in_tb = Fraction(s.time_base)
+                    in_tb = _time_base(path, s)
                     same = in_tb == out_tb  # the usual case: plain integer offsets per packet
                     scale = in_tb / out_tb
                     step = _frame_ticks(s)
@@ -359,9 +373,9 @@ def iter_packets(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Packet]:
 
     with open_input(fs, path) as src:
         try:
-            with av.open(src) as inp:
+            with av.open(src, "r") as inp:
                 s = inp.streams.video[0]
-                tb = Fraction(s.time_base)
+                tb = _time_base(path, s)
                 for pkt in inp.demux(s):
                     if pkt.dts is None:
                         continue
