@@ -51,6 +51,26 @@ def jpfs_path(text: str) -> str:
                     text)
 
 
+NEXT_STEP = "run `jpfs cluster status` to see which daemons are down"
+"""What an error caused by an unreachable daemon tells the user to do next."""
+
+_DOWN = frozenset({errno.EHOSTUNREACH, errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRESET})
+
+
+def reason(e: BaseException) -> str:
+    """The text after ``jpfs CMD: PATH:`` for ``e``; a daemon that is down or does not answer
+    adds the next step (``jpfs cluster status``)."""
+    text = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or repr(e)
+    if isinstance(e, OSError) and e.errno in _DOWN and "jpfs cluster status" not in text:
+        text += f"; {NEXT_STEP}"
+    return text
+
+
+def report(command: str, given: str, e: BaseException) -> None:
+    """Print ``jpfs CMD: PATH: reason`` to stderr (``given``: the path as the user wrote it)."""
+    print(f"{command}: {given}: {reason(e)}", file=sys.stderr)
+
+
 def shown(path: str) -> str:
     """A path inside JPFS as the command line writes it: ``/a/b`` -> ``jpfs:/a/b``."""
     return uri.SCHEME + uri.normalize(path)

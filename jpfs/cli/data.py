@@ -16,7 +16,17 @@ import time
 from .. import uri
 from ..config import format_size
 from ..errors import JPFSError
-from .common import PATH_RULE, add_json, connect, jpfs_path, plural, print_json, shown
+from .common import (
+    NEXT_STEP,
+    PATH_RULE,
+    add_json,
+    connect,
+    jpfs_path,
+    plural,
+    print_json,
+    report,
+    shown,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -146,9 +156,24 @@ def _run_transfer(args, fn, src, dst, totals, **options) -> int:
               f"{secs:.1f}s ({format_size(stats.bytes / secs if secs else 0)}/s, "
               f"{stats.files / secs if secs else 0:,.0f} files/s); skipped {stats.skipped:,} "
               f"unchanged; {plural(stats.dirs, 'directory', 'directories')}")
-        for e in stats.errors[:20]:
-            print(f"  error: {e}", file=sys.stderr)
-    return 1 if stats.errors else 0
+    return _failures(args.command, stats)
+
+
+def _failures(command: str, stats) -> int:
+    """List what a batch copy could not copy (the rest was copied) and how to finish it; the
+    exit status: 1 when something failed."""
+    if not stats.errors:
+        return 0
+    for e in stats.errors[:20]:
+        print(f"  error: {e}", file=sys.stderr)
+    if len(stats.errors) > 20:
+        print(f"  ... and {len(stats.errors) - 20:,} more", file=sys.stderr)
+    hint = f"; if a daemon is down, {NEXT_STEP}" if any(
+        "refused" in e or "did not answer" in e or "unreach" in e for e in stats.errors) else ""
+    print(f"jpfs {command}: {plural(len(stats.errors), 'failure')}, the rest was copied; "
+          f"rerun the same command to copy what failed (what was copied is skipped){hint}",
+          file=sys.stderr)
+    return 1
 
 
 def _storage_options(pairs: list[str]) -> dict:
@@ -203,8 +228,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
                 if not args.recursive:
                     raise IsADirectoryError(21, "is a directory (use -r)", src)
                 from ..client.transfer import export_tree
-                client.run(export_tree, src, dst)
-                return 0
+                return _failures("cp", client.run(export_tree, src, dst))
             if os.path.isdir(dst):
                 dst = os.path.join(dst, posixpath.basename(src))
             client.get(src, dst)
@@ -214,8 +238,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
                 if not args.recursive:
                     raise IsADirectoryError(21, "is a directory (use -r)", args.src)
                 from ..client.transfer import import_tree
-                client.run(import_tree, args.src, dst)
-                return 0
+                return _failures("cp", client.run(import_tree, args.src, dst))
             if client.isdir(dst):
                 dst = posixpath.join(dst, os.path.basename(args.src))
             client.put(args.src, dst)
@@ -249,15 +272,21 @@ def _copy_within(client, src: str, dst: str, recursive: bool) -> None:
 def cmd_cat(args: argparse.Namespace) -> int:
     client = connect(args)
     out = sys.stdout.buffer
+    status = 0
     try:
         for p in args.paths:
-            with client.open(jpfs_path(p), "rb") as f:
-                while piece := f.read(4 << 20):
-                    out.write(piece)
+            try:
+                with client.open(jpfs_path(p), "rb") as f:
+                    while piece := f.read(4 << 20):
+                        out.write(piece)
+            except JPFSError as e:  # as cat(1): say which file, go on with the next
+                out.flush()
+                report("jpfs cat", p, e)
+                status = 1
         out.flush()
     finally:
         client.close()
-    return 0
+    return status
 
 
 def cmd_du(args: argparse.Namespace) -> int:
@@ -270,16 +299,29 @@ def cmd_du(args: argparse.Namespace) -> int:
             try:
                 attr = client.stat(top)
             except OSError as e:
-                print(f"jpfs du: {given}: {e.strerror}", file=sys.stderr)
+                report("jpfs du", given, e)
                 status = 1
                 continue
             if not attr.is_dir:  # a file counts for itself, as in du(1)
                 rows.append({"path": top, "shown": given, "bytes": attr.size, "files": 1})
                 continue
             own: dict[str, list[int]] = {}
-            for d, _dirs, _files in client.walk(top):
-                files = [e for e in client.scandir(d) if not e.is_dir()]
+            stack = [top]
+            while stack:  # as du(1): a directory that cannot be read is named, the rest counted
+                d = stack.pop()
+                try:
+                    entries = client.scandir(d)
+                except OSError as e:
+                    report("jpfs du", given if d == top else shown(d), e)
+                    status = 1
+                    if d == top:
+                        break
+                    continue
+                files = [e for e in entries if not e.is_dir()]
                 own[d] = [sum(e.attr.size for e in files), len(files)]
+                stack.extend(e.path for e in entries if e.is_dir())
+            if top not in own:
+                continue
             total = {d: [0, 0] for d in own}
             for d, (nbytes, nfiles) in own.items():
                 cur = d

@@ -20,6 +20,7 @@ from .common import (
     jpfs_path,
     mode_string,
     print_json,
+    report,
     shown,
     time_string,
 )
@@ -95,11 +96,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             try:
                 path = jpfs_path(given)
                 attr = client.stat(path)
+                entries = client.scandir(path) if attr.is_dir else None
             except OSError as e:
-                print(f"jpfs ls: {given}: {e.strerror}", file=sys.stderr)
+                report("jpfs ls", given, e)
                 status = 1
                 continue
-            entries = client.scandir(path) if attr.is_dir else None
             if args.json:
                 out[path] = [{"name": e.name, "ino": e.attr.ino, "mode": e.attr.mode,
                               "size": e.attr.size, "mtime_ns": e.attr.mtime_ns}
@@ -136,7 +137,7 @@ def cmd_stat(args: argparse.Namespace) -> int:
                 path = jpfs_path(p)
                 a = client.stat(path, follow_symlinks=args.dereference)
             except OSError as e:
-                print(f"jpfs stat: {p}: {e.strerror}", file=sys.stderr)
+                report("jpfs stat", p, e)
                 status = 1
                 continue
             row = {"path": path, **{k: getattr(a, k) for k in a.__slots__}}
@@ -168,7 +169,7 @@ def cmd_mkdir(args: argparse.Namespace) -> int:
                 else:
                     client.mkdir(jpfs_path(p), args.mode)
             except OSError as e:
-                print(f"jpfs mkdir: {p}: {e.strerror}", file=sys.stderr)
+                report("jpfs mkdir", p, e)
                 status = 1
     finally:
         client.close()
@@ -192,7 +193,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
             except OSError as e:
                 if args.force and e.errno == errno.ENOENT:
                     continue
-                print(f"jpfs rm: {p}: {e.strerror}", file=sys.stderr)
+                report("jpfs rm", p, e)
                 status = 1
     finally:
         client.close()
@@ -225,7 +226,7 @@ def cmd_mv(args: argparse.Namespace) -> int:
             try:
                 client.rename(jpfs_path(src), target, flags=1 if args.no_clobber else 0)
             except OSError as e:
-                print(f"jpfs mv: {src} -> {shown(target)}: {e.strerror}", file=sys.stderr)
+                report("jpfs mv", f"{src} -> {shown(target)}", e)
                 status = 1
     finally:
         client.close()

@@ -8,6 +8,7 @@ seconds, so a loop over files of one directory costs one call per file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import trio
 
 from .. import config, uri
-from ..errors import JPFSError, error
+from ..errors import ChecksumError, DeadlineError, JPFSError, Unavailable, error
 from ..types import ROOT_INO, Attr, Layout
 from .cache import BlobCache
 from .data import DataPath
@@ -65,6 +66,20 @@ class Entry:
     def is_symlink(self) -> bool:
         """Whether the entry is a symbolic link."""
         return self.attr.is_link
+
+
+def at_path(e: OSError, path: str) -> OSError:
+    """``e`` naming ``path`` (a copy, so an error shared by several paths stays right for each;
+    one that names a path already is kept). Unavailable, DeadlineError and ChecksumError stay
+    what they are, so callers can still tell a daemon that is down from a missing file."""
+    if e.filename is not None:
+        return e
+    if isinstance(e, (Unavailable, DeadlineError, ChecksumError)):
+        named: OSError = type(e)(e.strerror)
+    else:
+        named = error(e.errno or errno.EIO, e.strerror or str(e))
+    named.filename = path
+    return named
 
 
 def _path(p: str | os.PathLike) -> str:
@@ -161,13 +176,16 @@ class AsyncClient:
             try:
                 attr = await self.meta.lookup(ino, os.fsencode(name))
             except JPFSError as e:
-                raise error(e.errno, e.strerror, path) from None
+                raise at_path(e, path) from None
             last = i == len(comps) - 1
             if attr.is_link and (follow or not last):
                 links += 1
                 if links > MAX_SYMLINKS:
                     raise error(errno.ELOOP, "too many levels of symbolic links", path)
-                target = os.fsdecode(await self.meta.readlink(attr.ino))
+                try:
+                    target = os.fsdecode(await self.meta.readlink(attr.ino))
+                except JPFSError as e:
+                    raise at_path(e, path) from None
                 base = "/" if target.startswith("/") else cur_path
                 comps = uri.split(base + "/" + target) + comps[i + 1:]
                 i, cur_path, ino, cur = 0, "/", ROOT_INO, None
@@ -180,7 +198,10 @@ class AsyncClient:
             ino, cur = attr.ino, attr
             i += 1
         if cur is None:
-            cur = await self.meta.getattr(ino)
+            try:
+                cur = await self.meta.getattr(ino)
+            except JPFSError as e:
+                raise at_path(e, path) from None
         return cur, cur_path
 
     async def _dir_ino(self, path: str) -> int:
@@ -275,8 +296,11 @@ class AsyncClient:
         if not attr.is_dir:
             raise error(errno.ENOTDIR, "not a directory", path)
         base = real.rstrip("/")
-        return [Entry(os.fsdecode(e.name), f"{base}/{os.fsdecode(e.name)}", e.attr)
-                async for e in self.meta.readdir(attr.ino, plus=True) if e.attr is not None]
+        try:
+            return [Entry(os.fsdecode(e.name), f"{base}/{os.fsdecode(e.name)}", e.attr)
+                    async for e in self.meta.readdir(attr.ino, plus=True) if e.attr is not None]
+        except JPFSError as e:
+            raise at_path(e, _path(path)) from None
 
     async def iterdir(self, path: str = "/", page: int = 1000) -> AsyncIterator[Entry]:
         """Like scandir, a page at a time: a million entries never sit in memory together."""
@@ -284,16 +308,22 @@ class AsyncClient:
         if not attr.is_dir:
             raise error(errno.ENOTDIR, "not a directory", path)
         base = real.rstrip("/")
-        async for e in self.meta.readdir(attr.ino, plus=True, page=page):
-            if e.attr is not None:
-                yield Entry(os.fsdecode(e.name), f"{base}/{os.fsdecode(e.name)}", e.attr)
+        try:
+            async for e in self.meta.readdir(attr.ino, plus=True, page=page):
+                if e.attr is not None:
+                    yield Entry(os.fsdecode(e.name), f"{base}/{os.fsdecode(e.name)}", e.attr)
+        except JPFSError as e:
+            raise at_path(e, _path(path)) from None
 
     async def listdir(self, path: str = "/") -> list[str]:
         """Names in a directory, in name order."""
         attr, _ = await self._walk(_path(path), True)
         if not attr.is_dir:
             raise error(errno.ENOTDIR, "not a directory", path)
-        return [os.fsdecode(e.name) async for e in self.meta.readdir(attr.ino, plus=False)]
+        try:
+            return [os.fsdecode(e.name) async for e in self.meta.readdir(attr.ino, plus=False)]
+        except JPFSError as e:
+            raise at_path(e, _path(path)) from None
 
     async def walk(self, top: str = "/") -> AsyncIterator[tuple[str, list[str], list[str]]]:
         """Like ``os.walk`` (top-down, symlinks to directories not followed)."""
@@ -497,12 +527,19 @@ class AsyncClient:
                 attr = await self.meta.setattr(attr.ino, size=0)
         if attr.is_dir:
             raise error(errno.EISDIR, "is a directory", path)
-        layout = await self.meta.get_layout(attr.ino)
+        try:
+            layout = await self.meta.get_layout(attr.ino)
+        except JPFSError as e:
+            raise at_path(e, _path(path)) from None
         return AsyncFile(reader, data, self.prefetcher, _path(path), mode, layout, parent)
 
     async def layout(self, path: str) -> Layout:
         """The file's attributes and chunk records (where its bytes are stored)."""
-        return await self.meta.get_layout((await self.stat(path)).ino)
+        ino = (await self.stat(path)).ino
+        try:
+            return await self.meta.get_layout(ino)
+        except JPFSError as e:
+            raise at_path(e, _path(path)) from None
 
     async def read_bytes(self, path: str) -> bytes:
         """The whole content of a file."""
@@ -510,7 +547,10 @@ class AsyncClient:
         layout = await self.layout(path)
         if layout.attr.is_dir:
             raise error(errno.EISDIR, "is a directory", path)
-        (view,) = await reader.whole([layout])
+        try:
+            (view,) = await reader.whole([layout])
+        except JPFSError as e:
+            raise at_path(e, _path(path)) from None
         return bytes(view)
 
     async def read_many(self, paths: list[str]) -> list[memoryview]:
@@ -532,8 +572,13 @@ class AsyncClient:
                     nursery.start_soon(the_long_way, i)
         for p, lay in zip(paths, layouts, strict=True):
             if isinstance(lay, OSError):
-                raise error(lay.errno, lay.strerror, p)
-        return await reader.whole(layouts)
+                raise at_path(lay, _path(p))
+        try:
+            return await reader.whole(layouts)
+        except JPFSError as e:
+            if len(paths) == 1:
+                raise at_path(e, _path(paths[0])) from None
+            raise
 
     async def prefetch(self, paths: list[str]) -> int:
         """Hint: these files will be read soon. Their bytes are fetched in the background (one
@@ -638,6 +683,10 @@ class AsyncClient:
             with open(tmp, "wb") as out:
                 while n := await f.readinto(buf):
                     await trio.to_thread.run_sync(out.write, buf[:n])
+        except JPFSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise at_path(e, _path(remote)) from None
         finally:
             await f.close()
         os.utime(tmp, ns=(attr.atime_ns, attr.mtime_ns))

@@ -12,6 +12,10 @@ Large files stream chunk by chunk. Several batches are in flight at once.
 
 Both directions resume: a file whose destination already has the same size and modification time
 is skipped (as rsync does by default), so a rerun after an interruption copies only the rest.
+
+A file or directory that cannot be copied (a daemon down, a source unreadable) is recorded in
+``TransferStats.errors`` with its path and the reason, and the rest is copied; a rerun once the
+cause is fixed copies what failed and skips the rest.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from pathlib import Path
 
 import trio
 
+from .. import uri
 from ..errors import JPFSError, error
 from ..placement import chunk_nodes
 from ..types import Chunk
-from .client import AsyncClient, Entry
+from .client import AsyncClient, Entry, _path
 from .data import new_blob_id
 
 log = logging.getLogger(__name__)
@@ -319,7 +324,12 @@ async def import_tree(client: AsyncClient, src: str | os.PathLike, dst: str, *,
         nodes = chunk_nodes(0, parent, 0, 1, data.cluster.n_nodes, data.cluster.replicas,
                             group=run)
         blobs = [(new_blob_id(), nodes, c) for c in contents if len(c)]
-        stored = iter(await data.storage.put(blobs)) if blobs else iter(())
+        try:
+            stored = iter(await data.storage.put(blobs)) if blobs else iter(())
+        except JPFSError as e:  # every file of the batch failed; the others go on
+            stats.errors += [f"{f.path}: {e.strerror}" for f in kept]
+            tick(len(kept), sum(len(c) for c in contents))
+            return
         ids = iter(b for b, _, _ in blobs)
         entries = []
         for f, content in zip(kept, contents, strict=True):
@@ -330,7 +340,12 @@ async def import_tree(client: AsyncClient, src: str | os.PathLike, dst: str, *,
                                 xxh).to_wire()]
             entries.append([os.fsencode(f.name), f.mode, f.uid, f.gid, len(content),
                             f.mtime_ns if f.mtime_ns is not None else now, chunks])
-        results = await data.meta.bulk_create(parent, entries, replace=True)
+        try:
+            results = await data.meta.bulk_create(parent, entries, replace=True)
+        except JPFSError as e:
+            stats.errors += [f"{f.path}: {e.strerror}" for f in kept]
+            tick(len(kept), sum(len(c) for c in contents))
+            return
         for f, res, content in zip(kept, results, contents, strict=True):
             if isinstance(res, OSError):
                 stats.errors.append(f"{f.path}: {res.strerror}")
@@ -358,11 +373,17 @@ async def import_tree(client: AsyncClient, src: str | os.PathLike, dst: str, *,
             stats.errors += source.errors
             source.errors.clear()
             dpath = dst if d.rel == "." else f"{dst.rstrip('/')}/{d.rel}"
-            if d.rel != ".":
-                await client.makedirs(dpath, exist_ok=True)
-                stats.dirs += 1
-            existing = {e.name: e.attr for e in await client.scandir(dpath)}
-            parent = (await client.stat(dpath)).ino
+            try:
+                if d.rel != ".":
+                    await client.makedirs(dpath, exist_ok=True)
+                    stats.dirs += 1
+                existing = {e.name: e.attr for e in await client.scandir(dpath)}
+                parent = (await client.stat(dpath)).ino
+            except JPFSError as e:  # its files are not copied; the rest of the tree is
+                stats.errors.append(f"{uri.SCHEME}{dpath}: {e.strerror} ({len(d.files)} "
+                                    "files not copied)")
+                tick(len(d.files), sum(f.size for f in d.files))
+                continue
             for name, target in d.links:
                 if name not in existing:
                     await client.symlink(target, f"{dpath.rstrip('/')}/{name}")
@@ -443,17 +464,34 @@ async def export_tree(client: AsyncClient, src: str, dst: str | os.PathLike, *,
                       parallel: int = PARALLEL, batch_bytes: int = BATCH_BYTES,
                       batch_files: int = BATCH_FILES, progress: Progress | None = None
                       ) -> TransferStats:
-    """Make local directory ``dst`` hold a copy of the JPFS tree ``src`` (its entries)."""
+    """Make local directory ``dst`` hold a copy of the JPFS tree ``src`` (its entries).
+
+    A file or directory that cannot be read is listed in the result's ``errors`` (its path and
+    why) and the rest is copied; a rerun copies what is missing and skips the rest."""
     client._data()
     dst = Path(dst)
+    src = _path(src)
     stats = TransferStats()
     tick = progress or (lambda files, nbytes: None)
     if not (await client.stat(src)).is_dir:
         raise error(errno.ENOTDIR, "export copies a directory tree", src)
     slots = trio.Semaphore(parallel)
 
+    def failed(path: str, e: OSError, size: int = 0) -> None:
+        stats.errors.append(f"{uri.SCHEME}{path}: {e.strerror or e}")
+        tick(1, size)
+
     async def fetch_batch(ldir: Path, entries: list[Entry]) -> None:
-        views = await client.read_many([e.path for e in entries])
+        try:
+            views = await client.read_many([e.path for e in entries])
+        except JPFSError as err:
+            if len(entries) == 1:
+                failed(entries[0].path, err, entries[0].attr.size)
+                return
+            # which ones: one file at a time (a node known to be down is answered at once)
+            for e in entries:
+                await fetch_batch(ldir, [e])
+            return
         await trio.to_thread.run_sync(_write_files, ldir, entries, views)
         stats.files += len(entries)
         n = sum(len(v) for v in views)
@@ -461,25 +499,42 @@ async def export_tree(client: AsyncClient, src: str, dst: str | os.PathLike, *,
         tick(len(entries), n)
 
     async def fetch_large(ldir: Path, e: Entry) -> None:
-        await client.get(e.path, ldir / e.name)
+        try:
+            await client.get(e.path, ldir / e.name)
+        except JPFSError as err:
+            failed(e.path, err, e.attr.size)
+            return
         stats.files += 1
         stats.bytes += e.attr.size
         tick(1, e.attr.size)
 
     chunk_size = client.cluster.chunk_size
+    stack = [src]
     async with trio.open_nursery() as nursery:
-        async for dpath, _dirs, _files in client.walk(src):
+        while stack:
+            dpath = stack.pop()
+            try:
+                listing = await client.scandir(dpath)
+            except JPFSError as err:  # nothing below it is copied; the rest of the tree is
+                stats.errors.append(f"{uri.SCHEME}{dpath}: {err.strerror} (directory not "
+                                    "copied)")
+                continue
+            stack.extend(reversed([e.path for e in listing if e.attr.is_dir]))
             rel = os.path.relpath(dpath, src)
             ldir = dst if rel == "." else dst / rel
             ldir.mkdir(parents=True, exist_ok=True)
             stats.dirs += rel != "."
             batch: list[Entry] = []
             size = 0
-            for e in await client.scandir(dpath):
+            for e in listing:
                 target = ldir / e.name
                 if e.attr.is_link:
                     if not target.is_symlink():
-                        os.symlink(await client.readlink(e.path), target)
+                        try:
+                            os.symlink(await client.readlink(e.path), target)
+                        except JPFSError as err:
+                            failed(e.path, err)
+                            continue
                         stats.symlinks += 1
                     continue
                 if not e.attr.is_reg:
