@@ -11,16 +11,79 @@ import functools
 import io
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import trio
 
 from .. import config
 from .client import AsyncClient, aconnect
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class _Forwarded(Generic[_P, _R]):
+    """How the type checker sees a method made by ``_forward``: ``AsyncClient``'s method of the
+    same name with its arguments, blocking, returning what the coroutine returns. Only used in
+    the ``TYPE_CHECKING`` declarations of ``Client``; at run time ``_forward`` makes a function."""
+
+    def __init__(self, fn: Callable[Concatenate[AsyncClient, _P], Awaitable[_R]]) -> None:
+        self.fn = fn
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _Forwarded[_P, _R]: ...
+    @overload
+    def __get__(self, obj: Client, owner: type | None = None) -> Callable[_P, _R]: ...
+    def __get__(self, obj: Client | None, owner: type | None = None) -> Any:
+        raise NotImplementedError  # never called: the class attributes are functions (FORWARDED)
+
 
 class Client:
     """A blocking handle on a JPFS cluster. Methods mirror ``AsyncClient``; see its docs."""
+
+    _thread: threading.Thread  # set by _ensure before _pid says it is this process's
+    _stop: trio.Event  # set by the loop thread before it signals ready
+
+    if TYPE_CHECKING:  # the methods FORWARDED makes (setattr below), for callers' type checks
+        stat = _Forwarded(AsyncClient.stat)
+        lstat = _Forwarded(AsyncClient.lstat)
+        exists = _Forwarded(AsyncClient.exists)
+        isdir = _Forwarded(AsyncClient.isdir)
+        isfile = _Forwarded(AsyncClient.isfile)
+        stat_many = _Forwarded(AsyncClient.stat_many)
+        scandir = _Forwarded(AsyncClient.scandir)
+        listdir = _Forwarded(AsyncClient.listdir)
+        readlink = _Forwarded(AsyncClient.readlink)
+        statfs = _Forwarded(AsyncClient.statfs)
+        getxattr = _Forwarded(AsyncClient.getxattr)
+        listxattr = _Forwarded(AsyncClient.listxattr)
+        mkdir = _Forwarded(AsyncClient.mkdir)
+        makedirs = _Forwarded(AsyncClient.makedirs)
+        remove = _Forwarded(AsyncClient.remove)
+        unlink = _Forwarded(AsyncClient.unlink)
+        rmdir = _Forwarded(AsyncClient.rmdir)
+        rmtree = _Forwarded(AsyncClient.rmtree)
+        rename = _Forwarded(AsyncClient.rename)
+        replace = _Forwarded(AsyncClient.replace)
+        symlink = _Forwarded(AsyncClient.symlink)
+        link = _Forwarded(AsyncClient.link)
+        chmod = _Forwarded(AsyncClient.chmod)
+        chown = _Forwarded(AsyncClient.chown)
+        utime = _Forwarded(AsyncClient.utime)
+        truncate = _Forwarded(AsyncClient.truncate)
+        setxattr = _Forwarded(AsyncClient.setxattr)
+        removexattr = _Forwarded(AsyncClient.removexattr)
+        create = _Forwarded(AsyncClient.create)
+        read_bytes = _Forwarded(AsyncClient.read_bytes)
+        read_many = _Forwarded(AsyncClient.read_many)
+        read_ranges = _Forwarded(AsyncClient.read_ranges)
+        prefetch = _Forwarded(AsyncClient.prefetch)
+        write_bytes = _Forwarded(AsyncClient.write_bytes)
+        put = _Forwarded(AsyncClient.put)
+        get = _Forwarded(AsyncClient.get)
+        layout = _Forwarded(AsyncClient.layout)
+        sync = _Forwarded(AsyncClient.sync)
 
     def __init__(self, cluster: str | os.PathLike | config.Cluster | None = None, **options):
         self.cluster = cluster if isinstance(cluster, config.Cluster) else config.load(cluster)
@@ -74,6 +137,7 @@ class Client:
     @property
     def aclient(self) -> AsyncClient:
         self._ensure()
+        assert self._async is not None  # _ensure returns once the loop thread has set it
         return self._async
 
     def close(self) -> None:

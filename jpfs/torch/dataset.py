@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from jpfs.uri import is_jpfs, to_path, to_url
 
 from . import partition
-from .pipeline import plain_alloc, shared_alloc
+from .pipeline import Batch, plain_alloc, shared_alloc
 from .readahead import ReadAhead, mount_hint
 from .shards import ShardDecoder, ShardTable, Source, open_source
 
@@ -320,7 +320,7 @@ class ShardDataset(IterableDataset):
             return self._batches(plan, shared_alloc if info is not None else plain_alloc)
         return self._samples(plan)
 
-    def produce_batches(self, alloc: Alloc) -> Iterator[dict[str, torch.Tensor]]:
+    def produce_batches(self, alloc: Alloc) -> Iterator[Batch]:
         """Batches of this process's stream written into buffers from ``alloc`` (the ring)."""
         return self._batches(self._plan(0), alloc)
 
@@ -359,7 +359,7 @@ class ShardDataset(IterableDataset):
             per += int(np.prod(shape)) * steps * (4 if self.video_dtype == "float32" else 1)
         return int(np.clip(_CHUNK_BYTES // max(per, 1), 8, _CHUNK)) if per else _CHUNK
 
-    def _batches(self, plan: _Plan, alloc: Alloc) -> Iterator[dict[str, torch.Tensor]]:
+    def _batches(self, plan: _Plan, alloc: Alloc) -> Iterator[Batch]:
         bs = int(self.batch_size or 1)
         n = len(plan.ids)
         stop = n - n % bs if self.drop_last else n
@@ -483,9 +483,14 @@ class _Assembler:
                       for t, lo, hi, b0 in parts]
             return pieces[0] if one else np.concatenate(pieces)
 
-        cols = {c: cat(lambda t, c=c: t.columns[c])
+        def column(name: str) -> Callable[[ShardTable], np.ndarray]:
+            return lambda t: t.columns[name]
+
+        cols = {c: cat(column(c))
                 for c in (*self.columns, *self.images, *self.extra) if c in parts[0][0].columns}
-        episode = (cat(lambda t: t.episode) if parts[0][0].episode is not None else None)
+        # A dataset's shards share one schema: when the first has the episode column, all do.
+        episode = (cat(lambda t: cast(np.ndarray, t.episode))
+                   if parts[0][0].episode is not None else None)
         lookup = np.zeros(len(self.src.shards), dtype=np.int64)
         for s, a in adjust.items():
             lookup[s] = a
@@ -517,7 +522,7 @@ class _Assembler:
             yield b, start, end
             start, b = end, b + 1
 
-    def assemble(self, start: int, stop: int, alloc: Alloc) -> dict[str, torch.Tensor]:
+    def assemble(self, start: int, stop: int, alloc: Alloc) -> Batch:
         """Positions ``[start, stop)`` of the stream as one batch of tensors."""
         segments = list(self._segments(start, stop))
         for old in [k for k in self.arenas if k < segments[0][0]]:
@@ -561,10 +566,10 @@ class _Assembler:
                     to_float(chw, views[k][sl])
                 else:
                     views[k][sl] = chw
-        out = dict(out)
+        batch: Batch = dict(out)
         if self.tasks:
-            out["task"] = self._tasks(segments)
-        return out
+            batch["task"] = self._tasks(segments)
+        return batch
 
     def _tasks(self, segments: list[tuple[int, int, int]]) -> list[str]:
         """The task string of each position, as LeRobotDataset gives it."""

@@ -163,7 +163,7 @@ def worker_counts(total: int, rank: int, world_size: int, num_workers: int) -> n
     return np.diff(split_even(int(ranks[rank + 1] - ranks[rank]), num_workers))
 
 
-def loader_progress(counts: Sequence[int], batch_size: int, batches: int,
+def loader_progress(counts: Sequence[int] | np.ndarray, batch_size: int, batches: int,
                     drop_last: bool = False) -> tuple[list[int], int]:
     """Samples each worker had produced when a DataLoader handed out ``batches`` batches, and
     the worker whose turn is next.

@@ -15,7 +15,7 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -218,7 +218,8 @@ def ring_batches(produce: Callable[[Alloc], Iterable[Batch]], capacity: int, dep
                 pass
 
 
-def _host_batches(source: Any, pin: bool, depth: int) -> Iterator[tuple[Batch, Callable[[], None]]]:
+def _host_batches(source: Any, pin: bool, depth: int
+                  ) -> Generator[tuple[Batch, Callable[[], None]], None, None]:
     """``(batch, release)`` pairs from a ShardDataset (ring) or any iterable of dict batches."""
     produce = getattr(source, "produce_batches", None)
     if produce is not None and getattr(source, "batch_size", None):

@@ -224,6 +224,7 @@ def _open_plain(fs: fsspec.AbstractFileSystem, store: Store, path: str,
         if schema is None:
             schema = md.schema.to_arrow_schema()
         shards.append(Shard(p, md.num_rows, sizes[p]))
+    assert schema is not None  # files is not empty
     numeric = [f.name for f in schema if _is_numeric(f.type)]
     return Source(fs=fs, store=store, root=path, format=PLAIN, shards=tuple(shards),
                   columns=_pick(numeric, columns), fps=fps)
@@ -336,8 +337,8 @@ class ShardDecoder:
             if self.local:
                 entry = (pq.ParquetFile(pa.memory_map(shard.path), metadata=footer), None)
             else:
-                span = _Span(max(shard.file_bytes, shard.stop), 0, b"")
-                entry = (pq.ParquetFile(pa.PythonFile(span, mode="r"), metadata=footer), span)
+                fresh = _Span(max(shard.file_bytes, shard.stop), 0, b"")
+                entry = (pq.ParquetFile(pa.PythonFile(fresh, mode="r"), metadata=footer), fresh)
             self._readers[shard.path] = entry
         reader, span = entry
         if span is not None:

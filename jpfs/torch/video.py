@@ -60,7 +60,7 @@ class _Cursor:
         if t < last - tol:
             return True
         k = np.searchsorted(self.keys, t + tol, side="right") - 1
-        return k >= 0 and self.keys[k] > last + tol
+        return bool(k >= 0 and self.keys[k] > last + tol)
 
     def close(self) -> None:
         self.container.close()
