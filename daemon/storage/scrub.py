@@ -35,6 +35,8 @@ STEP = 1 << 20
 """Bytes read per step (at least one blob): one thread hop and one pacing sleep per step."""
 STEP_BLOBS = 512
 SAVE_EVERY = 5.0
+MIN_PAUSE = 1.0
+"""The shortest pause between passes: an empty node with ``--scrub-pause 0`` must not spin."""
 RETRY_AFTER = 5.0
 
 
@@ -53,7 +55,7 @@ class Scrubber:
         self.store = store
         self.submit = submit
         self.rate = max(0.0, float(rate))
-        self.pause = max(0.0, float(pause))
+        self.pause = max(MIN_PAUSE, float(pause))
         self._limiter = trio.CapacityLimiter(1)
         self._kick = trio.Event()
         self.scrubbing = False
@@ -148,8 +150,7 @@ class Scrubber:
             log.info("scrub: pass %d starts (%d live bytes, at most %.0f bytes/s)",
                      s["passes"] + 1, s["pass_total"], self.rate)
         self.pass_elapsed = float(s.get("pass_elapsed") or 0.0)
-        saved_at = trio.current_time()
-        due = trio.current_time()
+        saved_at = last = due = trio.current_time()
         while True:
             after = bytes.fromhex(s["pos"])
             entries = await trio.to_thread.run_sync(store.scrub_entries, after, STEP_BLOBS,
@@ -176,7 +177,8 @@ class Scrubber:
             due = max(due, t0) + size / self.rate
             await trio.sleep_until(due)
             now = trio.current_time()
-            self.pass_elapsed += now - t0
+            self.pass_elapsed += now - last  # wall time of the pass, lookups included
+            last = now
             s["pass_elapsed"] = self.pass_elapsed
             if now - saved_at >= SAVE_EVERY:
                 await self.submit(ScrubOp([], self._state()))
