@@ -165,13 +165,13 @@ class Scrubber:
                 size += e[3]
             t0 = trio.current_time()
             bad = await trio.to_thread.run_sync(store.verify, step, limiter=self._limiter)
-            s["pos"] = step[-1][0].hex()
-            s["pass_bytes"] += size
-            s["pass_blobs"] += len(step)
-            s["bytes_verified"] += size
-            s["blobs_verified"] += len(step)
+            prev, s["pos"] = s["pos"], step[-1][0].hex()
             if bad:
-                s["bad_found"] += await self.submit(ScrubOp(bad, self._state()))
+                try:
+                    s["bad_found"] += await self.submit(ScrubOp(bad, self._state()))
+                except BaseException:
+                    s["pos"] = prev  # not recorded: read this step again
+                    raise
                 saved_at = trio.current_time()
             # Pace: the step's bytes at the rate, from when the last step was due.
             due = max(due, t0) + size / self.rate
@@ -179,6 +179,10 @@ class Scrubber:
             now = trio.current_time()
             self.pass_elapsed += now - last  # wall time of the pass, lookups included
             last = now
+            s["pass_bytes"] += size  # counted with the time they took, so the rate is true
+            s["pass_blobs"] += len(step)
+            s["bytes_verified"] += size
+            s["blobs_verified"] += len(step)
             s["pass_elapsed"] = self.pass_elapsed
             if now - saved_at >= SAVE_EVERY:
                 await self.submit(ScrubOp([], self._state()))

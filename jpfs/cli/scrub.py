@@ -111,7 +111,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
         client.close()
     if args.json:
         print_json(report.as_dict())
-        return 0 if report.clean or args.dry_run else 1
+        return 0 if report.clean else 1
     for node, why in sorted(report.errors.items()):
         print(f"storage-{node}: {why}")
     verb = "would repair" if args.dry_run else "repaired"
@@ -125,4 +125,4 @@ def cmd_repair(args: argparse.Namespace) -> int:
     if report.unreferenced:
         print(f"  {plural(len(report.unreferenced), 'bad blob')} no file uses "
               "(jpfs gc deletes them)")
-    return 0 if (not report.unrepairable and not report.errors) else 1
+    return 0 if report.clean else 1

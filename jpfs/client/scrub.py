@@ -60,9 +60,8 @@ class RepairReport:
 
     @property
     def clean(self) -> bool:
-        """True when no bad copy is left that could matter (unreferenced ones are gc's)."""
-        return not self.unrepairable and not self.errors and (
-            not self.dry_run or not self.repaired)
+        """True when every bad copy that a file uses was (or, dry run, could be) repaired."""
+        return not self.unrepairable and not self.errors
 
     def as_dict(self) -> dict:
         """The report for ``--json``."""
