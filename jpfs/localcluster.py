@@ -186,7 +186,10 @@ def _move(d: Path, cluster: config.Cluster, role: str, index: int) -> None:
     servers = list(cluster.meta if role == "meta" else cluster.storage)
     host, _ = config.parse_address(servers[index].address)
     servers[index] = dataclasses.replace(servers[index], address=f"{host}:{_free_port(host)}")
-    updated = dataclasses.replace(cluster, **{role: tuple(servers)})
+    if role == "meta":
+        updated = dataclasses.replace(cluster, meta=tuple(servers))
+    else:
+        updated = dataclasses.replace(cluster, storage=tuple(servers))
     config.write(updated, cluster_file(d))
 
 

@@ -35,9 +35,10 @@ import mmap
 import os
 import struct
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import trio
 import xxhash
@@ -227,7 +228,7 @@ class BlobCache:
             self._hit(chunk.blob, len(view))
         return view
 
-    def delivered(self, blobs: Sequence[bytes]) -> None:
+    def delivered(self, blobs: Iterable[bytes]) -> None:
         """These blobs now live where their reader reads them (the kernel's page cache): drop
         them from memory at once. Memory that is freed and allocated again is cheap; memory
         the cache keeps growing into costs a page fault per page (PERF.md), and the pages
@@ -303,7 +304,8 @@ class BlobCache:
             out[i] = out[j]
         if not keep:
             self.delivered(first)
-        return out  # type: ignore[return-value]
+        # Every index is set above (a hit, a wait, a load, a fetch or a duplicate) or it raised.
+        return cast("list[memoryview]", out)
 
     async def prefetch(self, chunks: Sequence[Chunk], fetch: Fetch) -> int:
         """Bring blobs into memory ahead of their readers (one ``fetch`` for all that are not
@@ -342,7 +344,8 @@ class BlobCache:
         if isinstance(f.error, _Cancelled):
             (view,) = await self.get([chunk], fetch, src)
             return view
-        raise f.error  # type: ignore[misc]
+        assert f.error is not None  # a flight settles with a view or an error
+        raise f.error
 
     async def _fetch(self, chunks: Sequence[Chunk], idx: list[int], out: list,
                      fetch: Fetch, *, prefetch: bool, keep: bool = True) -> None:
@@ -394,10 +397,12 @@ class BlobCache:
             self._inflight[chunks[i].blob] = f
             flights[i] = f
         want = [(chunks[i], self._disk[chunks[i].blob]) for i in idx]
+        root = self.disk_dir
+        assert root is not None  # blobs are in _disk only with a disk cache
         old_half = set(list(self._segs)[:len(self._segs) // 2])
         got: list = [None] * len(idx)
         try:
-            got = await trio.to_thread.run_sync(_read_records, self.disk_dir, want)
+            got = await trio.to_thread.run_sync(_read_records, root, want)
         except BaseException as e:
             for i, f in flights.items():
                 self._inflight.pop(chunks[i].blob, None)

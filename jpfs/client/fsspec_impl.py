@@ -144,7 +144,7 @@ class JPFSFileSystem(AbstractFileSystem):
         except OSError:
             if on_error == "raise":
                 raise
-            out = {}
+            out: dict[str, bytes | OSError] = {}
             for p in paths:
                 try:
                     out[p] = self.cat_file(p)
@@ -167,13 +167,13 @@ class JPFSFileSystem(AbstractFileSystem):
         except OSError as err:
             if on_error == "raise":
                 raise
-            out = []
+            got: list[bytes | OSError] = []
             for p, s, e in items:
                 try:
-                    out.append(bytes(self.client.read_ranges([(p, s, e)])[0]))
+                    got.append(bytes(self.client.read_ranges([(p, s, e)])[0]))
                 except OSError as one:
-                    out.append(one)
-            return out if out else [err]
+                    got.append(one)
+            return got if got else [err]
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         p = self._strip_protocol(path)

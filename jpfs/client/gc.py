@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from ..errors import JPFSError
 from .client import AsyncClient
@@ -53,7 +54,8 @@ async def collect(client: AsyncClient, *, grace: float = DEFAULT_GRACE,
     cutoff = time.time() - grace
     report: dict = {"live_blobs": len(live), "nodes": {}}
     for node in range(storage.n_nodes):
-        r = report["nodes"][node] = {"scanned": 0, "deleted": 0, "kept_by_grace": 0}
+        r: dict[str, Any] = {"scanned": 0, "deleted": 0, "kept_by_grace": 0}
+        report["nodes"][node] = r
         try:
             after = b""
             dead: list[bytes] = []

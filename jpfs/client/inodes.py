@@ -56,6 +56,11 @@ class Inodes:
     def get(self, ino: int) -> Node | None:
         return self._nodes.get(ino)
 
+    @property
+    def root(self) -> Node:
+        """The root directory's node: held from the start, never forgotten or dropped."""
+        return self._nodes[ROOT_INO]
+
     def remember(self, attr: Attr, parent: int, name: bytes, *, fetched: float | None = None,
                  lookup: bool = True) -> Node:
         """Record an entry handed to the kernel (``lookup``: it counts one more lookup)."""
@@ -127,7 +132,7 @@ class Inodes:
         p = self._paths.get(ino)
         if p is not None:
             return p
-        chain = []
+        chain: list[str] = []
         cur = ino
         while cur != ROOT_INO:
             node = self._nodes.get(cur)

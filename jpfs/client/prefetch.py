@@ -36,6 +36,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import trio
 
@@ -611,7 +612,8 @@ class Prefetcher:
         cfg = self.config
         k = 0
         while k < len(todo):
-            picks, size = [], 0
+            picks: list[Attr] = []
+            size = 0
             while k < len(todo) and len(picks) < cfg.batch_files and \
                     (not picks or size + todo[k].size <= cfg.batch_bytes):
                 a = todo[k]
@@ -663,11 +665,11 @@ class Prefetcher:
                 self.stats.coaccess_rules += 1
         recent.appendleft(cur)
         # predict: this file's partners by the rules learned for its shape
-        rules = self._rules.get(cur.shape)
-        if not rules:
+        shape_rules = self._rules.get(cur.shape)
+        if not shape_rules:
             return
         targets = []
-        for rule in rules.values():
+        for rule in shape_rules.values():
             if rule.dropped or rule.seen < cfg.coaccess_min:
                 continue
             p = apply_rule(rule.parts, cur.runs)
@@ -676,7 +678,8 @@ class Prefetcher:
         if not targets:
             return
         self.stats.coaccess_predictions += len(targets)
-        found, later = [], []
+        found: list[Attr] = []
+        later: list[tuple[str, _Rule]] = []
         for p, rule in targets:  # resolved from listings at once when they are all here
             got = self._resolve_now(p)
             if got is False:
@@ -714,7 +717,7 @@ class Prefetcher:
             self._miss(old)
         found.append(attr)
 
-    def _resolve_now(self, path: str) -> tuple[int, bytes, Attr] | None | bool:
+    def _resolve_now(self, path: str) -> tuple[int, bytes, Attr] | None | Literal[False]:
         """Like ``resolve`` from listings already held; False when one is missing."""
         ino = ROOT_INO
         comps = path.strip("/").split("/")

@@ -52,8 +52,8 @@ def _fill(dest: memoryview, src: memoryview | bytearray | None, stored: int, sta
     """``dest`` from ``src[start:]`` where ``src`` holds ``stored`` bytes; zeros past them."""
     n = len(dest)
     have = 0 if src is None else max(0, min(n, stored - start))
-    if have:
-        dest[:have] = src[start:start + have]  # type: ignore[index]
+    if src is not None and have:
+        dest[:have] = src[start:start + have]
     if have < n:
         dest[have:] = zeros(n - have)
 
@@ -67,11 +67,11 @@ def piece(chunks: Mapping[int, Chunk], blobs: Mapping[int, memoryview], size: in
     if len(span) == 1:
         i = span[0]
         start = off - i * cs
-        src = dirty.get(i) if dirty else None
+        src: memoryview | bytearray | None = dirty.get(i) if dirty else None
         if src is None:
             c = chunks.get(i)
             view = blobs.get(i) if c is not None else None
-            if view is not None and start + n <= c.length:  # type: ignore[union-attr]
+            if c is not None and view is not None and start + n <= c.length:
                 return view[start:start + n]
             stored = c.length if c is not None else 0
             src = view

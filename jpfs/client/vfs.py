@@ -30,7 +30,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
@@ -295,14 +295,15 @@ class VFS:
         w = node.writer if node is not None else None
         before = node.attr.version if node is not None else None
         if size is not None:
-            if w is not None:
+            if node is not None and w is not None:
                 async with w.lock:
                     await w.truncate(size)
-                self._committed(node, w)  # type: ignore[arg-type]
+                self._committed(node, w)
             else:
                 changes = {**changes, "size": size}
-        elif w is not None and ("mtime_ns" in changes or "atime_ns" in changes):
-            await self._commit(node, w)  # type: ignore[arg-type]  # or it overwrites the times
+        elif node is not None and w is not None and ("mtime_ns" in changes or
+                                                     "atime_ns" in changes):
+            await self._commit(node, w)  # or it overwrites the times
         if not changes and size is None:
             # the kernel asks with nothing to set for chown(f, -1, -1) and the like: a change
             # all the same, as on a local filesystem (the kernel leaves ctime to us)
@@ -523,6 +524,7 @@ class VFS:
 
     async def read(self, fh: int, off: int, size: int) -> memoryview | bytearray | bytes:
         h = self._handle(fh)
+        out: memoryview | bytearray | bytes
         if h.data is not None:
             out = h.data[off:off + size]
         elif h.node.writer is not None:
@@ -660,7 +662,8 @@ class VFS:
     def opendir(self, ino: int) -> int:
         return self.handles.add(DirHandle(ino))
 
-    async def readdir(self, fh: int, start: int) -> AsyncIterator[tuple[bytes, Attr, int]]:
+    async def readdir(self, fh: int, start: int
+                      ) -> AsyncGenerator[tuple[bytes, Attr, int], None]:
         """Entries from position ``start`` on: (name, attributes, position after it), with
         "." and ".." first. Use with ``contextlib.aclosing``."""
         h = self.handles.get(fh)
@@ -692,7 +695,7 @@ class VFS:
     def _parent_attr(self, ino: int) -> Attr:
         node = self.inodes.get(ino)
         up = self.inodes.get(node.parent) if node is not None and node.parent else None
-        return (up or node or self.inodes.get(ROOT_INO)).attr  # type: ignore[union-attr]
+        return (up or node or self.inodes.root).attr
 
     async def _more(self, h: DirHandle, want: int) -> None:
         """Fetch pages until entry ``want`` is held (or the directory ends)."""

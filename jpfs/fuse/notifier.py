@@ -20,7 +20,9 @@ class KernelNotifier:
     def store(self, ino: int, data: memoryview) -> bool:
         """Put ``data`` (a whole file) into the kernel's page cache for ``ino``."""
         try:
-            pyfuse3.notify_store(ino, 0, data)
+            # pyfuse3 takes any contiguous buffer (PyObject_GetBuffer); its stub says bytes, and
+            # a copy of a whole file is what this avoids.
+            pyfuse3.notify_store(ino, 0, data)  # type: ignore[arg-type]
         except OSError as e:
             log.debug("notify_store of inode %d failed: %s", ino, e)
             return False

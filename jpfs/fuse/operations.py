@@ -26,6 +26,7 @@ import pyfuse3
 import trio
 from prometheus_client import generate_latest
 
+from ..client.handles import DirHandle
 from ..client.vfs import VFS
 from ..errors import JPFSError, errno_name, error
 from ..types import ROOT_INO, Attr
@@ -389,18 +390,18 @@ class Operations(pyfuse3.Operations):
         if fh >= CONTROL_FH:
             self._ctl("readdir")
             h = self._control(fh)
-            entries = [(b".", control.attr(h.ino)), (b"..", self.vfs.inodes.get(ROOT_INO).attr)]
+            entries = [(b".", control.attr(h.ino)), (b"..", self.vfs.inodes.root.attr)]
             entries += [(n, control.attr(i)) for n, i in control.FILES.items()]
             for k in range(start_id, len(entries)):
                 name, a = entries[k]
                 if not pyfuse3.readdir_reply(token, name, self._entry(a), k + 1):
                     return
             return
-        root = self.vfs.inodes.get(ROOT_INO)
+        dh = self.vfs.handles.get(fh)
+        in_root = isinstance(dh, DirHandle) and dh.ino == ROOT_INO
         async with aclosing(self.vfs.readdir(fh, start_id)) as it:
             async for name, attr, nxt in it:
-                if name == control.CONTROL_NAME and root is not None \
-                        and self.vfs.handles.get(fh).ino == ROOT_INO:  # type: ignore[union-attr]
+                if name == control.CONTROL_NAME and in_root:
                     continue  # a stored entry of that name is hidden by the control directory
                 if not pyfuse3.readdir_reply(token, name, self._entry(attr), nxt):
                     return
@@ -418,9 +419,9 @@ class Operations(pyfuse3.Operations):
         if fh >= CONTROL_FH:
             return
         h = self.vfs.handles.get(fh)
-        if h is None:
+        if not isinstance(h, DirHandle):  # the kernel fsyncs only what opendir opened
             raise error(errno.EBADF, "no such directory handle")
-        await self.vfs.fsyncdir(h.ino)  # type: ignore[union-attr]
+        await self.vfs.fsyncdir(h.ino)
 
     # ------------------------------------------------------------------ filesystem
 
