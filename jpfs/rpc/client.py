@@ -347,22 +347,23 @@ class Pool:
         role = ROLE_NAMES.get(self.role, f"{self.role} server")
         return f"{role} {index} ({self.addresses[index]})"
 
-    async def _connection(self, index: int, give_up: float) -> Connection:
+    async def _connection(self, index: int, deadline: float) -> Connection:
         conns = self._conns[index]
         live = [c for c in conns if c.alive]
         if len(live) != len(conns):
             self._conns[index] = conns = live
         if len(conns) >= self.per_server:
             return min(conns, key=lambda c: c.in_flight)
-        # the slow path only: waiting for another task's connection attempt counts too
-        left = min(give_up - trio.current_time(), self.peer_timeout)
+        # the slow path only: waiting for another task's connection attempt counts too. An
+        # attempt gets peer_timeout (within the call's deadline) whatever the retry window is.
+        left = min(deadline - trio.current_time(), self.peer_timeout)
         with trio.move_on_after(max(left, 0.001)):
             async with self._locks[index]:
                 conns = self._conns[index] = [c for c in self._conns[index] if c.alive]
                 if len(conns) < self.per_server and (not conns or conns[0].in_flight):
                     conn = await connect(self.addresses[index], self.secret, self.nursery,
                                          limits=self.limits,
-                                         timeout=max(give_up - trio.current_time(), 0.001))
+                                         timeout=max(left, 0.001))
                     conns.append(conn)
                     return conn
                 return min(conns, key=lambda c: c.in_flight)
@@ -413,7 +414,7 @@ class Pool:
         delay = 0.02
         while True:
             try:
-                conn = await self._connection(index, give_up)
+                conn = await self._connection(index, deadline)
                 return await conn.call(method, args, payload, deadline=deadline, into=into)
             except Refused as e:  # an answer: nothing listens there
                 if trio.current_time() + delay >= min(deadline, now + self.refused_retry_for):
