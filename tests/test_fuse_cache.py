@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import threading
 import time
 from pathlib import Path
 
@@ -156,7 +155,9 @@ async def test_concurrent_reads_of_one_blob_share_one_fetch(cluster):
 
 @requires_fuse
 @pytest.mark.slow
-def test_mount_rides_out_a_storage_node_restart(cluster, tmp_path):
+def test_mount_answers_a_storage_outage_at_once_and_recovers(cluster, tmp_path):
+    """One replica, its node down: a refused connection is an answer, so the read fails with
+    EIO at once (no retry window); once the node is back the same mount reads again."""
     c, src = cluster
     with jpfs.connect(c) as client:
         node_of = {n: client.layout(f"/e/{n}").chunks[0].nodes[0]
@@ -165,21 +166,12 @@ def test_mount_rides_out_a_storage_node_restart(cluster, tmp_path):
     on_victim = [n for n, x in node_of.items() if x == victim]
     with mounted(c, tmp_path / "m", "--read-only", "--no-prefetch") as m:
         assert _read(m / f"e/{on_victim[0]}") == (src / "e" / on_victim[0]).read_bytes()
-        # down, then back while a read waits for it: the read succeeds
-        localcluster.stop(c, "storage", victim)
-        restart = threading.Timer(1.0, localcluster.start, (c, "storage", victim),
-                                  {"sync": False})
-        restart.start()
-        try:
-            assert _read(m / f"e/{on_victim[1]}") == (src / "e" / on_victim[1]).read_bytes()
-        finally:
-            restart.join()
-        # down for longer than the retry window: EIO, and the mount recovers after
         localcluster.kill(c, "storage", victim)
         t0 = time.monotonic()
         with pytest.raises(OSError) as e:
             _read(m / f"e/{on_victim[2]}")
-        assert e.value.errno == errno.EIO and time.monotonic() - t0 < 30
+        # a generous bound: it fails on the refusal, not after a timeout (which was 10 s+)
+        assert e.value.errno == errno.EIO and time.monotonic() - t0 < 5
         localcluster.start(c, "storage", victim, sync=False)
         assert _read(m / f"e/{on_victim[2]}") == (src / "e" / on_victim[2]).read_bytes()
         assert _read(m / f"e/{on_victim[3]}") == (src / "e" / on_victim[3]).read_bytes()
