@@ -107,11 +107,13 @@ def _class_for(err: int) -> type[JPFSError]:
     return cls
 
 
-def error(err: int, message: str | None = None, filename: str | None = None) -> JPFSError:
+def error(err: int | None, message: str | None = None, filename: str | None = None
+          ) -> JPFSError:
     """The JPFSError for an errno and a message, naming the path where there is one.
 
     ``raise error(ENOENT, "no such entry", path)``. The instance is also the matching builtin
     (``FileNotFoundError`` for ENOENT), so callers of the native client can catch what they
-    would catch from ``os`` calls.
+    would catch from ``os`` calls. An errno of None (an ``OSError`` that carried none) is EIO.
     """
+    err = err or _errno.EIO
     return _class_for(err)(err, message, filename)

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import time
+from typing import Any
 
 import trio
 
@@ -60,7 +61,8 @@ class Scrubber:
         self._kick = trio.Event()
         self.scrubbing = False
         self.pass_elapsed = 0.0
-        self.s = {"passes": 0, "pos": None, "pass_started": None, "pass_bytes": 0,
+        # the progress, saved as JSON: counts, times (float), the position (hex key or None)
+        self.s: dict[str, Any] = {"passes": 0, "pos": None, "pass_started": None, "pass_bytes": 0,
                   "pass_blobs": 0, "pass_total": 0, "pass_elapsed": 0.0, "last_finished": None,
                   "bytes_verified": 0, "blobs_verified": 0, "bad_found": 0}
         raw = store.scrub_state()
@@ -157,7 +159,8 @@ class Scrubber:
                                                     limiter=self._limiter)
             if not entries:
                 break
-            step, size = [], 0
+            step: list[tuple[bytes, int, int, int, int]] = []
+            size = 0
             for e in entries:
                 if step and size + e[3] > STEP:
                     break

@@ -282,12 +282,13 @@ class Store:
         w = self._w
         w.next_volume = max(U64.unpack(raw_next)[0] if raw_next else 1, top + 1)
         active = U64.unpack(raw_active)[0] if raw_active else None
-        if active in recs and not recs[active].flags & SEALED and active not in self.short:
+        if active is not None and active in recs and not recs[active].flags & SEALED \
+                and active not in self.short:
             w.active, w.end = active, recs[active].end
             w.fd = os.open(self.vol_path(active), os.O_RDWR)
         log.info("index has %d volumes, %d blobs; appending to %s", len(recs),
                  sum(r.live_blobs for r in recs.values()),
-                 self.vol_path(w.active).name if w.active else "a new volume")
+                 self.vol_path(w.active).name if w.active is not None else "a new volume")
 
     def _fsync_dir(self) -> None:
         if not self.fsync:
@@ -650,6 +651,7 @@ class Store:
             s.active, s.end, s.fd = vol, 0, fd
             c.recs[vol] = VolRec()
             c.meta_changed = True
+        assert s.fd is not None  # an active volume is open for appending
         return s.active, s.fd, s.end
 
     def _delete(self, txn, c: _Commit, op: DeleteOp) -> int:
@@ -732,7 +734,7 @@ class Store:
 
     def volume_entries(self, vol: int) -> list[tuple[int, bytes, int, int]]:
         """(offset, id, length, xxh) of the blobs in ``vol``, in disk order."""
-        out = []
+        out: list[tuple[int, bytes, int, int]] = []
         prefix = VOL_KEY.pack(vol)
         with self.env.begin(db=self.byvol) as txn:
             cur = txn.cursor()

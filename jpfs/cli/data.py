@@ -121,7 +121,7 @@ def _run_transfer(args, fn, src, dst, totals, **options) -> int:
 
     client = connect(args)
     files_done = 0
-    bar = _bar(args, *totals, desc=args.command)
+    bar = _bar(args, totals[0], totals[1], desc=args.command)
     if options.pop("listed", False):  # a remote tree's totals come once it is listed
         totals = [None, None]
 

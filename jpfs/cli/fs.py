@@ -102,25 +102,25 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 status = 1
                 continue
             if args.json:
-                out[path] = [{"name": e.name, "ino": e.attr.ino, "mode": e.attr.mode,
-                              "size": e.attr.size, "mtime_ns": e.attr.mtime_ns}
-                             for e in entries] if entries is not None else attr.size
+                out[path] = [{"name": x.name, "ino": x.attr.ino, "mode": x.attr.mode,
+                              "size": x.attr.size, "mtime_ns": x.attr.mtime_ns}
+                             for x in entries] if entries is not None else attr.size
             else:
                 if len(args.paths) > 1 or args.recursive:
                     print(("" if first else "\n") + f"{given}:")
                 first = False
-                for e in entries if entries is not None else []:
+                for ent in entries if entries is not None else []:
                     if args.long:
-                        a = e.attr
+                        a = ent.attr
                         print(f"{mode_string(a.mode)} {a.nlink:>3} {a.uid:>5} {a.gid:>5} "
                               f"{_size(a.size, args.human):>10} {time_string(a.mtime_ns)} "
-                              f"{e.name}")
+                              f"{ent.name}")
                     else:
-                        print(e.name)
+                        print(ent.name)
                 if entries is None:
                     print(given)
             if args.recursive and entries:
-                stack[0:0] = [shown(e.path) for e in entries if e.is_dir()]
+                stack[0:0] = [shown(x.path) for x in entries if x.is_dir()]
     finally:
         client.close()
     if args.json:

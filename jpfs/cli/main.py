@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if reported is KeyboardInterrupt:
             print(f"{_command(args)}: interrupted", file=sys.stderr)
             return 130
+        assert isinstance(reported, BaseException)
         print(f"{_command(args)}: {_describe(reported, args)}", file=sys.stderr)
         return 1
 
@@ -101,9 +102,10 @@ def _reportable(e: BaseException) -> BaseException | type[KeyboardInterrupt] | N
         ordinary, other = e.split((JPFSError, OSError, ValueError))
         if ordinary is None or other is not None:
             return None
-        while isinstance(ordinary, BaseExceptionGroup):
-            ordinary = ordinary.exceptions[0]
-        return ordinary
+        first: BaseException = ordinary
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        return first
     return KeyboardInterrupt if isinstance(e, KeyboardInterrupt) else e
 
 

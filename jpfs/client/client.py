@@ -75,7 +75,7 @@ def at_path(e: OSError, path: str) -> OSError:
     if e.filename is not None:
         return e
     if isinstance(e, (Unavailable, DeadlineError, ChecksumError)):
-        named: OSError = type(e)(e.strerror)
+        named: OSError = type(e)(e.strerror or str(e))
     else:
         named = error(e.errno or errno.EIO, e.strerror or str(e))
     named.filename = path
@@ -428,7 +428,11 @@ class AsyncClient:
             if not entries:
                 break
             for e in entries:
-                n += await self.rmtree(e.path) if e.is_dir() else (await self.remove(e.path), 1)[1]
+                if e.is_dir():
+                    n += await self.rmtree(e.path)
+                else:
+                    await self.remove(e.path)
+                    n += 1
         await self.rmdir(p)
         return n + 1
 
@@ -604,13 +608,12 @@ class AsyncClient:
         fetched once however many ranges touch it. Negative offsets count from the end."""
         reader = self._reader()
         paths = list(dict.fromkeys(p for p, _, _ in ranges))
-        attrs = await self.stat_many(paths)
-        for p, a in zip(paths, attrs, strict=True):
+        found = await self.stat_many(paths)
+        attrs: list[Attr] = []
+        for p, a in zip(paths, found, strict=True):
             if isinstance(a, OSError):
                 raise error(a.errno, a.strerror, p)
-        for i, a in enumerate(attrs):
-            if a.is_link:
-                attrs[i] = await self.stat(paths[i])
+            attrs.append(await self.stat(p) if a.is_link else a)
         layouts = dict(zip(paths, await self.meta.batch_layout([a.ino for a in attrs]),
                            strict=True))
         spans = []

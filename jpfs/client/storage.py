@@ -220,10 +220,10 @@ class StorageClient:
                 failures[i].append(f"{self.pool.name(node)}: malformed answer")
             return
         found = P.BlobStatuses.found
-        views = None
+        views: list[memoryview | None] | None = None
         if isinstance(payload, list):
             # Scattered into our buffers: valid only if every blob came with the expected size.
-            views = payload
+            views = list(payload)
             for s, i in zip(statuses, batch, strict=True):
                 if not found(s) or s[0] != chunks[i].blob_len:
                     payload = memoryview(b"".join(payload))
@@ -234,6 +234,7 @@ class StorageClient:
             pos = 0
             if payload is None:
                 payload = memoryview(b"")
+            assert not isinstance(payload, list)  # joined above
             size = len(payload)
             for s in statuses:
                 length = s[0] if found(s) else -1  # [length, xxh]
@@ -382,7 +383,7 @@ class StorageClient:
                                      retry_for=self.write_retry_for)
             except (Unavailable, DeadlineError) as e:
                 self._mark_down(node, e)
-                failed[node] = e.strerror
+                failed[node] = e.strerror or str(e)
 
         async with trio.open_nursery() as nursery:
             for node, ids in by_node.items():

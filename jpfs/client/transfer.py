@@ -72,7 +72,7 @@ Progress = Callable[[int, int], None]
 def scan_local(src: str | os.PathLike) -> tuple[int, int]:
     """(files, bytes) under a local tree: the totals for a progress bar."""
     files = size = 0
-    for _root, _dirs, names in os.walk(src):
+    for _root, _dirs, names in os.walk(os.fspath(src)):
         for n in names:
             try:
                 st = os.lstat(os.path.join(_root, n))
@@ -183,7 +183,7 @@ class RemoteSource:
         self.errors: list[str] = []
         self.dirs: list[SourceDir] | None = None
 
-    def list(self) -> tuple[int, int]:
+    def list_tree(self) -> tuple[int, int]:
         """List the tree (blocking: run it in a thread); returns (files, bytes)."""
         try:
             found = self.fs.find(self.root, withdirs=True, detail=True)
@@ -212,8 +212,8 @@ class RemoteSource:
                 size = self.fs.size(path)
             dirs[parent].files.append(SourceFile(posixpath.basename(rel), path, int(size or 0),
                                                  _mtime_ns(info), 0o644, uid, gid))
-        for d in dirs.values():
-            d.files.sort(key=lambda f: f.name)
+        for sd in dirs.values():
+            sd.files.sort(key=lambda f: f.name)
         self.dirs = [dirs[k] for k in sorted(dirs, key=_top_down)]
         return (sum(len(d.files) for d in self.dirs),
                 sum(f.size for d in self.dirs for f in d.files))
@@ -224,7 +224,7 @@ class RemoteSource:
 
     def walk(self):
         if self.dirs is None:
-            self.list()
+            self.list_tree()
         yield from self.dirs or ()
 
     def read(self, files: list[SourceFile]) -> list[bytes | OSError]:
@@ -294,8 +294,9 @@ async def import_tree(client: AsyncClient, src: str | os.PathLike, dst: str, *,
     remote tree is listed (the totals for a progress bar)."""
     data = client._data()
     if is_url(src):
-        source: LocalSource | RemoteSource = RemoteSource(str(src), storage_options)
-        totals = await trio.to_thread.run_sync(source.list)
+        remote = RemoteSource(str(src), storage_options)
+        totals = await trio.to_thread.run_sync(remote.list_tree)
+        source: LocalSource | RemoteSource = remote
         if on_listed is not None:
             on_listed(*totals)
     else:

@@ -19,7 +19,9 @@ import logging
 import math
 import os
 import socket as _socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -55,12 +57,12 @@ _SEND_TIMEOUT = 60.0
 
 @dataclass
 class _Pending:
-    into: memoryview | None
+    into: memoryview | list[memoryview] | None
     method: str
     deadline: float
     done: trio.Event = field(default_factory=trio.Event)
     result: object = None
-    payload: memoryview | None = None
+    payload: memoryview | list[memoryview] | None = None
     exc: BaseException | None = None
 
 
@@ -132,7 +134,8 @@ class Connection:
             with trio.move_on_at(self._sweep_at):
                 await self._sweep_wake.wait()
 
-    def _choose_dest(self, kind: int, body: object, length: int) -> memoryview | None:
+    def _choose_dest(self, kind: int, body: object, length: int
+                     ) -> memoryview | list[memoryview] | None:
         if isinstance(body, list) and body:
             call = self._pending.get(body[0])
             into = call.into if call is not None else None
@@ -193,12 +196,12 @@ class Connection:
     async def call(
         self,
         method: Method,
-        args: list,
+        args: Sequence[Any],
         payload: F.Payload = (),
         *,
         deadline: float,
-        into: memoryview | None = None,
-    ) -> tuple[object, memoryview | None]:
+        into: memoryview | list[memoryview] | None = None,
+    ) -> tuple[object, memoryview | list[memoryview] | None]:
         """Send one request and wait for its answer until ``deadline`` (trio.current_time)."""
         if self.broken is not None:
             raise self.broken
@@ -227,8 +230,9 @@ class Connection:
                 await self._send(parts)
         except JPFSError as e:
             self._pending.pop(req_id, None)
-            self._fail(e if isinstance(e, Unavailable) else Unavailable(str(e)))
-            raise _Sent(self.broken) from None
+            broken = e if isinstance(e, Unavailable) else Unavailable(str(e))
+            self._fail(broken)
+            raise _Sent(self.broken or broken) from None
         try:
             await call.done.wait()  # set by the reader, by _fail, or by the sweeper's deadline
         except BaseException:
@@ -381,10 +385,11 @@ class Pool:
         if type(e) not in (Unavailable, DeadlineError):
             return e
         text = (e.strerror or str(e)).replace(f"{self.role} server {address}", "the server")
-        return type(e)(f"{self.name(index)}: {text.replace(address, 'the server')}")
+        message = f"{self.name(index)}: {text.replace(address, 'the server')}"
+        return Unavailable(message) if type(e) is Unavailable else DeadlineError(message)
 
-    async def call(self, index: int, method: Method, args: list, payload: F.Payload = (),
-                   **kw) -> object:
+    async def call(self, index: int, method: Method, args: Sequence[Any],
+                   payload: F.Payload = (), **kw) -> object:
         """Call ``method`` on server ``index`` and return its result."""
         result, _ = await self.call_payload(index, method, args, payload, **kw)
         return result
@@ -393,13 +398,13 @@ class Pool:
         self,
         index: int,
         method: Method,
-        args: list,
+        args: Sequence[Any],
         payload: F.Payload = (),
         *,
         timeout: float | None = None,
-        into: memoryview | None = None,
+        into: memoryview | list[memoryview] | None = None,
         retry_for: float | None = None,
-    ) -> tuple[object, memoryview | None]:
+    ) -> tuple[object, memoryview | list[memoryview] | None]:
         """Call ``method`` on server ``index``; returns (result, reply payload or None).
 
         ``into`` receives the reply payload when its size matches (no copy; a list of buffers
@@ -412,6 +417,7 @@ class Pool:
         deadline = now + (self.timeout if timeout is None else timeout)
         give_up = min(deadline, now + (self.retry_for if retry_for is None else retry_for))
         delay = 0.02
+        last: JPFSError
         while True:
             try:
                 conn = await self._connection(index, deadline)
@@ -421,7 +427,7 @@ class Pool:
                     raise self._named(index, e) from None
                 last = e
             except Unavailable as e:  # never reached the server: always safe to retry
-                last: JPFSError = e
+                last = e
             except _Sent as e:
                 if not method.idempotent:
                     raise self._named(index, e.cause) from None

@@ -247,8 +247,9 @@ class FrameSocket:
             length -= n
 
     async def read_frame(
-        self, choose_dest: Callable[[int, object, int], memoryview | None] | None = None
-    ) -> tuple[int, object, memoryview | None]:
+        self, choose_dest: Callable[[int, object, int], memoryview | list[memoryview] | None]
+        | None = None
+    ) -> tuple[int, object, memoryview | list[memoryview] | None]:
         """Read one whole frame: (kind, body, payload or None)."""
         kind, body_len, payload_len = await self.read_header()
         body = await self.read_body(body_len)

@@ -141,13 +141,14 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
             problem = error(errno.EINVAL, f"{spec.name}: takes no payload")
         try:
             payload = None
-            if problem is None and spec.payload:
+            if problem is None and spec is not None and spec.payload:
                 payload = await fs.read_payload(payload_len)
             elif payload_len:
                 await fs.skip_payload(payload_len)
         except (ProtocolError, Unavailable):
             return
-        if problem is not None:
+        if problem is not None or spec is None or bound is None:
+            problem = problem or error(errno.ENOSYS, "unknown method")
             if req_id is None:
                 await outbox.flush()
                 await _send_final_error(fs, problem)
@@ -199,7 +200,8 @@ class _Outbox:
     __slots__ = ("fs", "nursery", "parts", "_task")
 
     def __init__(self, fs: F.FrameSocket, nursery) -> None:
-        self.fs, self.nursery, self.parts, self._task = fs, nursery, [], False
+        self.fs, self.nursery, self._task = fs, nursery, False
+        self.parts: list = []
 
     def add(self, parts: list) -> None:
         """Queue an answer; the request loop sends it before it next waits for input."""
@@ -306,8 +308,9 @@ async def _run(fs, where, service: Service, bound: Bound, req_id, args, deadline
             try:
                 await _send(fs, F.RESPONSE, [req_id, result.result], result.payload)
             finally:
-                if result.on_sent:
-                    result.on_sent()
+                on_sent = result.on_sent
+                if callable(on_sent):
+                    on_sent()
         else:
             await _send(fs, F.RESPONSE, [req_id, result])
     finally:

@@ -75,6 +75,12 @@ class Method:
     idempotent: bool = False
     payload: bool = False
     inline: bool = False
+    # derived from ``request`` and ``response`` once, in __post_init__
+    _required: int = field(init=False, repr=False, default=0)
+    _fields: tuple[str, ...] = field(init=False, repr=False, default=())
+    _checks: tuple = field(init=False, repr=False, default=())
+    _decode: Callable | None = field(init=False, repr=False, default=None)
+    _plain: tuple | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         if type(self.id) is not int or not 0 < self.id < (1 << 16):
