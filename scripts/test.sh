@@ -11,6 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 .venv/bin/ruff check .
+.venv/bin/mypy  # the configuration in pyproject.toml: jpfs/ and daemon/
 
 if (($#)) || [ "${PY312:-1}" = 0 ]; then
   exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

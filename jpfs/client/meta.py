@@ -8,7 +8,7 @@ shard and sent in parallel.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import trio
 
@@ -102,7 +102,7 @@ class MetaClient:
         return await self._grouped(P.BATCH_GETATTR, inos)
 
     async def readdir(self, parent: int, *, plus: bool = True, page: int = 1000,
-                      after: bytes = b"") -> AsyncIterator[DirEntry]:
+                      after: bytes = b"") -> AsyncGenerator[DirEntry, None]:
         """Entries of ``parent`` in name order, a page per call; with ``plus`` each carries its
         attributes (entries whose inode lives elsewhere are filled by one batch per page)."""
         shard = shard_of(parent)
