@@ -15,7 +15,8 @@ from fuse_support import mounted, requires_fuse
 
 import jpfs
 from jpfs import localcluster
-from jpfs.client.cache import RECORD, BlobCache, scan_segment
+from jpfs.client.cache import BlobCache
+from jpfs.client.segments import RECORD, scan_segment
 from jpfs.client.transfer import import_tree
 
 CHUNK = 1 << 20

@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from jpfs.client.prefetch import apply_rule, pairing, shape_of
+from jpfs.client.coaccess import apply_rule, pairing, shape_of
 from jpfs.errors import JPFSError
 from jpfs.fuse.control import parse_hints
 

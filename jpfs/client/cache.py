@@ -28,12 +28,8 @@ of a still-unused blob as wasted bytes. Concurrent requests for one blob share o
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
-import mmap
 import os
-import struct
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -41,18 +37,22 @@ from pathlib import Path
 from typing import cast
 
 import trio
-import xxhash
 
-from ..errors import error
 from ..types import Chunk
+from .segments import (
+    ALIGN,
+    RECORD,
+    Staging,
+    aligned,
+    append_batch,
+    delete_segments,
+    lock_dir,
+    read_records,
+    scan_all,
+)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"JPFSBLB2"
-RECORD = struct.Struct("<8s16sQQ")
-"""A disk cache record's header: magic, blob id, blob length, xxh3-64 of the blob."""
-ALIGN = 4096
-"""Batches start at multiples of this (O_DIRECT) and are padded with zeros to the next one."""
 SEGMENT_BYTES = 64 << 20
 
 WRITE_QUEUE_BYTES = 64 << 20
@@ -65,10 +65,6 @@ SEEN_MAX = 1 << 18
 
 Fetch = Callable[[Sequence[Chunk]], Awaitable[list[memoryview]]]
 """Fetches whole blobs from storage, verified (``StorageClient.get``)."""
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass
@@ -158,7 +154,7 @@ class BlobCache:
         self._inflight: dict[bytes, _InFlight] = {}
         self._disk: dict[bytes, tuple[int, int, int]] = {}  # blob -> (segment, offset, length)
         self._segs: OrderedDict[int, _Segment] = OrderedDict()  # oldest first
-        self._seg_bytes = min(SEGMENT_BYTES, max(ALIGN, _aligned(self.disk_bytes // 8)))
+        self._seg_bytes = min(SEGMENT_BYTES, max(ALIGN, aligned(self.disk_bytes // 8)))
         self._disk_used = 0  # bytes of segment files plus space reserved for a write under way
         self._wq: deque[tuple[bytes, int, memoryview]] = deque()
         self._wq_blobs: dict[bytes, memoryview] = {}
@@ -173,8 +169,8 @@ class BlobCache:
         """Lock and index the disk cache (reused from an earlier mount) and start its writer."""
         if self.disk_dir is None:
             return
-        self._lock_fd = await trio.to_thread.run_sync(_lock_dir, self.disk_dir)
-        segs, torn = await trio.to_thread.run_sync(_scan, self.disk_dir)
+        self._lock_fd = await trio.to_thread.run_sync(lock_dir, self.disk_dir)
+        segs, torn = await trio.to_thread.run_sync(scan_all, self.disk_dir)
         for seq, size, records in segs:
             seg = self._segs[seq] = _Segment(seq, size)
             self._disk_used += size
@@ -184,7 +180,7 @@ class BlobCache:
         self.stats.disk_stale += torn
         victims = self._reserve(0)
         if victims:
-            await trio.to_thread.run_sync(_delete, self.disk_dir, victims)
+            await trio.to_thread.run_sync(delete_segments, self.disk_dir, victims)
         log.info("disk cache %s: %d blobs in %d segments, %.1f MiB of %.1f MiB", self.disk_dir,
                  len(self._disk), len(self._segs), self._disk_used / 2**20,
                  self.disk_bytes / 2**20)
@@ -402,7 +398,7 @@ class BlobCache:
         old_half = set(list(self._segs)[:len(self._segs) // 2])
         got: list = [None] * len(idx)
         try:
-            got = await trio.to_thread.run_sync(_read_records, root, want)
+            got = await trio.to_thread.run_sync(read_records, root, want)
         except BaseException as e:
             for i, f in flights.items():
                 self._inflight.pop(chunks[i].blob, None)
@@ -544,7 +540,7 @@ class BlobCache:
         make room, and starting a new segment when the head is full."""
         root = self.disk_dir
         assert root is not None
-        staging = _Staging()
+        staging = Staging()
         limit = min(WRITE_BATCH_BYTES, self._seg_bytes)
         while not self._closed:
             await self._wq_ready.wait()
@@ -558,7 +554,7 @@ class BlobCache:
                     taken.append(item)
                     size += RECORD.size + len(item[2])
                 batch = taken
-                need = _aligned(sum(RECORD.size + len(v) for _, _, v in batch))
+                need = aligned(sum(RECORD.size + len(v) for _, _, v in batch))
                 head = next(reversed(self._segs)) if self._segs else None
                 if head is None or self._segs[head].size + need > self._seg_bytes:
                     head = (head or 0) + 1
@@ -572,7 +568,7 @@ class BlobCache:
                 self._disk_used += need
                 try:
                     placed = await trio.to_thread.run_sync(
-                        _append, root, head, offset, batch, victims, staging)
+                        append_batch, root, head, offset, batch, victims, staging)
                 except OSError as e:
                     log.warning("disk cache write failed: %s", e)
                     self.stats.disk_errors += 1
@@ -612,150 +608,4 @@ def _has_cancel(e: BaseException) -> bool:
     return False
 
 
-# ---- worker-thread helpers (no shared state: arguments in, results out) -------------------------
-
-def segment_path(root: Path, seq: int) -> Path:
-    """The file of disk-cache segment ``seq``."""
-    return root / "segments" / f"seg-{seq:012d}"
-
-
-def _lock_dir(root: Path) -> int:
-    (root / "segments").mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise error(errno.EBUSY, f"cache directory {root} is in use by another mount; give "
-                    "this one its own --cache-dir") from None
-    return fd
-
-
-def scan_segment(path: Path) -> tuple[list[tuple[bytes, int, int]], int, bool]:
-    """The records of one segment file: (blob, offset, length) each; the bytes the file holds;
-    and whether it ends in a torn record."""
-    out: list[tuple[bytes, int, int]] = []
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        pos = 0
-        while pos + RECORD.size <= size:
-            head = os.pread(f.fileno(), RECORD.size, pos)
-            magic, blob, n, _ = RECORD.unpack(head) if len(head) == RECORD.size else (b"",) * 4
-            if magic != MAGIC:
-                nxt = _aligned(pos)
-                if nxt == pos:  # an aligned position without a record: the end
-                    return out, size, any(os.pread(f.fileno(), 64, pos))
-                pos = nxt  # the padding after a batch
-                continue
-            if pos + RECORD.size + n > size:
-                return out, size, True
-            out.append((blob, pos, n))
-            pos += RECORD.size + n
-    return out, size, False
-
-
-def _scan(root: Path) -> tuple[list[tuple[int, int, list]], int]:
-    """Every segment, oldest first: (number, bytes, records); and how many were torn."""
-    segs = []
-    torn = 0
-    for e in sorted(os.scandir(root / "segments"), key=lambda e: e.name):
-        if not e.name.startswith("seg-") or not e.name[4:].isdigit():
-            continue
-        records, size, bad = scan_segment(Path(e.path))
-        torn += bad
-        segs.append((int(e.name[4:]), size, records))
-    return segs, torn
-
-
-def _delete(root: Path, segs: list[int]) -> None:
-    for seq in segs:
-        try:
-            os.unlink(segment_path(root, seq))
-        except FileNotFoundError:
-            pass
-
-
-class _Staging:
-    """An aligned buffer for O_DIRECT writes, used by one writer thread at a time."""
-
-    def __init__(self) -> None:
-        self.buf: mmap.mmap | None = None
-        self.direct = hasattr(os, "O_DIRECT")
-
-    def get(self, n: int) -> mmap.mmap:
-        if self.buf is None or len(self.buf) < n:
-            if self.buf is not None:
-                self.buf.close()
-            self.buf = mmap.mmap(-1, max(n, 1 << 20))
-        return self.buf
-
-
-def _append(root: Path, seq: int, offset: int, batch: list[tuple[bytes, int, memoryview]],
-            victims: list[int], staging: _Staging) -> list[tuple[bytes, int, int]]:
-    """Delete the ``victims`` segments, then write ``batch`` as records at ``offset`` (aligned)
-    of segment ``seq``, padded to ``ALIGN``; returns (blob, record offset, length) each."""
-    _delete(root, victims)
-    total = _aligned(sum(RECORD.size + len(v) for _, _, v in batch))
-    buf = staging.get(total)
-    placed = []
-    pos = 0
-    for blob, xxh, view in batch:
-        RECORD.pack_into(buf, pos, MAGIC, blob, len(view), xxh)
-        buf[pos + RECORD.size:pos + RECORD.size + len(view)] = view
-        placed.append((blob, offset + pos, len(view)))
-        pos += RECORD.size + len(view)
-    buf[pos:total] = bytes(total - pos)
-    path = segment_path(root, seq)
-    fd = -1
-    if staging.direct:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            staging.direct = False  # tmpfs and friends: buffered it is
-    if fd < 0:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.pwrite(fd, memoryview(buf)[:total], offset)
-    finally:
-        os.close(fd)
-    return placed
-
-
-def _read_records(root: Path, want: list[tuple[Chunk, tuple[int, int, int]]]
-                  ) -> list[memoryview | str]:
-    """Each blob from its record, verified against the chunk record's id, length and xxh: a
-    view, or "missing" / "corrupt"."""
-    h = xxhash.xxh3_64_intdigest
-    out: list[memoryview | str] = []
-    fds: dict[int, int] = {}
-    try:
-        for c, (seq, off, n) in want:
-            fd = fds.get(seq)
-            if fd is None:
-                try:
-                    fd = fds[seq] = os.open(segment_path(root, seq), os.O_RDONLY)
-                except FileNotFoundError:
-                    out.append("missing")
-                    continue
-            buf = bytearray(RECORD.size + n)
-            try:
-                got = os.preadv(fd, [buf], off)
-            except OSError:
-                out.append("corrupt")
-                continue
-            ok = got == len(buf) and n == c.blob_len
-            if ok:
-                magic, blob, length, xxh = RECORD.unpack_from(buf)
-                view = memoryview(buf)[RECORD.size:]
-                ok = magic == MAGIC and blob == c.blob and length == n and xxh == c.xxh \
-                    and h(view) == c.xxh
-            out.append(view if ok else "corrupt")
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return out
-
-
-__all__ = ["BlobCache", "CacheStats", "scan_segment", "segment_path"]
+__all__ = ["BlobCache", "CacheStats"]

@@ -30,11 +30,8 @@ import errno
 import functools
 import logging
 import os
-import re
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from contextlib import aclosing
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -43,11 +40,11 @@ import trio
 from ..errors import JPFSError, error
 from ..types import ROOT_INO, Attr, Chunk, Layout
 from .cache import BlobCache, Fetch
+from .coaccess import Opened, Rule, apply_rule, pairing, shape_of
+from .listings import Listing, Listings
 from .meta import MetaClient
 
 log = logging.getLogger(__name__)
-
-_DIGITS = re.compile(r"\d+")
 
 
 @dataclass
@@ -91,8 +88,6 @@ class PrefetchConfig:
 class PrefetchStats:
     """What prefetch did: listings, scans, co-access rules, hints, read-ahead, batches."""
 
-    listings: int = 0
-    listing_entries: int = 0
     scan_streams: int = 0
     scan_misses: int = 0
     scan_files: int = 0
@@ -118,110 +113,6 @@ class PrefetchStats:
     batch_errors: int = 0
     skipped_budget: int = 0
     skipped_cached: int = 0
-
-
-# ---- directory listings -------------------------------------------------------------------------
-
-class Listing:
-    """One directory's entries in name order (as readdir returns them), with attributes."""
-
-    __slots__ = ("ino", "names", "attrs", "pos", "fetched", "complete", "layouts")
-
-    def __init__(self, ino: int, names: list[bytes], attrs: list[Attr], complete: bool):
-        self.ino = ino
-        self.names = names
-        self.attrs = attrs
-        self.pos = {n: i for i, n in enumerate(names)}
-        self.fetched = time.monotonic()
-        self.complete = complete
-        self.layouts = False
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-
-class Listings:
-    """Listings of recently read directories, bounded in entries (LRU by directory)."""
-
-    def __init__(self, meta: MetaClient, max_entries: int, page: int = 1000,
-                 stats: PrefetchStats | None = None):
-        self.meta = meta
-        self.max_entries = max_entries
-        self.page = page
-        self.stats = stats or PrefetchStats()
-        self._dirs: OrderedDict[int, Listing] = OrderedDict()
-        self._entries = 0
-        self._fetching: dict[int, trio.Event] = {}
-
-    def get(self, ino: int, max_age: float = float("inf")) -> Listing | None:
-        lst = self._dirs.get(ino)
-        if lst is None:
-            return None
-        if time.monotonic() - lst.fetched > max_age:
-            return None
-        self._dirs.move_to_end(ino)
-        return lst
-
-    def entry(self, parent: int, name: bytes, max_age: float) -> Attr | None | bool:
-        """The entry's attributes; False when a complete fresh listing says it does not exist;
-        None when unknown."""
-        lst = self.get(parent, max_age)
-        if lst is None:
-            return None
-        i = lst.pos.get(name)
-        if i is None:
-            return False if lst.complete else None
-        return lst.attrs[i]
-
-    def drop(self, ino: int) -> None:
-        lst = self._dirs.pop(ino, None)
-        if lst is not None:
-            self._entries -= len(lst)
-
-    def clear(self) -> None:
-        self._dirs.clear()
-        self._entries = 0
-
-    async def fetch(self, ino: int, max_age: float = float("inf")) -> Listing:
-        """The listing, fetched if missing or older than ``max_age`` (one fetch at a time per
-        directory; concurrent callers share it)."""
-        while True:
-            lst = self.get(ino, max_age)
-            if lst is not None:
-                return lst
-            ev = self._fetching.get(ino)
-            if ev is None:
-                break
-            await ev.wait()
-            if ino in self._dirs:
-                max_age = float("inf")  # the fetch we waited for is fresh enough
-        ev = self._fetching[ino] = trio.Event()
-        try:
-            names: list[bytes] = []
-            attrs: list[Attr] = []
-            complete = True
-            async with aclosing(self.meta.readdir(ino, plus=True, page=self.page)) as it:
-                async for e in it:
-                    if e.attr is None:
-                        continue
-                    if len(names) >= self.max_entries:
-                        complete = False
-                        break
-                    names.append(e.name)
-                    attrs.append(e.attr)
-            lst = Listing(ino, names, attrs, complete)
-            self.drop(ino)
-            self._dirs[ino] = lst
-            self._entries += len(lst)
-            while self._entries > self.max_entries and len(self._dirs) > 1:
-                _, old = self._dirs.popitem(last=False)
-                self._entries -= len(old)
-            self.stats.listings += 1
-            self.stats.listing_entries += len(lst)
-            return lst
-        finally:
-            del self._fetching[ino]
-            ev.set()
 
 
 # ---- the prefetcher ----------------------------------------------------------------------------
@@ -271,87 +162,6 @@ class _Seq:
         self.batch = _Batch()
 
 
-@dataclass
-class _Rule:
-    parts: tuple
-    seen: int = 0
-    predicted: int = 0
-    hits: int = 0
-    misses: int = 0
-    dropped: bool = False
-
-
-@dataclass
-class _Opened:
-    path: str
-    body: str
-    """The path without its file extension (numbers in ``.mp4`` are not numbers)."""
-    shape: str
-    runs: list[str]
-    base_run: int
-    """Index in ``runs`` of the last number in the file name (-1 when it has none)."""
-
-
-def shape_of(path: str) -> _Opened:
-    r"""A path's shape (numbers replaced by ``\0``) and its numbers."""
-    base = path.rsplit("/", 1)[-1]
-    stem, dot, ext = base.rpartition(".")
-    cut = len(ext) + 1 if dot and stem and len(ext) <= 8 else 0
-    body = path[:len(path) - cut]
-    runs = _DIGITS.findall(body)
-    shape = _DIGITS.sub("\0", body) + path[len(body):]
-    nb = len(_DIGITS.findall(base[:len(base) - cut]))
-    return _Opened(path, body, shape, runs, len(runs) - 1 if nb else -1)
-
-
-def pairing(a: _Opened, b: _Opened) -> tuple | None:
-    """The rule that makes ``b``'s path from ``a``'s numbers: a tuple of literal strings and
-    indexes into ``a``'s numbers. None unless the number in ``b``'s file name comes from ``a``
-    (that is the evidence that they belong together)."""
-    if b.base_run < 0 or a.shape == b.shape:
-        return None
-    parts: list = []
-    pos = 0
-    mapped_base = False
-    for k, m in enumerate(_DIGITS.finditer(b.body)):
-        run = m.group()
-        j = _match(a.runs, run, k)
-        if j is None:
-            continue
-        if k == b.base_run:
-            mapped_base = True
-        parts.append(b.path[pos:m.start()])
-        parts.append(j)
-        pos = m.end()
-    if not mapped_base:
-        return None
-    parts.append(b.path[pos:])
-    return tuple(parts)
-
-
-def _match(runs: list[str], run: str, k: int) -> int | None:
-    """Index of ``run`` among ``runs`` (the same position preferred, else the last one)."""
-    if k < len(runs) and runs[k] == run:
-        return k
-    for j in range(len(runs) - 1, -1, -1):
-        if runs[j] == run:
-            return j
-    return None
-
-
-def apply_rule(parts: tuple, runs: list[str]) -> str | None:
-    """The path a rule makes from a file's numbers (None if the file has too few)."""
-    out = []
-    for p in parts:
-        if isinstance(p, int):
-            if p >= len(runs):
-                return None
-            out.append(runs[p])
-        else:
-            out.append(p)
-    return "".join(out)
-
-
 class Prefetcher:
     """Watches opens and reads, and fetches ahead into ``cache``.
 
@@ -373,8 +183,7 @@ class Prefetcher:
         self.config = config or PrefetchConfig()
         self.kernel_has = kernel_has or (lambda ino, version: False)
         self.stats = PrefetchStats()
-        self.listings = Listings(meta, self.config.listing_entries, self.config.listing_page,
-                                 self.stats)
+        self.listings = Listings(meta, self.config.listing_entries, self.config.listing_page)
         self._nursery: trio.Nursery | None = None
         self._inflight = 0
         self._layouts: OrderedDict[int, Layout] = OrderedDict()
@@ -382,9 +191,9 @@ class Prefetcher:
         self._sweeps: OrderedDict[int, _Sweep] = OrderedDict()
         self._progress = trio.Event()
         self._seqs: dict[object, _Seq] = {}
-        self._recent: OrderedDict[int, deque[_Opened]] = OrderedDict()
-        self._rules: dict[str, dict[tuple, _Rule]] = {}
-        self._predicted: OrderedDict[int, _Rule] = OrderedDict()
+        self._recent: OrderedDict[int, deque[Opened]] = OrderedDict()
+        self._rules: dict[str, dict[tuple, Rule]] = {}
+        self._predicted: OrderedDict[int, Rule] = OrderedDict()
         self._hints: deque[tuple[int, Attr]] = deque()
         self._hinted: dict[int, int] = {}
         self._hint_batch = _Batch()
@@ -658,7 +467,7 @@ class Prefetcher:
             if rule is None:
                 if len(rules) >= 64 or len(self._rules) > 4096:
                     continue
-                rule = rules[parts] = _Rule(parts)
+                rule = rules[parts] = Rule(parts)
             rule.seen += 1
             self.stats.coaccess_pairs += 1
             if rule.seen == cfg.coaccess_min:
@@ -679,7 +488,7 @@ class Prefetcher:
             return
         self.stats.coaccess_predictions += len(targets)
         found: list[Attr] = []
-        later: list[tuple[str, _Rule]] = []
+        later: list[tuple[str, Rule]] = []
         for p, rule in targets:  # resolved from listings at once when they are all here
             got = self._resolve_now(p)
             if got is False:
@@ -692,7 +501,7 @@ class Prefetcher:
         if later:
             self._spawn(self._predict, later)
 
-    async def _predict(self, targets: list[tuple[str, _Rule]]) -> None:
+    async def _predict(self, targets: list[tuple[str, Rule]]) -> None:
         found: list[Attr] = []
         for path, rule in targets:
             try:
@@ -704,7 +513,7 @@ class Prefetcher:
             self.stats.coaccess_files += len(found)
             self._launch(None, attrs=found)
 
-    def _predicted_file(self, rule: _Rule, attr: Attr | None, found: list[Attr]) -> None:
+    def _predicted_file(self, rule: Rule, attr: Attr | None, found: list[Attr]) -> None:
         if attr is None or not attr.is_reg:
             self._miss(rule)
             return
@@ -738,7 +547,7 @@ class Prefetcher:
             ino = attr.ino
         return None
 
-    def _miss(self, rule: _Rule) -> None:
+    def _miss(self, rule: Rule) -> None:
         rule.misses += 1
         if not rule.dropped and rule.misses >= 8 and rule.misses > rule.hits:
             rule.dropped = True
@@ -1010,10 +819,11 @@ class Prefetcher:
         d = asdict(self.stats)
         d.update(enabled=self.config.enabled, inflight_bytes=self._inflight,
                  hints_queued=len(self._hints), hinted_unopened=len(self._hinted),
+                 listings=self.listings.fetched,
+                 listing_entries=self.listings.fetched_entries,
                  listing_dirs=len(self.listings._dirs),
                  listing_entries_kept=self.listings._entries, rules=self.rules())
         return d
 
 
-__all__ = ["Listing", "Listings", "PrefetchConfig", "PrefetchStats", "Prefetcher", "apply_rule",
-           "pairing", "shape_of"]
+__all__ = ["PrefetchConfig", "PrefetchStats", "Prefetcher"]
