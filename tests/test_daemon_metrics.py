@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import errno
 import socket
-import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_support import scrape
 
 import jpfs
 from jpfs import localcluster
@@ -22,18 +20,8 @@ def _free_port() -> int:
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple], float]:
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                text = r.read().decode()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+            for s in scrape(f"127.0.0.1:{port}")}
 
 
 def test_daemons_export_prometheus_metrics(make_cluster):

@@ -5,13 +5,11 @@ in real DataLoader workers. Also the fsspec class's ``cat`` without a stat per p
 from __future__ import annotations
 
 import math
-import time
-import urllib.request
 from collections import Counter
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_support import scrape
 from torch.utils.data import DataLoader
 
 from jpfs import config
@@ -27,20 +25,9 @@ def _requests(cluster: str) -> Counter:
     """Requests each method got, summed over the metadata shards."""
     got: Counter = Counter()
     for shard in config.load(cluster).meta:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://{shard.metrics}/metrics", timeout=5) as r:
-                    text = r.read().decode()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name == "jpfs_meta_rpc_requests_total":
-                    got[s.labels["method"]] += int(s.value)
+        for s in scrape(shard.metrics):
+            if s.name == "jpfs_meta_rpc_requests_total":
+                got[s.labels["method"]] += int(s.value)
     return got
 
 

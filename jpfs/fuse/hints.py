@@ -41,16 +41,19 @@ async def serve(path: str, submit: Callable[[bytes], Awaitable[None]], *,
         log.info("no prefetch-hint socket: %s is too long for a Unix socket", path)
         task_status.started()
         return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        os.unlink(path)  # left by a daemon that died
-    except FileNotFoundError:
-        pass
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        await sock.bind(path)
-        os.chmod(path, 0o666)  # whoever reads the mount may hint (hints are bounded)
-        sock.listen(64)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if os.path.exists(path):
+                os.unlink(path)  # left by a daemon that died
+            await sock.bind(path)
+            os.chmod(path, 0o666)  # whoever reads the mount may hint (hints are bounded)
+            sock.listen(64)
+        except OSError as e:  # the mount serves on; hints reach it through the control file
+            log.warning("no prefetch-hint socket at %s: %s", path, e.strerror or e)
+            task_status.started()
+            return
         task_status.started()
 
         async def one(stream: trio.SocketStream) -> None:
@@ -72,6 +75,8 @@ async def serve(path: str, submit: Callable[[bytes], Awaitable[None]], *,
             except (trio.BrokenResourceError, OSError) as e:
                 if getattr(e, "errno", None) not in (None, errno.ECONNRESET):
                     log.debug("prefetch-hint connection: %s", e)
+            except Exception:  # noqa: BLE001 - a hint connection must never end the mount
+                log.exception("prefetch-hint connection failed; closing it")
             finally:
                 await stream.aclose()
 
@@ -80,8 +85,8 @@ async def serve(path: str, submit: Callable[[bytes], Awaitable[None]], *,
         sock.close()
         try:
             os.unlink(path)
-        except FileNotFoundError:
-            pass
+        except OSError:
+            pass  # never made, or already gone
 
 
 __all__ = ["serve", "socket_path"]
