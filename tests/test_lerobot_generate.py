@@ -1,7 +1,7 @@
 """The synthetic LeRobot generator and the metadata reader, on tiny real datasets.
 
 Everything is read back with the real libraries (pyarrow, PyAV, pandas) and checked against the
-layouts in LEROBOT.md; nothing is mocked.
+layouts in docs/lerobot.md; nothing is mocked.
 """
 
 from __future__ import annotations

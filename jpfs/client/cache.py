@@ -227,7 +227,7 @@ class BlobCache:
     def delivered(self, blobs: Iterable[bytes]) -> None:
         """These blobs now live where their reader reads them (the kernel's page cache): drop
         them from memory at once. Memory that is freed and allocated again is cheap; memory
-        the cache keeps growing into costs a page fault per page (PERF.md), and the pages
+        the cache keeps growing into costs a page fault per page (docs/perf.md), and the pages
         would be held twice."""
         for b in blobs:
             view = self._mem.pop(b, None)

@@ -1,6 +1,6 @@
 """LeRobot v2.1 and v3.0 layouts: path templates, constants, features and info.json builders.
 
-Everything here follows /work/shared/LEROBOT.md (read from huggingface/lerobot v0.3.3 and main), so
+Everything here follows docs/lerobot.md (read from huggingface/lerobot v0.3.3 and main), so
 that datasets JPFS writes are read by LeRobot and datasets LeRobot writes are read by JPFS.
 """
 
