@@ -1,8 +1,8 @@
 """The mount's counters, and their Prometheus form.
 
 Counting FUSE requests per operation is what the benchmark divides by files opened: requests per
-file are the cost of a mount (see docs/perf.md), so they are counted where every request passes, at the
-Operations boundary; what the VFS counts (opens, bytes, commits) is added to the same
+file are the cost of a mount (see docs/perf.md), so they are counted where every request passes,
+at the Operations boundary; what the VFS counts (opens, bytes, commits) is added to the same
 section. Requests on the ``.jpfs`` control files are counted apart, so reading the
 stats does not change the figures.
 """
