@@ -20,7 +20,8 @@ The same files in the same order are read
 Reported per order, readers and via: files/s and MB/s of each epoch and their ratio to local in
 the same epoch, FUSE requests per file opened (the mount's own counters: the cost that bounds a
 pyfuse3 mount, see docs/perf.md), how opens were served (prefetched, kernel page cache,
-fetched), and the mount daemon's CPU per file. The targets of the mount issue are checked at the end.
+fetched), and the mount daemon's CPU per file. The targets of the mount issue are checked at
+the end.
 
 examples:
   jpfs bench mount                                  # 400 episodes x (1 parquet + 2 mp4s)
