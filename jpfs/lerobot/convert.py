@@ -2,8 +2,8 @@
 
 The official algorithm (docs/lerobot.md): episode parquets are concatenated in episode order
 into data files up to a size limit, each camera's episode mp4s are joined by stream copy into
-video files up to another, and the metadata is rewritten. Here each output file is one independent task run on a
-pool of workers. Crash safety:
+video files up to another, and the metadata is rewritten. Here each output file is one
+independent task run on a pool of workers. Crash safety:
 
 - the plan (which episodes go into which file) is a pure function of SRC and the limits, and is
   stored in ``DST/.jpfs-convert/plan.json``; a rerun recomputes it;
