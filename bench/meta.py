@@ -5,8 +5,8 @@ files, in a private directory each and then all in one shared directory, against
 2 and 4 metadata shards. The same phases run in the same run on the local filesystem (plain os
 calls on a temporary directory) as the baseline.
 
-JPFS creates are durable (group-committed, fsynced LMDB transactions); local creates are not
-fsynced. Clients keep ``--inflight`` calls in flight each (what a parallel importer or a mount
+JPFS creates are durable within one shared fsync (answered once committed; the shard's syncer
+fsyncs behind them, and ``sync`` waits for it); local creates are not fsynced. Clients keep ``--inflight`` calls in flight each (what a parallel importer or a mount
 serving many processes does). "stat" is one call at a time per client, "stat_inflight" the same
 unbatched calls with ``--inflight`` of them in flight, "stat_batched" 100 names per call.
 
