@@ -6,8 +6,9 @@ files, in a private directory each and then all in one shared directory, against
 calls on a temporary directory) as the baseline.
 
 JPFS creates are durable within one shared fsync (answered once committed; the shard's syncer
-fsyncs behind them, and ``sync`` waits for it); local creates are not fsynced. Clients keep ``--inflight`` calls in flight each (what a parallel importer or a mount
-serving many processes does). "stat" is one call at a time per client, "stat_inflight" the same
+fsyncs behind them, and ``sync`` waits for it); local creates are not fsynced. Clients keep
+``--inflight`` calls in flight each (what a parallel importer or a mount serving many processes
+does). "stat" is one call at a time per client, "stat_inflight" the same
 unbatched calls with ``--inflight`` of them in flight, "stat_batched" 100 names per call.
 
 Last, one shard's ceiling: creates and lookups from a client that costs next to nothing
