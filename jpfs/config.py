@@ -17,16 +17,31 @@ address = "127.0.0.1:7401"
 data = "storage-0"
 ```
 
+A cluster whose shape can change keeps it in etcd instead (the *cluster map*, see
+``jpfs.coord.clustermap``); its file says only where etcd is, plus the secret:
+
+```toml
+[cluster]
+name = "jpfs"
+secret_file = "secret"
+etcd = ["http://127.0.0.1:2379"]
+```
+
 ``JPFS_CLUSTER`` names the default cluster file. Shard and node *indices* are what metadata records,
-so addresses may change between restarts; the number and order of shards may not.
+so addresses may change between restarts; an index never changes meaning: shards and nodes are only
+ever appended, and a node that leaves keeps its index with the state ``removed``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
 import tomllib
+import urllib.error
+import urllib.request
+from base64 import b64decode, b64encode
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +95,9 @@ class Server:
     data: str | None = None
     metrics: str | None = None
     """HOST:PORT where the daemon serves Prometheus metrics (optional)."""
+    state: str = "active"
+    """Storage nodes: ``active`` (takes new writes), ``draining`` (read, being emptied) or
+    ``removed`` (gone: its copies no longer count)."""
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -100,22 +118,47 @@ class Cluster:
     secret_file: str = "secret"
     peer_timeout: float = DEFAULT_PEER_TIMEOUT
     """Seconds to wait for a silent daemon (see ``DEFAULT_PEER_TIMEOUT``)."""
+    etcd: tuple[str, ...] = ()
+    """Where the cluster map is (etcd endpoints); empty for a static cluster file."""
+    epoch: int = 0
+    """The map's version (its etcd revision); 0 for a static cluster file."""
+    meta_replicas: tuple[tuple[Server, ...], ...] = ()
+    """Every copy of each shard (``meta_replicas[i][j]``); ``meta[i]`` is copy 0."""
+
+    def __post_init__(self) -> None:
+        if not self.meta_replicas:
+            object.__setattr__(self, "meta_replicas", tuple((s,) for s in self.meta))
 
     @property
     def n_shards(self) -> int:
         return len(self.meta)
 
     @property
+    def n_meta_replicas(self) -> int:
+        """Copies per shard (the most any shard has)."""
+        return max((len(r) for r in self.meta_replicas), default=1)
+
+    @property
+    def writable_nodes(self) -> tuple[int, ...]:
+        """Indices of the storage nodes that take new writes (state ``active``)."""
+        return tuple(i for i, s in enumerate(self.storage) if s.state == "active")
+
+    @property
     def n_nodes(self) -> int:
         return len(self.storage)
 
-    def data_dir(self, role: str, index: int) -> Path:
-        """Where a daemon keeps its files (relative entries resolve next to the cluster file)."""
-        server = (self.meta if role == "meta" else self.storage)[index]
+    def data_dir(self, role: str, index: int, replica: int = 0) -> Path:
+        """Where a daemon keeps its files (relative entries resolve next to the cluster file);
+        ``replica`` picks a copy of a metadata shard."""
+        server = self.meta_replicas[index][replica] if role == "meta" else self.storage[index]
         base = self.path.parent if self.path else Path.cwd()
-        return (base / (server.data or f"{role}-{index}")).resolve()
+        default = f"{role}-{index}" + (f"-r{replica}" if replica else "")
+        return (base / (server.data or default)).resolve()
 
     def to_toml(self) -> str:
+        if self.etcd:  # the shape lives in the map; the file says where the map is
+            return tomli_w.dumps({"cluster": {"name": self.name, "secret_file": self.secret_file,
+                                              "etcd": list(self.etcd)}})
         doc = {
             "cluster": {
                 "name": self.name,
@@ -136,6 +179,84 @@ def _server_table(s: Server) -> dict:
             **({"metrics": s.metrics} if s.metrics else {})}
 
 
+# ---- the cluster map: the shape of a cluster kept in etcd (jpfs.coord.clustermap writes it)
+
+MAP_VERSION = 1
+NODE_STATES = ("active", "draining", "removed")
+
+
+def map_key(name: str) -> str:
+    """The etcd key of cluster ``name``'s map: one JSON document."""
+    return f"/jpfs/{name}/map"
+
+
+def map_document(cluster: Cluster) -> dict:
+    """The map of ``cluster`` as stored in etcd."""
+    return {
+        "version": MAP_VERSION,
+        "replicas": cluster.replicas,
+        "chunk_size": cluster.chunk_size,
+        "peer_timeout": cluster.peer_timeout,
+        "shards": [[_server_table(s) for s in copies] for copies in cluster.meta_replicas],
+        "nodes": [{**_server_table(s), "state": s.state} for s in cluster.storage],
+    }
+
+
+def from_map(doc: dict, base: Cluster, epoch: int) -> Cluster:
+    """``base`` (name, secret, etcd, path) with the shape the map ``doc`` describes."""
+    where = f"cluster map {map_key(base.name)}"
+    try:
+        if doc.get("version") != MAP_VERSION:
+            raise ValueError(f"version {doc.get('version')!r}, this JPFS reads {MAP_VERSION}")
+        shards = tuple(tuple(_map_server(t) for t in copies) for copies in doc["shards"])
+        nodes = tuple(_map_server(t) for t in doc["nodes"])
+        if not shards or not all(shards):
+            raise ValueError("no metadata shards")
+        for s in nodes:
+            if s.state not in NODE_STATES:
+                raise ValueError(f"storage node {s.address} has state {s.state!r}")
+        return Cluster(
+            meta=tuple(copies[0] for copies in shards), storage=nodes, secret=base.secret,
+            replicas=int(doc["replicas"]), chunk_size=int(doc["chunk_size"]), name=base.name,
+            path=base.path, secret_file=base.secret_file,
+            peer_timeout=float(doc.get("peer_timeout", DEFAULT_PEER_TIMEOUT)), etcd=base.etcd,
+            epoch=epoch, meta_replicas=shards)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where} is not valid: {e}") from None
+
+
+def _map_server(t: dict) -> Server:
+    parse_address(t["address"])
+    return Server(address=t["address"], data=t.get("data"), metrics=t.get("metrics"),
+                  state=t.get("state", "active"))
+
+
+def fetch_map(cluster: Cluster, timeout: float = 5.0) -> Cluster:
+    """Read the map from etcd (blocking: for ``load``; running code follows the map with
+    ``jpfs.coord.clustermap``)."""
+    body = json.dumps({"key": b64encode(map_key(cluster.name).encode()).decode()}).encode()
+    errors = []
+    for endpoint in cluster.etcd:
+        req = urllib.request.Request(endpoint.rstrip("/") + "/v3/kv/range", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                got = json.load(r)
+        except (OSError, ValueError) as e:
+            errors.append(f"{endpoint}: {getattr(e, 'reason', e)}")
+            continue
+        kvs = got.get("kvs") or []
+        if not kvs:
+            raise ValueError(f"{cluster.path}: etcd at {endpoint} has no map for cluster "
+                             f"{cluster.name!r} (key {map_key(cluster.name)}); was it made by "
+                             "`jpfs cluster up`?")
+        doc = json.loads(b64decode(kvs[0]["value"]))
+        return from_map(doc, cluster, int(kvs[0]["mod_revision"]))
+    raise ValueError(f"{cluster.path}: cannot read the cluster map from etcd "
+                     f"({'; '.join(errors)}); is etcd running? (`jpfs cluster up` starts a "
+                     "local one)")
+
+
 def load(path: str | os.PathLike | None = None) -> Cluster:
     """Read a cluster file (default: ``$JPFS_CLUSTER``, then the usual places)."""
     p = find_cluster_file(path)
@@ -147,18 +268,16 @@ def load(path: str | os.PathLike | None = None) -> Cluster:
     for key, kinds in _CLUSTER_KEYS.items():
         if key in c:
             _check(p, f"cluster.{key}", c[key], kinds)
+    etcd = tuple(c.get("etcd", ()))
+    if etcd:
+        return _load_mapped(p, c, etcd, doc)
     meta = tuple(_server(p, "meta", i, t) for i, t in enumerate(_servers(p, doc, "meta")))
     storage = tuple(_server(p, "storage", i, t)
                     for i, t in enumerate(_servers(p, doc, "storage")))
     if not meta:
         raise ValueError(f"{p}: no [[meta]] shards (add one table per shard: [[meta]] with "
                          'address = "HOST:PORT")')
-    secret_file = c.get("secret_file", "secret")
-    secret_path = (p.parent / secret_file).expanduser()
-    try:
-        secret = secret_path.read_bytes().strip()
-    except OSError as e:
-        raise ValueError(f"{p}: cannot read the secret file {secret_path}: {e.strerror}") from None
+    secret_file, secret = _secret(p, c)
     replicas = c.get("replicas", 1)
     if replicas < 1:
         raise ValueError(f"{p}: replicas must be at least 1")
@@ -181,9 +300,35 @@ def load(path: str | os.PathLike | None = None) -> Cluster:
     )
 
 
+def _secret(p: Path, c: dict) -> tuple[str, bytes]:
+    secret_file = c.get("secret_file", "secret")
+    secret_path = (p.parent / secret_file).expanduser()
+    try:
+        return secret_file, secret_path.read_bytes().strip()
+    except OSError as e:
+        raise ValueError(f"{p}: cannot read the secret file {secret_path}: {e.strerror}") from None
+
+
+def _load_mapped(p: Path, c: dict, etcd: tuple, doc: dict) -> Cluster:
+    """A cluster file that names etcd: the shape comes from the map there."""
+    for role in ("meta", "storage"):
+        if role in doc:
+            raise ValueError(f"{p}: [[{role}]] tables and cluster.etcd do not mix: a cluster "
+                             "with a map keeps its shards and nodes there (`jpfs node list`)")
+    for i, e in enumerate(etcd):
+        _check(p, f"cluster.etcd[{i}]", e, str)
+        if not e.startswith(("http://", "https://")):
+            raise ValueError(f"{p}: cluster.etcd[{i}] must be a URL like "
+                             f"http://127.0.0.1:2379, not {e!r}")
+    secret_file, secret = _secret(p, c)
+    base = Cluster(meta=(), secret=secret, name=str(c.get("name", "jpfs")), path=p.resolve(),
+                   secret_file=secret_file, etcd=etcd)
+    return fetch_map(base)
+
+
 _CLUSTER_KEYS: dict[str, tuple[type, ...]] = {
     "name": (str,), "secret_file": (str,), "replicas": (int,), "chunk_size": (int, str),
-    "peer_timeout": (float, int),
+    "peer_timeout": (float, int), "etcd": (list,),
 }
 _SERVER_KEYS = ("address", "data", "metrics")
 _KIND = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",

@@ -5,6 +5,12 @@ not running (``python -m jpfs_daemon.meta.server ...``): data in ``DIR/meta-<i>`
 ``DIR/storage-<i>``, logs in ``DIR/logs``, pid files ``DIR/<role>-<i>.pid``. A later ``up`` on the
 same directory restarts stopped daemons on their data (on their old ports when those are free).
 This is what ``jpfs cluster up``, the tests and the benchmarks use.
+
+With ``etcd=True`` the cluster keeps its shape in a cluster map (``jpfs.coord.clustermap``) in an
+etcd process of its own (data ``DIR/etcd``, log ``DIR/logs/etcd.log``); the cluster file then says
+only where etcd is. Such a cluster can grow: ``up`` with more shards or storage nodes than it has
+appends them to the map and starts them. Each shard may have several copies (``meta_replicas``),
+daemons ``meta-<i>`` (copy 0) and ``meta-<i>-r<j>``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import config
+from .coord import clustermap
 
 MODULES = {"meta": "jpfs_daemon.meta.server", "storage": "jpfs_daemon.storage.server"}
 DEFAULT_META_SHARDS = 2
@@ -38,10 +46,19 @@ class Daemon:
     address: str
     pid: int | None
     alive: bool
+    replica: int = 0
+    """Which copy of a metadata shard (0 for storage nodes and unreplicated shards)."""
 
     @property
     def name(self) -> str:
-        return f"{self.role}-{self.index}"
+        return daemon_name(self.role, self.index, self.replica)
+
+
+def daemon_name(role: str, index: int, replica: int = 0) -> str:
+    """``meta-1``, ``meta-1-r2`` (copy 2 of shard 1), ``storage-0``, ``etcd``."""
+    if role == "etcd":
+        return "etcd"
+    return f"{role}-{index}" + (f"-r{replica}" if replica else "")
 
 
 def _ephemeral_low() -> int:
@@ -108,108 +125,194 @@ def up(
     metrics: bool = False,
     extra_args: dict[str, list[str]] | None = None,
     env: dict[str, str] | None = None,
+    etcd: bool = False,
+    meta_replicas: int | None = None,
 ) -> config.Cluster:
     """Create (first time) and start the cluster in ``directory``; returns its config.
 
-    ``metrics``: give every daemon a Prometheus port, recorded in the cluster file."""
+    ``metrics``: give every daemon a Prometheus port, recorded in the cluster file or map.
+    ``etcd``: keep the shape in a cluster map in a local etcd (a new cluster only; an existing
+    directory keeps its kind), which lets a later ``up`` with more ``meta_shards`` or
+    ``storage_nodes`` grow the running cluster. ``meta_replicas``: copies of each shard (etcd
+    clusters; default 1). ``replicas`` defaults to 2 for an etcd cluster with 2 or more storage
+    nodes (a lost disk loses nothing), 1 otherwise."""
     d = Path(directory).resolve()
     (d / "logs").mkdir(parents=True, exist_ok=True)
     path = cluster_file(d)
     if path.exists():
-        cluster = config.load(path)
-        for what, asked, have in (("meta shards", meta_shards, cluster.n_shards),
-                                  ("storage nodes", storage_nodes, cluster.n_nodes),
-                                  ("replicas", replicas, cluster.replicas),
-                                  ("chunk size", chunk_size, cluster.chunk_size)):
-            if asked is not None and asked != have:
-                raise ValueError(f"{path} already has {have} {what}; cannot change it to {asked} "
-                                 "(start a new cluster in another directory)")
-        if metrics and not all(s.metrics for s in cluster.meta + cluster.storage):
-            raise ValueError(f"{path} was created without metrics ports: add `metrics = "
-                             "\"HOST:PORT\"` to its daemons' entries, then restart them")
+        cluster = _existing(d, path, meta_shards, storage_nodes, replicas, chunk_size, metrics,
+                            meta_replicas)
     else:
-        n_meta = DEFAULT_META_SHARDS if meta_shards is None else meta_shards
-        n_storage = DEFAULT_STORAGE_NODES if storage_nodes is None else storage_nodes
-        if n_meta < 1:
-            raise ValueError("a cluster needs at least one metadata shard")
-        config.new_secret(d / "secret")
-        def server(role: str, i: int) -> config.Server:
-            return config.Server(f"127.0.0.1:{_free_port()}", f"{role}-{i}",
-                                 f"127.0.0.1:{_free_port()}" if metrics else None)
-
-        cluster = config.Cluster(
-            meta=tuple(server("meta", i) for i in range(n_meta)),
-            storage=tuple(server("storage", i) for i in range(n_storage)),
-            replicas=replicas or 1,
-            chunk_size=chunk_size or config.DEFAULT_CHUNK_SIZE,
-            path=path,
-        )
-        if cluster.storage and cluster.replicas > cluster.n_nodes:
-            raise ValueError(f"replicas = {cluster.replicas} needs at least that many storage "
-                             "nodes")
-        config.write(cluster, path)
-        cluster = config.load(path)
+        cluster = _create(d, path, meta_shards, storage_nodes, replicas, chunk_size, metrics,
+                          etcd, meta_replicas)
     started = []
-    for role, servers in (("meta", cluster.meta), ("storage", cluster.storage)):
-        for i in range(len(servers)):
-            if _read_pid(d / f"{role}-{i}.pid") is None:
-                started.append(_spawn(d, role, i, sync, (extra_args or {}).get(role, []), env))
-    for role, i, proc in started:
-        _wait_started(d, role, i, proc, sync, (extra_args or {}).get(role, []), env)
+    for role, index, replica in _daemons(cluster):
+        if _read_pid(d / f"{daemon_name(role, index, replica)}.pid") is None:
+            started.append(_spawn(d, role, index, sync, (extra_args or {}).get(role, []), env,
+                                  replica))
+    for role, index, proc, replica in started:
+        _wait_started(d, role, index, proc, sync, (extra_args or {}).get(role, []), env, replica)
     return config.load(path)
 
 
+def _daemons(cluster: config.Cluster) -> list[tuple[str, int, int]]:
+    """(role, index, replica) of every daemon the cluster runs (removed nodes do not run)."""
+    out = [("meta", i, j) for i, copies in enumerate(cluster.meta_replicas)
+           for j in range(len(copies))]
+    out += [("storage", i, 0) for i, s in enumerate(cluster.storage) if s.state != "removed"]
+    return out
+
+
+def _server(role: str, i: int, metrics: bool, replica: int = 0) -> config.Server:
+    return config.Server(f"127.0.0.1:{_free_port()}", daemon_name(role, i, replica),
+                         f"127.0.0.1:{_free_port()}" if metrics else None)
+
+
+def _create(d: Path, path: Path, meta_shards: int | None, storage_nodes: int | None,
+            replicas: int | None, chunk_size: int | None, metrics: bool, etcd: bool,
+            meta_replicas: int | None) -> config.Cluster:
+    n_meta = DEFAULT_META_SHARDS if meta_shards is None else meta_shards
+    n_storage = DEFAULT_STORAGE_NODES if storage_nodes is None else storage_nodes
+    n_copies = meta_replicas or 1
+    if n_meta < 1:
+        raise ValueError("a cluster needs at least one metadata shard")
+    if n_copies < 1 or n_copies > 1 and not etcd:
+        raise ValueError("meta_replicas must be at least 1, and more than 1 needs etcd (the "
+                         "shard leaders' leases live there)")
+    if replicas is None:
+        replicas = 2 if etcd and n_storage >= 2 else 1
+    if n_storage and replicas > n_storage:
+        raise ValueError(f"replicas = {replicas} needs at least that many storage nodes")
+    config.new_secret(d / "secret")
+    shards = tuple(tuple(_server("meta", i, metrics, j) for j in range(n_copies))
+                   for i in range(n_meta))
+    cluster = config.Cluster(
+        meta=tuple(copies[0] for copies in shards),
+        storage=tuple(_server("storage", i, metrics) for i in range(n_storage)),
+        replicas=replicas, chunk_size=chunk_size or config.DEFAULT_CHUNK_SIZE, path=path,
+        meta_replicas=shards,
+        etcd=(start_etcd(d),) if etcd else (),
+    )
+    if etcd:
+        clustermap.update_map_sync(
+            dataclasses.replace(cluster, secret=(d / "secret").read_bytes().strip()),
+            lambda current: current or cluster)
+    config.write(cluster, path)
+    return config.load(path)
+
+
+def _existing(d: Path, path: Path, meta_shards: int | None, storage_nodes: int | None,
+              replicas: int | None, chunk_size: int | None, metrics: bool,
+              meta_replicas: int | None) -> config.Cluster:
+    """Load an existing cluster (starting its etcd), growing it if asked for more."""
+    text = path.read_text()
+    if "etcd" in text and (d / "etcd").is_dir():
+        start_etcd(d)
+    cluster = config.load(path)
+    grow = {"meta shards": (meta_shards, cluster.n_shards),
+            "storage nodes": (storage_nodes, cluster.n_nodes)}
+    fixed = {"replicas": (replicas, cluster.replicas),
+             "chunk size": (chunk_size, cluster.chunk_size),
+             "metadata copies per shard": (meta_replicas, cluster.n_meta_replicas)}
+    for what, (asked, have) in fixed.items():
+        if asked is not None and asked != have:
+            raise ValueError(f"{path} already has {have} {what}; cannot change it to {asked} "
+                             "(start a new cluster in another directory)")
+    for what, (asked, have) in grow.items():
+        if asked is not None and asked < have:
+            raise ValueError(f"{path} has {have} {what}; a cluster does not shrink (drain "
+                             "storage nodes with `jpfs node drain`)")
+        if asked is not None and asked > have and not cluster.etcd:
+            raise ValueError(f"{path} has {have} {what} and no cluster map, so it cannot grow "
+                             "(a cluster made with `jpfs cluster up` (etcd) can)")
+    if metrics and not all(s.metrics for s in cluster.meta + cluster.storage):
+        raise ValueError(f"{path} was created without metrics ports: add `metrics = "
+                         "\"HOST:PORT\"` to its daemons' entries, then restart them")
+    if cluster.etcd and ((meta_shards or 0) > cluster.n_shards
+                         or (storage_nodes or 0) > cluster.n_nodes):
+        def grown(current: config.Cluster | None) -> config.Cluster:
+            assert current is not None
+            copies = current.n_meta_replicas
+            shards = current.meta_replicas + tuple(
+                tuple(_server("meta", i, metrics, j) for j in range(copies))
+                for i in range(current.n_shards, max(meta_shards or 0, current.n_shards)))
+            nodes = current.storage + tuple(
+                _server("storage", i, metrics)
+                for i in range(current.n_nodes, max(storage_nodes or 0, current.n_nodes)))
+            return dataclasses.replace(current, meta=tuple(c[0] for c in shards),
+                                       meta_replicas=shards, storage=nodes)
+        cluster = clustermap.update_map_sync(cluster, grown)
+    return cluster
+
+
 def start(directory: str | os.PathLike, role: str, index: int, *, sync: bool = True,
-          env: dict[str, str] | None = None, extra_args: list[str] | None = None) -> int:
+          env: dict[str, str] | None = None, extra_args: list[str] | None = None,
+          replica: int = 0) -> int:
     """Start one stopped daemon (tests use ``env`` for fault points); returns its pid."""
     d = Path(directory).resolve()
-    _, _, proc = _spawn(d, role, index, sync, extra_args or [], env)
-    return _wait_started(d, role, index, proc, sync, extra_args or [], env)
+    _, _, proc, _ = _spawn(d, role, index, sync, extra_args or [], env, replica)
+    return _wait_started(d, role, index, proc, sync, extra_args or [], env, replica)
+
+
+def _server_of(cluster: config.Cluster, role: str, index: int, replica: int) -> config.Server:
+    return cluster.meta_replicas[index][replica] if role == "meta" else cluster.storage[index]
 
 
 def _wait_started(d: Path, role: str, index: int, proc: subprocess.Popen, sync: bool,
-                  extra: list[str], env: dict[str, str] | None) -> int:
+                  extra: list[str], env: dict[str, str] | None, replica: int = 0) -> int:
     """Wait until the daemon listens; if its old port was taken meanwhile, move it to a free
-    one (rewriting cluster.toml) and start it again."""
+    one (rewriting cluster.toml or the map) and start it again."""
     for _ in range(5):
         cluster = config.load(cluster_file(d))
-        server = (cluster.meta if role == "meta" else cluster.storage)[index]
-        if _wait_listening(d, role, index, proc, server):
+        server = _server_of(cluster, role, index, replica)
+        if _wait_listening(d, daemon_name(role, index, replica), proc, server):
             return proc.pid
-        _move(d, cluster, role, index)
-        _, _, proc = _spawn(d, role, index, sync, extra, env)
-    raise RuntimeError(f"{role}-{index}: could not find a free port")
+        _move(d, cluster, role, index, replica)
+        _, _, proc, _ = _spawn(d, role, index, sync, extra, env, replica)
+    raise RuntimeError(f"{daemon_name(role, index, replica)}: could not find a free port")
 
 
-def _move(d: Path, cluster: config.Cluster, role: str, index: int) -> None:
-    """Give one daemon a new free port in cluster.toml."""
-    servers = list(cluster.meta if role == "meta" else cluster.storage)
-    host, _ = config.parse_address(servers[index].address)
-    servers[index] = dataclasses.replace(servers[index], address=f"{host}:{_free_port(host)}")
-    if role == "meta":
-        updated = dataclasses.replace(cluster, meta=tuple(servers))
+def _move(d: Path, cluster: config.Cluster, role: str, index: int, replica: int = 0) -> None:
+    """Give one daemon a new free port in cluster.toml (or the map)."""
+    def moved(current: config.Cluster | None) -> config.Cluster:
+        assert current is not None
+        old = _server_of(current, role, index, replica)
+        host, _ = config.parse_address(old.address)
+        server = dataclasses.replace(old, address=f"{host}:{_free_port(host)}")
+        if role == "storage":
+            nodes = list(current.storage)
+            nodes[index] = server
+            return dataclasses.replace(current, storage=tuple(nodes))
+        shards = [list(c) for c in current.meta_replicas]
+        shards[index][replica] = server
+        copies = tuple(tuple(c) for c in shards)
+        return dataclasses.replace(current, meta=tuple(c[0] for c in copies),
+                                   meta_replicas=copies)
+    if cluster.etcd:
+        clustermap.update_map_sync(cluster, moved)
     else:
-        updated = dataclasses.replace(cluster, storage=tuple(servers))
-    config.write(updated, cluster_file(d))
+        config.write(moved(cluster), cluster_file(d))
 
 
 def _spawn(d: Path, role: str, index: int, sync: bool, extra: list[str],
-           env: dict[str, str] | None = None):
-    log = d / "logs" / f"{role}-{index}.log"
+           env: dict[str, str] | None = None, replica: int = 0):
+    name = daemon_name(role, index, replica)
+    log = d / "logs" / f"{name}.log"
     cmd = [sys.executable, "-m", MODULES[role], "--cluster", str(cluster_file(d)),
-           "--index", str(index), "--pid-file", str(d / f"{role}-{index}.pid"),
+           "--index", str(index), "--pid-file", str(d / f"{name}.pid"),
            "--log-file", str(log), *extra]
+    if replica or role == "meta" and config.load(cluster_file(d)).n_meta_replicas > 1:
+        cmd += ["--replica", str(replica)]
     if not sync:
         cmd.append("--no-sync")
-    with open(d / "logs" / f"{role}-{index}.out", "ab") as out:
+    with open(d / "logs" / f"{name}.out", "ab") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                 start_new_session=True, cwd=d,
                                 env={**os.environ, **env} if env else None)
-    return role, index, proc
+    return role, index, proc, replica
 
 
-def _wait_listening(d: Path, role: str, index: int, proc: subprocess.Popen,
-                    server: config.Server) -> bool:
+def _wait_listening(d: Path, name: str, proc: subprocess.Popen, server: config.Server) -> bool:
     """True once it listens; False if it exited because its address was taken."""
     host, port = server.host_port
     deadline = time.monotonic() + START_TIMEOUT
@@ -217,22 +320,70 @@ def _wait_listening(d: Path, role: str, index: int, proc: subprocess.Popen,
         if proc.poll() is not None:
             if proc.returncode == EXIT_ADDRESS_IN_USE:
                 return False
-            raise RuntimeError(f"{role}-{index} exited with status {proc.returncode}:\n"
-                               + _tail(d, role, index))
+            raise RuntimeError(f"{name} exited with status {proc.returncode}:\n"
+                               + _tail(d, name))
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 return True
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"{role}-{index} did not start listening on {server.address} within "
-                       f"{START_TIMEOUT:.0f}s:\n" + _tail(d, role, index))
+    raise RuntimeError(f"{name} did not start listening on {server.address} within "
+                       f"{START_TIMEOUT:.0f}s:\n" + _tail(d, name))
 
 
-def _tail(d: Path, role: str, index: int, lines: int = 20) -> str:
+# ---- the local etcd of a cluster with a map
+
+ETCD_BINARY = "etcd"
+
+
+def start_etcd(directory: str | os.PathLike) -> str:
+    """Start (or find running) the etcd of the cluster in ``directory``; its client URL.
+
+    Ports are kept in ``DIR/etcd.ports``, so a restart serves the URL the cluster file names."""
+    d = Path(directory).resolve()
+    (d / "logs").mkdir(parents=True, exist_ok=True)
+    ports_file = d / "etcd.ports"
+    if ports_file.exists():
+        client, peer = (int(x) for x in ports_file.read_text().split())
+    else:
+        client, peer = _free_port(), _free_port()
+        ports_file.write_text(f"{client} {peer}\n")
+    url = f"http://127.0.0.1:{client}"
+    if _read_pid(d / "etcd.pid") is not None:
+        return url
+    exe = shutil.which(ETCD_BINARY)
+    if exe is None:
+        raise RuntimeError("etcd is not installed (Debian: apt install etcd-server; "
+                           "scripts/setup.sh installs it)")
+    peer_url = f"http://127.0.0.1:{peer}"
+    cmd = [exe, "--name", "jpfs", "--data-dir", str(d / "etcd"),
+           "--listen-client-urls", url, "--advertise-client-urls", url,
+           "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+           "--initial-cluster", f"jpfs={peer_url}",
+           "--auto-compaction-mode", "revision", "--auto-compaction-retention", "10000"]
+    with open(d / "logs" / "etcd.log", "ab") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                start_new_session=True, cwd=d)
+    (d / "etcd.pid").write_text(f"{proc.pid}\n")
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"etcd exited with status {proc.returncode}:\n"
+                               + _tail(d, "etcd"))
+        try:
+            clustermap._gateway((url,), "/v3/kv/range", {"key": "Lw=="}, timeout=0.5)
+            return url
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"etcd did not answer at {url} within {START_TIMEOUT:.0f}s:\n"
+                       + _tail(d, "etcd"))
+
+
+def _tail(d: Path, name: str, lines: int = 20) -> str:
     text = ""
     for suffix in (".log", ".out"):
         try:
-            text += (d / "logs" / f"{role}-{index}{suffix}").read_text(errors="replace")
+            text += (d / "logs" / f"{name}{suffix}").read_text(errors="replace")
         except OSError:
             pass
     return "\n".join(text.splitlines()[-lines:])
@@ -241,20 +392,26 @@ def _tail(d: Path, role: str, index: int, lines: int = 20) -> str:
 def status(directory: str | os.PathLike) -> list[Daemon]:
     """Every daemon of the cluster in ``directory``: its address, pid and whether it runs."""
     d = Path(directory).resolve()
-    cluster = config.load(cluster_file(d))
     out = []
-    for role, servers in (("meta", cluster.meta), ("storage", cluster.storage)):
-        for i, s in enumerate(servers):
-            pid = _read_pid(d / f"{role}-{i}.pid")
-            out.append(Daemon(role, i, s.address, pid, pid is not None))
+    if (d / "etcd.ports").exists():
+        pid = _read_pid(d / "etcd.pid")
+        client = (d / "etcd.ports").read_text().split()[0]
+        out.append(Daemon("etcd", 0, f"127.0.0.1:{client}", pid, pid is not None))
+        if pid is None:
+            return out  # the map is in etcd: nothing else can be named without it
+    cluster = config.load(cluster_file(d))
+    for role, index, replica in _daemons(cluster):
+        pid = _read_pid(d / f"{daemon_name(role, index, replica)}.pid")
+        out.append(Daemon(role, index, _server_of(cluster, role, index, replica).address, pid,
+                          pid is not None, replica))
     return out
 
 
 def stop(directory: str | os.PathLike, role: str, index: int, *, sig: int = signal.SIGTERM,
-         timeout: float = 15.0) -> bool:
+         timeout: float = 15.0, replica: int = 0) -> bool:
     """Stop one daemon (SIGKILL after ``timeout``); False if it was not running."""
     d = Path(directory).resolve()
-    pid_file = d / f"{role}-{index}.pid"
+    pid_file = d / f"{daemon_name(role, index, replica)}.pid"
     pid = _read_pid(pid_file)
     if pid is None:
         pid_file.unlink(missing_ok=True)
@@ -292,18 +449,20 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def kill(directory: str | os.PathLike, role: str, index: int) -> bool:
+def kill(directory: str | os.PathLike, role: str, index: int, replica: int = 0) -> bool:
     """``kill -9`` one daemon (crash tests)."""
-    return stop(directory, role, index, sig=signal.SIGKILL)
+    return stop(directory, role, index, sig=signal.SIGKILL, replica=replica)
 
 
 def down(directory: str | os.PathLike, timeout: float = 15.0) -> list[str]:
-    """Stop every daemon of the cluster; returns the names of those that were running."""
+    """Stop every daemon of the cluster (etcd last); returns the names of those that ran."""
     stopped = []
-    for dmn in status(directory):
-        if stop(directory, dmn.role, dmn.index, timeout=timeout):
+    daemons = status(directory)
+    for dmn in [x for x in daemons if x.role != "etcd"] + [x for x in daemons if x.role == "etcd"]:
+        if stop(directory, dmn.role, dmn.index, timeout=timeout, replica=dmn.replica):
             stopped.append(dmn.name)
     return stopped
 
 
-__all__ = ["Daemon", "cluster_file", "down", "kill", "start", "status", "stop", "up"]
+__all__ = ["Daemon", "cluster_file", "daemon_name", "down", "kill", "start", "start_etcd",
+           "status", "stop", "up"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install what JPFS needs on a fresh Debian/Ubuntu machine: FUSE 3 (and rsync and iproute2 for
-# the tests) and a virtualenv with JPFS, its test tools and the torch extra. Safe to rerun: it
+# Install what JPFS needs on a fresh Debian/Ubuntu machine: FUSE 3, etcd (and rsync and iproute2
+# for the tests) and a virtualenv with JPFS, its test tools and the torch extra. Safe to rerun: it
 # skips what is already there, and the package install when setup.cfg, pyproject.toml, the
 # extras and the interpreter are the ones of the last run (a stamp in the virtualenv).
 #
@@ -20,6 +20,7 @@ pkg-config --exists fuse3 2>/dev/null || need_apt+=(libfuse3-dev)
 command -v pkg-config >/dev/null || need_apt+=(pkg-config)
 command -v rsync >/dev/null || need_apt+=(rsync)        # the FUSE tests run rsync on a mount
 command -v ip >/dev/null || need_apt+=(iproute2)        # simulated hosts in bench aggregate
+command -v etcd >/dev/null || need_apt+=(etcd-server)   # the cluster map of `jpfs cluster up`
 if ((${#need_apt[@]})); then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq

@@ -84,17 +84,19 @@ def _area(mod: str) -> str:
 ALLOWED = {
     "jpfs": {"jpfs.client"},  # jpfs.connect() and jpfs.aconnect(), imported on use
     "jpfs.rpc": set(),
+    "jpfs.coord": set(),  # etcd and the cluster map: level 0 only
     "jpfs.proto": {"jpfs.rpc"},
-    "jpfs_daemon": {"jpfs.rpc", "jpfs.proto"},
-    "jpfs.client": {"jpfs.rpc", "jpfs.proto"},
+    "jpfs_daemon": {"jpfs.rpc", "jpfs.proto", "jpfs.coord"},
+    "jpfs.client": {"jpfs.rpc", "jpfs.proto", "jpfs.coord"},
     "jpfs.fuse": {"jpfs.client"},  # never rpc or proto: the VFS in jpfs.client speaks for it
     # the dataset reads LeRobot metadata with jpfs.lerobot (an addition: docs/design-notes.md)
     "jpfs.torch": {"jpfs.client", "jpfs.lerobot"},
     "jpfs.lerobot": set(),
-    "jpfs.localcluster": set(),
-    "jpfs.cli": {"jpfs.client", "jpfs.localcluster", "jpfs.lerobot", "jpfs.fuse"},
+    "jpfs.localcluster": {"jpfs.coord"},
+    "jpfs.cli": {"jpfs.client", "jpfs.localcluster", "jpfs.lerobot", "jpfs.fuse", "jpfs.coord"},
+    # never jpfs.cli: cli runs bench
     "jpfs_bench": {"jpfs.client", "jpfs.localcluster", "jpfs.lerobot", "jpfs.torch",
-                   "jpfs.fuse", "jpfs.rpc", "jpfs.proto"},  # never jpfs.cli: cli runs bench
+                   "jpfs.fuse", "jpfs.rpc", "jpfs.proto", "jpfs.coord"},
 }
 
 EDGES = {

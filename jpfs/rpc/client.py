@@ -346,6 +346,24 @@ class Pool:
     def __len__(self) -> int:
         return len(self.addresses)
 
+    def set_addresses(self, addresses: Sequence[str]) -> None:
+        """Follow a new cluster map: servers are appended, or move to another address (their
+        connections close; calls in flight on them fail and retry by the usual rules).
+        Indices keep their meaning, so the list never shrinks."""
+        if len(addresses) < len(self.addresses):
+            raise ValueError(f"{self.role} servers never go away: {len(addresses)} addresses "
+                             f"for {len(self.addresses)} indices")
+        for i, address in enumerate(addresses):
+            if i >= len(self.addresses):
+                self.addresses.append(address)
+                self._conns.append([])
+                self._locks.append(trio.Lock())
+            elif address != self.addresses[i]:
+                self.addresses[i] = address
+                for c in self._conns[i]:
+                    c.close()
+                self._conns[i] = []
+
     def name(self, index: int) -> str:
         """How errors name server ``index``: ``storage node 1 (127.0.0.1:7402)``."""
         role = ROLE_NAMES.get(self.role, f"{self.role} server")

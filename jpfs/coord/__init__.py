@@ -1,0 +1,1 @@
+"""Coordination: what needs consensus (the cluster map, shard leader leases) kept in etcd."""
