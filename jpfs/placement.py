@@ -12,10 +12,15 @@ Every client computes placement itself, so no lookup service sits on the hot pat
   still spreads over every node. Chunk ``i`` of a large file goes to node ``(h(ino) + i)``,
   striping the file over all nodes. Replicas are the next nodes round the ring.
 
-The chosen nodes are recorded with each chunk, so data never moves when a cluster grows.
+Placement runs over the *writable* nodes (the cluster map's active ones, in index order): a
+draining or removed node takes no new bytes, and a node added to the map takes its share of new
+writes at once. The chosen nodes are recorded with each chunk, so nothing moves by itself when
+the map changes: the metadata shards' healers move what must move (``jpfs_daemon.meta.heal``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import xxhash
 
@@ -49,29 +54,46 @@ def new_dir_shard(parent: int, name: bytes, n_shards: int) -> int:
     return _h64(parent, name) % n_shards if n_shards > 1 else 0
 
 
-def _ring(start: int, n_nodes: int, replicas: int) -> tuple[int, ...]:
-    if n_nodes <= 0:
-        raise ValueError("the cluster has no storage nodes")
-    r = min(replicas, n_nodes)
-    return tuple((start + k) % n_nodes for k in range(r))
+def _ring(start: int, nodes: Sequence[int], replicas: int) -> tuple[int, ...]:
+    n = len(nodes)
+    if n <= 0:
+        raise ValueError("the cluster has no writable storage nodes (all draining or removed?)")
+    r = min(replicas, n)
+    return tuple(nodes[(start + k) % n] for k in range(r))
 
 
 def chunk_nodes(
-    ino: int, parent: int, index: int, n_chunks: int, n_nodes: int, replicas: int,
+    ino: int, parent: int, index: int, n_chunks: int, nodes: int | Sequence[int], replicas: int,
     group: int = 0,
 ) -> tuple[int, ...]:
     """The storage nodes (primary first) for chunk ``index`` of a file with ``n_chunks`` chunks.
 
-    One-chunk files follow their parent directory and ``group``, a run of neighbouring files
-    written together (an import batch): a run packs back to back on one node, and the runs of a
-    big directory spread over all nodes. Chunks of larger files stripe over the nodes starting at
-    a per-file offset.
+    ``nodes`` are the writable node indices (``Cluster.writable_nodes``), or a count ``n`` for
+    nodes ``0..n-1``. One-chunk files follow their parent directory and ``group``, a run of
+    neighbouring files written together (an import batch): a run packs back to back on one
+    node, and the runs of a big directory spread over all nodes. Chunks of larger files stripe
+    over the nodes starting at a per-file offset.
     """
+    ring = range(nodes) if isinstance(nodes, int) else nodes
+    n = len(ring)
+    if n <= 0:
+        return _ring(0, ring, replicas)
     if n_chunks <= 1 and index == 0:
-        start = _h64(b"dir", parent, group) % n_nodes
+        start = _h64(b"dir", parent, group) % n
     else:
-        start = (_h64(b"file", ino) + index) % n_nodes
-    return _ring(start, n_nodes, replicas)
+        start = (_h64(b"file", ino) + index) % n
+    return _ring(start, ring, replicas)
+
+
+def spread(key: int, nodes: Sequence[int], count: int, exclude: Sequence[int] = ()
+           ) -> tuple[int, ...]:
+    """``count`` of ``nodes`` not in ``exclude``, round the ring from ``h(key)``: where a healer
+    puts the new copies of a chunk (deterministic, so a rescan proposes the same targets)."""
+    free = [x for x in nodes if x not in exclude]
+    if not free or count <= 0:
+        return ()
+    start = _h64(b"heal", key) % len(free)
+    return tuple(free[(start + k) % len(free)] for k in range(min(count, len(free))))
 
 
 def chunk_span(offset: int, length: int, chunk_size: int) -> range:

@@ -25,7 +25,10 @@ warm-up (2.6-6.9k against 2.6-4.7k blobs/s), and a cached read issued meanwhile 
 Scrubbing (``scrub.py``): a task re-reads the live blobs in disk order at ``--scrub-rate`` bytes/s
 (default 32 MiB/s; 0 turns it off) and marks those whose bytes fail their checksum; reads refuse
 a marked blob with ``EIO`` (clients fail over to a replica), and a ``put_blobs`` of its id with its
-checksum replaces the copy (``jpfs scrub repair``). ``--scrub-pause`` is the wait between passes.
+checksum replaces the copy (``jpfs scrub repair``, or the metadata shards' healers, which ask the
+node to ``pull_blobs`` a good copy from another node itself: ``pull.py``). ``--scrub-pause`` is
+the wait between passes. A client whose read fails its checksum calls ``report_bad``, which
+re-verifies those blobs at once.
 
 Volumes in use by an answer being sent are pinned: compaction retires them, but the open file
 descriptor is closed (and the unlinked file's space freed) only after the last send. Volume ids are
@@ -51,6 +54,7 @@ from jpfs.proto import storage as P
 from jpfs.rpc import FileSegment, Handler, Limits, Reply, Service, serve
 
 from .. import common
+from .pull import Puller
 from .scrub import DEFAULT_PAUSE, DEFAULT_RATE, Scrubber
 from .store import (
     AllocOp,
@@ -178,13 +182,15 @@ class StorageServer:
     """The storage service's handlers over one ``Store``. Start ``run`` before serving."""
 
     def __init__(self, store: Store, node: int = 0, *, warm_cold_reads: bool = True,
-                 scrub_rate: float = DEFAULT_RATE, scrub_pause: float = DEFAULT_PAUSE):
+                 scrub_rate: float = DEFAULT_RATE, scrub_pause: float = DEFAULT_PAUSE,
+                 secret: bytes = b""):
         self.store = store
         self.node = node
         self.warm_cold_reads = warm_cold_reads
         self.writer = _Writer(store)
         self.scrubber = Scrubber(store, self.writer.submit, rate=scrub_rate, pause=scrub_pause)
         self.files = _Files(store)
+        self.puller = Puller(store, self.writer.submit, secret, node)
         self._compact_lock = trio.Lock()
         self._devnull = os.open(os.devnull, os.O_WRONLY)
         self.counters = dict.fromkeys(
@@ -196,9 +202,11 @@ class StorageServer:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.writer.run)
             await nursery.start(self.scrubber.run)
+            self.puller.start(nursery)
             task_status.started()
 
     def close(self) -> None:
+        self.puller.close()
         self.files.close()
         os.close(self._devnull)
 
@@ -215,6 +223,8 @@ class StorageServer:
             P.SCRUB_STATUS: Handler(self.scrub_status),
             P.SCRUB_START: Handler(self.scrub_start),
             P.BAD_BLOBS: Handler(self.bad_blobs),
+            P.PULL_BLOBS: Handler(self.puller.pull),
+            P.REPORT_BAD: Handler(self.puller.report_bad),
         }
 
     # ------------------------------------------------------------------ put
@@ -323,7 +333,8 @@ class StorageServer:
     async def stats(self) -> dict:
         usage = await trio.to_thread.run_sync(self.store.usage)
         sc = self.scrubber.s
-        return {"node": self.node, **usage, **self.counters, "commits": self.writer.commits,
+        return {"node": self.node, **usage, **self.counters, **self.puller.counters,
+                "commits": self.writer.commits,
                 "scrub_passes": sc["passes"], "scrub_bytes": sc["bytes_verified"],
                 "scrub_bad_found": sc["bad_found"],
                 "scrub_repaired": await trio.to_thread.run_sync(self.store.repaired)}
@@ -546,7 +557,8 @@ def main(argv: list[str] | None = None) -> None:
             functools.partial(Store, data, volume_size=volume_size, fsync=fsync))
         server = StorageServer(store, node=args.index,
                                warm_cold_reads=args.cold_reads == "warm",
-                               scrub_rate=scrub_rate, scrub_pause=args.scrub_pause)
+                               scrub_rate=scrub_rate, scrub_pause=args.scrub_pause,
+                               secret=cluster.secret)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.run)
@@ -559,7 +571,8 @@ def main(argv: list[str] | None = None) -> None:
                     from ..metrics import serve_metrics
 
                     serve_metrics(metrics, "storage", args.index, service, server.stats,
-                                  frozenset(server.counters) | {"commits"})
+                                  frozenset(server.counters) | frozenset(server.puller.counters)
+                                  | {"commits"})
                 log.info("storage node %d serving %s on %s:%d (fsync %s, volumes of %s)",
                          args.index, data, host, port, "always" if fsync else "never",
                          config.format_size(volume_size))

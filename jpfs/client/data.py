@@ -33,9 +33,12 @@ class DataPath:
         self.chunk_size = cluster.chunk_size
 
     # ---- writes
-    def placement(self, ino: int, parent: int, index: int, total: int) -> tuple[int, ...]:
-        return chunk_nodes(ino, parent, index, total, self.cluster.n_nodes,
-                           self.cluster.replicas)
+    def placement(self, ino: int, parent: int, index: int, total: int,
+                  group: int = 0) -> tuple[int, ...]:
+        """The preferred nodes of a chunk: over the writable nodes of the map the storage
+        client follows (a drained or removed node takes no new bytes; a new one at once)."""
+        return chunk_nodes(ino, parent, index, total, self.storage.writable,
+                           self.storage.replicas, group)
 
     async def store(self, ino: int, parent: int, pieces: Sequence[tuple[int, memoryview]],
                     total_chunks: int) -> list[Chunk]:

@@ -11,6 +11,13 @@ seconds, so reads go straight to a replica instead of waiting on a dead node eac
 Writes store each blob on R live nodes: the preferred nodes given by the caller
 (``placement.chunk_nodes``), and where one of them is down, the next nodes round the ring. The
 nodes actually used are returned: the caller records them, and they are the truth.
+
+The client follows the cluster map (``follow``): new nodes join the address list, and node
+states steer both sides. Writes go to *writable* (active) nodes only: a preferred node that is
+draining or removed is replaced like a down one. Reads try active replicas first, then draining
+ones, and a removed node's copy only when nothing else answered (its copies no longer count, but
+a node drained to the end may still serve them). A read that fails its checksum tells that node
+(``report_bad``), which re-verifies the blob and marks it for the healer to repair.
 """
 
 from __future__ import annotations
@@ -32,6 +39,11 @@ log = logging.getLogger(__name__)
 
 _HASH_INLINE = 1 << 20
 """Batches smaller than this are hashed on the trio thread; larger ones in a worker thread."""
+
+ACTIVE, DRAINING, REMOVED = "active", "draining", "removed"
+
+_REPORTED_MAX = 4096
+"""Bad copies remembered as reported (each is reported once per client, not on every read)."""
 
 _TRANSIENT = frozenset({errno.EHOSTUNREACH, errno.ETIMEDOUT, errno.ENOSPC, errno.EIO,
                         errno.EROFS, errno.EDQUOT, errno.EAGAIN})
@@ -74,7 +86,14 @@ class StorageClient:
         peer_timeout: float | None = None,
     ):
         self.cluster = cluster
+        self.nursery = nursery
         self.n_nodes = cluster.n_nodes
+        self.states: tuple[str, ...] = node_states(cluster)
+        self.writable: tuple[int, ...] = writable_nodes(cluster)
+        """Active nodes, where new blobs go (``placement.chunk_nodes`` takes this list)."""
+        self.replicas = cluster.replicas
+        self._demoted = frozenset(i for i, st in enumerate(self.states) if st != ACTIVE)
+        self._reported: set[tuple[int, bytes]] = set()
         self.pool = Pool(
             nursery, [s.address for s in cluster.storage], cluster.secret, role="storage",
             connections_per_server=connections_per_node, retry_for=retry_for, timeout=timeout,
@@ -90,6 +109,20 @@ class StorageClient:
 
     def close(self) -> None:
         self.pool.close()
+
+    def follow(self, cluster: Cluster) -> None:
+        """Take a new cluster map: grown node list, moved addresses, node states, writable."""
+        self.pool.set_addresses([s.address for s in cluster.storage])
+        self.cluster = cluster
+        self.n_nodes = cluster.n_nodes
+        self.states = node_states(cluster)
+        self.writable = writable_nodes(cluster)
+        self.replicas = cluster.replicas
+        self._demoted = frozenset(i for i, st in enumerate(self.states) if st != ACTIVE)
+
+    def state(self, node: int) -> str:
+        """``node``'s state in the map this client follows."""
+        return self.states[node] if 0 <= node < len(self.states) else REMOVED
 
     # ------------------------------------------------------------------ node health
 
@@ -110,15 +143,25 @@ class StorageClient:
     def _down_now(self) -> frozenset[int]:
         return frozenset(n for n in list(self._down_until) if self.is_down(n))
 
-    @staticmethod
-    def _order(nodes: Sequence[int], down: frozenset[int]) -> Sequence[int]:
-        """Replicas to try, in recorded order, with nodes known to be down last."""
-        if len(nodes) == 1 or (not down and len(nodes) == 2 and nodes[0] != nodes[1]):
+    def _order(self, nodes: Sequence[int], down: frozenset[int]) -> Sequence[int]:
+        """Replicas to try: active ones that are up first (in recorded order), then draining
+        ones, then those known to be down, and removed nodes last of all."""
+        demoted = self._demoted
+        if len(nodes) == 1 or (not down and not demoted and len(nodes) == 2
+                               and nodes[0] != nodes[1]):
             return nodes
         seen = list(dict.fromkeys(nodes))
-        if not down:
+        if not down and not demoted:
             return seen
-        return [n for n in seen if n not in down] + [n for n in seen if n in down]
+        states = self.states
+
+        def rank(n: int) -> int:
+            st = states[n] if 0 <= n < len(states) else REMOVED
+            if st == REMOVED:
+                return 4
+            return (2 if n in down else 0) + (st != ACTIVE)
+
+        return sorted(seen, key=rank)  # stable: recorded order within a rank
 
     def _batches(self, items: list[int], sizes: Sequence[int]) -> list[list[int]]:
         out: list[list[int]] = []
@@ -163,7 +206,8 @@ class StorageClient:
                 dest.append(view)
         out: list[memoryview | None] = [None] * n
         down = self._down_now()
-        orders = [self._order(c.nodes, down) for c in chunks]
+        order = self._order
+        orders = [order(c.nodes, down) for c in chunks]
         tried = [0] * n
         failures: list[list[str]] = [[] for _ in range(n)]
         corrupt = [False] * n
@@ -264,6 +308,7 @@ class StorageClient:
                                    f"xxh {c.xxh:016x})")
                 log.error("blob %s on storage node %d fails its checksum; trying another "
                           "replica", P.blob_name(c.blob), node)
+                self._report_bad(node, c.blob)
                 continue
             if dest is not None and view is not dest[i]:
                 dest[i][:] = view
@@ -272,6 +317,25 @@ class StorageClient:
                 view = memoryview(bytearray(view))  # own memory (see above), not a slice
             out[i] = view
 
+    def _report_bad(self, node: int, blob: bytes) -> None:
+        """Tell ``node`` its copy of ``blob`` read bad (once per client), in the background."""
+        if (node, blob) in self._reported:
+            return
+        if len(self._reported) >= _REPORTED_MAX:
+            self._reported.clear()
+        self._reported.add((node, blob))
+        self.nursery.start_soon(self._send_report, node, blob)
+
+    async def _send_report(self, node: int, blob: bytes) -> None:
+        try:
+            marked = await self.pool.call(node, P.REPORT_BAD, P.IdsReq([blob]), retry_for=1.0,
+                                          timeout=30.0)
+            log.info("reported blob %s to %s: %s", P.blob_name(blob), self.pool.name(node),
+                     "marked bad for repair" if marked else "it verifies there")
+        except JPFSError as e:  # an older node, or one gone meanwhile: the scrubber finds it
+            log.warning("could not report bad blob %s to %s: %s", P.blob_name(blob),
+                        self.pool.name(node), e.strerror)
+
     # ------------------------------------------------------------------ put
 
     async def put(
@@ -279,9 +343,9 @@ class StorageClient:
     ) -> list[tuple[tuple[int, ...], int]]:
         """Store each (blob id, preferred nodes, data) durably on as many live nodes.
 
-        Returns (nodes used, xxh3-64) per blob. A preferred node that is down is replaced by the
-        next node round the ring. Raises Unavailable (or the nodes' error) when a blob cannot get
-        that many copies.
+        Returns (nodes used, xxh3-64) per blob. A preferred node that is down, draining or
+        removed is replaced by the next writable node round the ring. Raises Unavailable (or
+        the nodes' error) when a blob cannot get that many copies.
         """
         n = len(blobs)
         if not n:
@@ -296,7 +360,11 @@ class StorageClient:
             xxhs = await trio.to_thread.run_sync(_hash_all, views)
         else:
             xxhs = _hash_all(views)
-        want = [len(set(nodes)) for _, nodes, _ in blobs]
+        room = len(self.writable)
+        if not room:
+            raise Unavailable("no writable storage node: every node is draining or removed "
+                              "(add one with `jpfs node add`; see `jpfs node list`)")
+        want = [min(len(set(nodes)), room) for _, nodes, _ in blobs]
         cands = [self._ring(nodes) for _, nodes, _ in blobs]
         stored: list[list[int]] = [[] for _ in range(n)]
         tried: list[set[int]] = [set() for _ in range(n)]
@@ -335,10 +403,14 @@ class StorageClient:
         return result
 
     def _ring(self, nodes: Sequence[int]) -> list[int]:
-        """The preferred nodes, then the rest of the ring after the last of them."""
-        pref = list(dict.fromkeys(nodes))
-        start = pref[-1] + 1
-        rest = [(start + k) % self.n_nodes for k in range(self.n_nodes)]
+        """The preferred writable nodes, then the other writable ones round the ring after
+        the last preferred one."""
+        ring = self.writable
+        ok = frozenset(ring)
+        pref = [x for x in dict.fromkeys(nodes) if x in ok]
+        last = nodes[-1] if nodes else 0
+        start = next((k for k, x in enumerate(ring) if x > last), 0)
+        rest = [ring[(start + k) % len(ring)] for k in range(len(ring))]
         return pref + [x for x in rest if x not in pref]
 
     async def _put_batch(self, node, batch, blobs, views, xxhs, stored, failures, fatal) -> None:
@@ -410,6 +482,16 @@ class StorageClient:
     async def stats(self, node: int) -> dict:
         """``node``'s counters and space (see ``jpfs.proto.storage.STATS_KEYS``)."""
         return P.STATS.decode(await self.pool.call(node, P.STATS, P.NoArgs()))
+
+
+def node_states(cluster: Cluster) -> tuple[str, ...]:
+    """Each storage node's state in ``cluster``'s map (``active`` where the map has none)."""
+    return tuple(getattr(s, "state", ACTIVE) or ACTIVE for s in cluster.storage)
+
+
+def writable_nodes(cluster: Cluster) -> tuple[int, ...]:
+    """The indices of ``cluster``'s active storage nodes, where new writes go."""
+    return tuple(i for i, st in enumerate(node_states(cluster)) if st == ACTIVE)
 
 
 def _hash_all(views: Sequence[memoryview]) -> list[int]:

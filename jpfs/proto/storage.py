@@ -27,6 +27,14 @@ Wire shapes (msgpack; ids are 16-byte ``bytes``):
     found bad (the node refuses to serve them: ``"EIO"`` in ``get_blobs``), ids greater than
     ``after``, with the length and checksum their index records. A ``put_blobs`` of such an id
     with that length and checksum replaces the bad copy (it counts as stored) and clears it.
+``pull_blobs(source, [[id, length, xxh], ...])`` -> ``[stored, already_present, failures]``:
+    this node fetches the blobs from the storage node at address ``source`` itself (node to
+    node: a healer moving copies does not relay the bytes), checks each against ``length`` and
+    ``xxh`` and stores those that verify as ``put_blobs`` would (a bad copy here is replaced);
+    ``failures`` is ``[[id, reason], ...]`` for the blobs it could not get good bytes of.
+``report_bad([id, ...])`` -> the number of those blobs newly marked bad: a client whose read
+    failed its checksum tells the node, which re-reads those blobs from its volumes at once and
+    marks the ones that fail (as its scrubber would), so the healer repairs them.
 """
 
 from __future__ import annotations
@@ -92,6 +100,29 @@ class BadBlobsReq(NamedTuple):
     limit: int
 
 
+class PullBlobsReq(NamedTuple):
+    """``pull_blobs``: fetch ``entries`` from the storage node at ``source`` and store them."""
+
+    source: str
+    """HOST:PORT of the node that holds good copies."""
+    entries: list[list]
+    """``[id, length, xxh]`` per blob."""
+
+
+class PullResult(NamedTuple):
+    """``pull_blobs``: stored, already present, and ``(id, reason)`` for each blob not stored.
+    Wire: ``[stored, already_present, [[id, reason], ...]]``."""
+
+    stored: int
+    already_present: int
+    failures: list[tuple[bytes, str]]
+
+    @classmethod
+    def from_wire(cls, w: list) -> PullResult:
+        stored, present, failures = w
+        return cls(stored, present, [(bid, why) for bid, why in failures])
+
+
 class PutResult(NamedTuple):
     """``put_blobs``: blobs newly stored and blobs that were there already.
     Wire: ``[stored, already_present]``."""
@@ -151,9 +182,11 @@ STATS = Method(6, "stats", NoArgs, dict, idempotent=True)
 SCRUB_STATUS = Method(7, "scrub_status", NoArgs, dict, idempotent=True)
 SCRUB_START = Method(8, "scrub_start", NoArgs, dict, idempotent=True)
 BAD_BLOBS = Method(9, "bad_blobs", BadBlobsReq, BadPage, idempotent=True)
+PULL_BLOBS = Method(10, "pull_blobs", PullBlobsReq, PullResult, idempotent=True)
+REPORT_BAD = Method(11, "report_bad", IdsReq, int, idempotent=True)
 
 METHODS = method_table(PUT_BLOBS, GET_BLOBS, DELETE_BLOBS, LIST_BLOBS, COMPACT, STATS,
-                       SCRUB_STATUS, SCRUB_START, BAD_BLOBS)
+                       SCRUB_STATUS, SCRUB_START, BAD_BLOBS, PULL_BLOBS, REPORT_BAD)
 """Every storage method by name."""
 
 STATS_KEYS = (
@@ -180,6 +213,10 @@ STATS_KEYS = (
     "scrub_bytes",      # bytes the scrubber verified, over all passes
     "scrub_bad_found",  # bad blobs the scrubber found, over all passes
     "scrub_repaired",   # bad copies replaced by a re-put (a repair), ever
+    "pulls",            # pull_blobs requests served (copies fetched from another node)
+    "blobs_pulled",     # blobs newly stored by them
+    "bytes_pulled",     # bytes fetched by them
+    "reports_bad",      # report_bad requests (clients that saw a checksum mismatch)
 )
 
 SCRUB_KEYS = (
