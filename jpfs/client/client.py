@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import trio
 
 from .. import config, uri
+from ..coord.clustermap import MapFollower
 from ..errors import ChecksumError, DeadlineError, JPFSError, Unavailable, error
 from ..types import ROOT_INO, Attr, Layout
 from .cache import BlobCache
@@ -128,6 +129,20 @@ class AsyncClient:
         self.dir_cache_ttl = dir_cache_ttl
         self._dirs: dict[str, tuple[int, float]] = {}
         self.umask = _umask()
+        self.follower = MapFollower(cluster)
+        self.follower.subscribe(self._follow)
+        self.follower.start_soon(nursery)
+
+    def _follow(self, cluster: config.Cluster) -> None:
+        """A newer cluster map: shards and nodes added, nodes draining or removed, addresses
+        moved. Inode ids and chunk records name shards and nodes by index, which never change
+        meaning, so nothing cached goes stale."""
+        self.cluster = cluster
+        self.meta.follow(cluster)
+        if self.storage is not None:
+            self.storage.follow(cluster)
+        if self.data is not None:
+            self.data.cluster = cluster
 
     def close(self) -> None:
         """Close the connections and the cache (the nursery's tasks end with it)."""

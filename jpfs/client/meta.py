@@ -35,6 +35,12 @@ class MetaClient:
         self.pool = Pool(nursery, [s.address for s in cluster.meta], cluster.secret, role="meta",
                          **pool_options)
 
+    def follow(self, cluster: Cluster) -> None:
+        """A newer cluster map (``jpfs.coord.clustermap``): shards added or moved."""
+        self.cluster = cluster
+        self.pool.set_addresses([s.address for s in cluster.meta])
+        self.n_shards = cluster.n_shards
+
     async def call(self, shard: int, method: str, *args, **kw):
         """Call any method by name and get its answer in wire form (for tools: fsck, gc,
         status); the typed calls below decode answers with the method's response record."""

@@ -127,6 +127,13 @@ class MapFollower:
         self.etcd = Etcd(self.cluster.etcd, timeout=max(2.0, self.cluster.peer_timeout))
         await nursery.start(self._run)
 
+    def start_soon(self, nursery: trio.Nursery) -> None:
+        """``start`` without waiting for the watch (the map was read when the cluster was
+        loaded, and the watch begins right after that epoch, so nothing is missed)."""
+        if self.cluster.etcd:
+            self.etcd = Etcd(self.cluster.etcd, timeout=max(2.0, self.cluster.peer_timeout))
+            nursery.start_soon(self._run)
+
     async def _run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         assert self.etcd is not None
         try:
