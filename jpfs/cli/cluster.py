@@ -1,12 +1,17 @@
-"""``jpfs cluster up|down|status``: a cluster of real daemons on loopback, in one directory."""
+"""``jpfs cluster up|down|status``: a cluster of real daemons on loopback, in one directory.
+
+A new cluster keeps its shape in a cluster map in its own etcd (``--static`` for the old fixed
+cluster file), so a later ``up`` with more shards or nodes grows it while it serves."""
 
 from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 
 from .. import config, localcluster
 from ..config import format_size, parse_size
+from ..localcluster import DEFAULT_META_REPLICAS
 from .common import add_json, cluster_dir, plural, print_json
 from .scrub import describe as describe_scrub
 
@@ -14,21 +19,30 @@ from .scrub import describe as describe_scrub
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cluster", help="start, stop and inspect a local cluster",
                        description="Run a JPFS cluster of real daemon processes on loopback. "
-                       "Everything (data, logs, pid files, cluster.toml, the secret) lives in "
-                       "one directory.")
+                       "Everything (data, logs, pid files, cluster.toml, the secret, the etcd "
+                       "that holds the cluster map) lives in one directory.")
     csub = p.add_subparsers(dest="cluster_command", metavar="ACTION")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
-    up = csub.add_parser("up", help="create (first time) and start a cluster",
+    up = csub.add_parser("up", help="create (first time), start or grow a cluster",
                          description="Create the cluster on first use and start every daemon "
                          "that is not running; a second `up` restarts stopped daemons on their "
-                         "data. Prints the cluster file to export as JPFS_CLUSTER.")
+                         "data, and with more --meta-shards or --storage-nodes than the cluster "
+                         "has, adds them to the running cluster. Prints the cluster file to "
+                         "export as JPFS_CLUSTER.")
     up.add_argument("--dir", help="cluster directory (default ./jpfs-cluster)")
-    up.add_argument("--meta-shards", type=int, help="metadata shards (default 2; fixed at "
-                    "creation)")
-    up.add_argument("--storage-nodes", type=int, help="storage nodes (default 2; fixed at "
-                    "creation)")
-    up.add_argument("--replicas", type=int, help="copies of every chunk (default 1)")
+    up.add_argument("--meta-shards", type=int, help="metadata shards (default 2; a larger number "
+                    "adds shards, which take their share of new directories)")
+    up.add_argument("--storage-nodes", type=int, help="storage nodes (default 2; a larger "
+                    "number adds nodes, which take new writes at once)")
+    up.add_argument("--replicas", type=int, help="copies of every chunk (default 2 with 2 or "
+                    "more storage nodes, else 1; fixed at creation)")
+    up.add_argument("--meta-replicas", type=int,
+                    help=f"copies of every metadata shard, each its own daemon (default "
+                    f"{DEFAULT_META_REPLICAS}; 1 keeps one copy; fixed at creation)")
+    up.add_argument("--static", action="store_true",
+                    help="no cluster map: a fixed cluster file, no etcd (the shape cannot "
+                    "change, one copy of each shard)")
     up.add_argument("--chunk-size", type=parse_size, help="chunk size, e.g. 4MiB (default)")
     up.add_argument("--metrics", action="store_true",
                     help="give every daemon a Prometheus metrics port (recorded in cluster.toml; "
@@ -55,15 +69,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     d = cluster_dir(args)
     existed = localcluster.cluster_file(d).exists()
     before = {x.name: x.alive for x in localcluster.status(d)} if existed else {}
+    etcd = not args.static
+    meta_replicas = args.meta_replicas
+    if not existed and meta_replicas is None:
+        meta_replicas = DEFAULT_META_REPLICAS if etcd else 1
     cluster = localcluster.up(d, meta_shards=args.meta_shards, storage_nodes=args.storage_nodes,
                               replicas=args.replicas, chunk_size=args.chunk_size,
-                              sync=not args.no_sync, metrics=args.metrics)
+                              sync=not args.no_sync, metrics=args.metrics, etcd=etcd,
+                              meta_replicas=meta_replicas)
     after = localcluster.status(d)
     started = [x.name for x in after if not before.get(x.name)]
     print(f"cluster {'up' if existed else 'created'}: {cluster.path}: {_shape(cluster)}")
     rows = [[x.name, x.address, f"{'running' if before.get(x.name) else 'started'}, pid {x.pid}",
-             f"metrics http://{s.metrics}/metrics" if s.metrics else ""]
-            for x, s in zip(after, cluster.meta + cluster.storage, strict=True)]
+             f"metrics http://{m}/metrics" if (m := _metrics(cluster, x)) else ""]
+            for x in after]
     _table(rows)
     if not existed:
         print(f"started {plural(len(started), 'daemon')}")
@@ -91,25 +110,33 @@ def cmd_status(args: argparse.Namespace) -> int:
     daemons = localcluster.status(d)
     cluster = config.load(localcluster.cluster_file(d))
     info = _daemon_info(cluster, daemons)
+    heal = _heal_lines(info)
     if args.json:
-        print_json({"cluster": str(cluster.path), "daemons": info})
+        print_json({"cluster": str(cluster.path), "epoch": cluster.epoch, "daemons": info,
+                    "healing": heal})
         return 0
     print(f"cluster {cluster.path}: {_shape(cluster)}")
     rows = [["daemon", "address", "state", "details"]]
     for row in info:
-        name = f"{row['role']}-{row['index']}"
+        name = row["name"]
         if not row["alive"]:
             state = "DOWN"
             detail = [f"not running (log: {d / 'logs' / (name + '.log')})"]
         elif row.get("error"):
             state = f"up, pid {row['pid']}"
             detail = [f"not answering: {row['error']}"]
+        elif row["role"] == "etcd":
+            state = f"up, pid {row['pid']}"
+            detail = [f"cluster map epoch {cluster.epoch}"]
         elif row["role"] == "meta":
             state = f"up, pid {row['pid']}"
-            detail = [f"inodes {row.get('inodes', 0):,}", f"entries {row.get('dentries', 0):,}",
-                      f"commits {row.get('commits', 0):,}"]
+            detail = ([row["replication"]] if row.get("replication") else []) + [
+                f"inodes {row.get('inodes', 0):,}", f"entries {row.get('dentries', 0):,}",
+                f"commits {row.get('commits', 0):,}"]
         else:
             state = f"up, pid {row['pid']}"
+            if row.get("state", "active") != "active":
+                state += f", {row['state']}"
             live, dead = row.get("live_bytes", 0), row.get("dead_bytes", 0)
             ratio = live / (live + dead) if live + dead else 1.0
             detail = [f"volumes {row.get('volumes', 0):,}",
@@ -121,7 +148,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             detail.append(f"metrics http://{row['metrics']}/metrics")
         rows.append([name, row["address"], state, *detail])
     _table(rows)
-    down = [f"{r['role']}-{r['index']}" for r in info if not r["alive"]]
+    for line in heal:
+        print(line)
+    down = [r["name"] for r in info if not r["alive"]]
     if down:
         print(f"{plural(len(down), 'daemon')} down ({', '.join(down)}): "
               f"jpfs cluster up --dir {d} restarts {'it' if len(down) == 1 else 'them'} "
@@ -130,9 +159,23 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _shape(cluster: config.Cluster) -> str:
-    return (f"{plural(cluster.n_shards, 'metadata shard')}, "
-            f"{plural(cluster.n_nodes, 'storage node')}, replicas {cluster.replicas}, "
-            f"chunk size {format_size(cluster.chunk_size)}")
+    copies = cluster.n_meta_replicas
+    gone = sum(s.state == "removed" for s in cluster.storage)
+    nodes = plural(cluster.n_nodes - gone, "storage node") + (f" (+{gone} removed)" if gone
+                                                              else "")
+    return (f"{plural(cluster.n_shards, 'metadata shard')}"
+            + (f" x {copies} copies" if copies > 1 else "")
+            + f", {nodes}, replicas {cluster.replicas}, "
+            f"chunk size {format_size(cluster.chunk_size)}"
+            + (f", map in etcd (epoch {cluster.epoch})" if cluster.etcd else ", static"))
+
+
+def _metrics(cluster: config.Cluster, x) -> str | None:
+    if x.role == "etcd":
+        return None
+    server = (cluster.meta_replicas[x.index][x.replica] if x.role == "meta"
+              else cluster.storage[x.index])
+    return server.metrics
 
 
 def _table(rows: list[list[str]]) -> None:
@@ -146,28 +189,56 @@ def _table(rows: list[list[str]]) -> None:
 
 
 def _daemon_info(cluster: config.Cluster, daemons: list) -> list[dict]:
-    servers = {"meta": cluster.meta, "storage": cluster.storage}
-    rows = [{"role": x.role, "index": x.index, "address": x.address, "pid": x.pid,
-             "alive": x.alive, "metrics": servers[x.role][x.index].metrics} for x in daemons]
-    if not any(r["alive"] for r in rows):
+    rows = [{"name": x.name, "role": x.role, "index": x.index, "replica": x.replica,
+             "address": x.address, "pid": x.pid, "alive": x.alive,
+             "metrics": _metrics(cluster, x)} for x in daemons]
+    if x_state := {i: s.state for i, s in enumerate(cluster.storage)}:
+        for r in rows:
+            if r["role"] == "storage":
+                r["state"] = x_state[r["index"]]
+    if not any(r["alive"] and r["role"] != "etcd" for r in rows):
         return rows
     from ..client import connect
 
     client = connect(cluster)
     try:
         for r in rows:
-            if not r["alive"]:
+            if not r["alive"] or r["role"] == "etcd":
                 continue
             try:
-                if r["role"] == "meta":
+                if r["role"] == "meta" and r["replica"] == 0:
+                    # the shard answers (its leader, when it has copies); the other copies
+                    # show as running or not
                     r.update(client.run(_shard_info, r["index"]))
+                elif r["role"] == "meta":
+                    continue
                 else:
                     r.update(client.run(_storage_stats, r["index"]))
             except OSError as e:
                 r["error"] = e.strerror or str(e)
+        rows.append({"name": "heal", "role": "heal", "alive": True,
+                     "lines": _heal_status(client)})
     finally:
         client.close()
     return rows
+
+
+def _heal_status(client) -> list[str]:
+    """What the healers and scrubbers report (jpfs.cli.node, where healing is driven)."""
+    try:
+        node = importlib.import_module("jpfs.cli.node")
+    except ImportError:
+        return []
+    try:
+        return node.heal_status_lines(client)
+    except OSError as e:
+        return [f"healing: cannot tell ({e.strerror or e})"]
+
+
+def _heal_lines(info: list[dict]) -> list[str]:
+    lines = [line for r in info if r["role"] == "heal" for line in r["lines"]]
+    info[:] = [r for r in info if r["role"] != "heal"]
+    return lines
 
 
 async def _shard_info(aclient, index: int) -> dict:
