@@ -40,6 +40,10 @@ def leader_key(name: str, shard: int) -> str:
     return f"/jpfs/{name}/shard/{shard}/leader"
 
 
+MAP_KEY = map_key
+LEADER_KEY = leader_key
+
+
 def _encode(cluster: Cluster) -> bytes:
     return json.dumps(config.map_document(cluster), sort_keys=True).encode()
 
