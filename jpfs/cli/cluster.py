@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+from pathlib import Path
 
 from .. import config, localcluster
 from ..config import format_size, parse_size
+from ..coord import clustermap
 from ..localcluster import DEFAULT_META_REPLICAS
 from .common import add_json, cluster_dir, plural, print_json
 from .scrub import describe as describe_scrub
@@ -50,6 +52,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--no-sync", action="store_true",
                     help="daemons skip fsync (faster; loses recent writes on power failure)")
     up.set_defaults(func=cmd_up)
+
+    init = csub.add_parser(
+        "init", help="write the map of a real cluster into etcd, and its cluster file",
+        description="For a cluster whose daemons run on their own hosts: store its first map in "
+        "etcd (every shard with the address of each copy, every storage node) and write the "
+        "cluster file (where etcd is, the secret) that every daemon and client is started "
+        "with. Then start each daemon on its host as the command prints.",
+        epilog="example: jpfs cluster init /etc/jpfs/cluster.toml --etcd http://etcd-1:2379 "
+        "--shard m1:7301,m2:7301,m3:7301 --shard m2:7302,m3:7302,m1:7302 "
+        "--node s1:7401 --node s2:7401 --node s3:7401")
+    init.add_argument("file", help="the cluster file to write (the secret goes beside it)")
+    init.add_argument("--etcd", action="append", required=True, metavar="URL",
+                      help="an etcd endpoint, e.g. http://etcd-1:2379 (repeat for each)")
+    init.add_argument("--shard", action="append", required=True, metavar="ADDR[,ADDR...]",
+                      help="one metadata shard: the HOST:PORT of each copy, comma-separated "
+                      "(repeat per shard; every shard the same number of copies)")
+    init.add_argument("--node", action="append", default=[], metavar="ADDR",
+                      help="a storage node's HOST:PORT (repeat per node)")
+    init.add_argument("--name", default="jpfs", help="cluster name (etcd key prefix /jpfs/NAME)")
+    init.add_argument("--replicas", type=int,
+                      help="copies of every chunk (default 2 with 2 or more nodes, else 1)")
+    init.add_argument("--chunk-size", type=parse_size, default=config.DEFAULT_CHUNK_SIZE,
+                      help="chunk size (default 4MiB)")
+    init.set_defaults(func=cmd_init)
 
     down = csub.add_parser("down", help="stop every daemon of a cluster (data is kept)")
     down.add_argument("--dir", help="cluster directory (default ./jpfs-cluster)")
@@ -92,6 +118,48 @@ def cmd_up(args: argparse.Namespace) -> int:
     else:
         print(f"all {plural(len(after), 'daemon')} already running; nothing started")
     print(f"export JPFS_CLUSTER={cluster.path}")
+    return 0
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    if path.exists():
+        raise FileExistsError(errno.EEXIST, "a cluster file is already there (a cluster is "
+                              "initialised once; `jpfs node add`, `jpfs shard add` grow it)",
+                              str(path))
+    shards = tuple(tuple(config.Server(a.strip()) for a in spec.split(",") if a.strip())
+                   for spec in args.shard)
+    if len({len(c) for c in shards}) != 1:
+        raise ValueError("every --shard needs the same number of copies")
+    for server in [s for c in shards for s in c] + [config.Server(a) for a in args.node]:
+        config.parse_address(server.address)
+    nodes = tuple(config.Server(a) for a in args.node)
+    replicas = args.replicas or (2 if len(nodes) >= 2 else 1)
+    if nodes and replicas > len(nodes):
+        raise ValueError(f"replicas = {replicas} needs at least that many --node")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    secret_path = path.parent / "secret"
+    secret = (secret_path.read_bytes().strip() if secret_path.exists()
+              else config.new_secret(secret_path))
+    cluster = config.Cluster(meta=tuple(c[0] for c in shards), meta_replicas=shards,
+                             storage=nodes, secret=secret, replicas=replicas,
+                             chunk_size=args.chunk_size, name=args.name, path=path.resolve(),
+                             etcd=tuple(args.etcd))
+    made = clustermap.update_map_sync(cluster, lambda current: current or cluster)
+    if made.meta_replicas != shards or made.storage != nodes:
+        raise ValueError(f"etcd already holds a different map for cluster {args.name!r} "
+                         f"(epoch {made.epoch}); choose another --name or use that cluster")
+    config.write(cluster, path)
+    print(f"cluster {args.name!r}: map in etcd (epoch {made.epoch}), cluster file {path}, "
+          f"secret {secret_path} (copy both to every host); start the daemons:")
+    copies = cluster.n_meta_replicas
+    for i, c in enumerate(shards):
+        for j, s in enumerate(c):
+            extra = f" --replica {j}" if copies > 1 else ""
+            print(f"  on {s.address.rsplit(':', 1)[0]}: jpfs-meta --cluster {path} --index {i}"
+                  f"{extra}")
+    for i, s in enumerate(nodes):
+        print(f"  on {s.address.rsplit(':', 1)[0]}: jpfs-storage --cluster {path} --index {i}")
     return 0
 
 
