@@ -26,11 +26,12 @@ import trio
 
 from jpfs.errors import JPFSError, Unavailable, error
 from jpfs.proto import meta as P
+from jpfs.proto.replica import ShardPool
 from jpfs.rpc import Method, Pool
 
 from ..common import fault_point
 from . import keys as K
-from . import ops
+from . import once, ops
 from .store import Store, Txn
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,18 @@ _TRANSIENT = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.EAGAIN})
 
 def _put_intent(t: Txn, txid: bytes, state: str, shards: list[int]) -> None:
     t.t.put(txid, K.pack({"state": state, "shards": shards}), db=t.db["intent"])
+
+
+def _decide(t: Txn, txid: bytes, shards: list[int], rid: bytes | None,
+            created: list[int]) -> None:
+    """The commit point, with the request id's outcome in the same transaction."""
+    _put_intent(t, txid, "committing", shards)
+    if rid is not None:
+        once.record(t, rid, {"created": created})
+
+
+def _apply_recorded(t: Txn, plan_ops: list[list]) -> dict:
+    return {"created": ops.apply_local(t, plan_ops)}
 
 
 def _drop_intent(t: Txn, txid: bytes) -> None:
@@ -65,7 +78,7 @@ def _prepared(t: Txn) -> list[tuple[bytes, dict]]:
 class Coordinator:
     """Applies op plans for one shard and serves the participant side of 2PC."""
 
-    def __init__(self, store: Store, peers: Pool):
+    def __init__(self, store: Store, peers: Pool | ShardPool):
         self.store = store
         self.shard = store.shard
         self.peers = peers
@@ -80,25 +93,40 @@ class Coordinator:
 
     # ---- running a plan -------------------------------------------------------------------------
 
-    async def run(self, plan: dict[int, list[list]]) -> list[int]:
+    def reset(self) -> None:
+        """Forget in-memory state: this copy just became its shard's leader (what it knew of
+        transactions when it last led is stale; the resolver reads the records)."""
+        self._unfinished = trio.Event()
+        self._active = set()
+        self._left = set()
+        self._rename_owner = None
+        self._rename_expiry = 0.0
+
+    async def run(self, plan: dict[int, list[list]], rid: bytes | None = None) -> list[int]:
         """Apply ``plan`` (ops per shard) atomically; returns the inodes it created.
 
-        Raises ``ops.Stale`` (ESTALE) when an expectation failed: the caller plans again.
+        ``rid``: a request id recorded with the outcome, in the local transaction or in the
+        commit decision (so a retry after a failover finds it; see ``once``). Raises
+        ``ops.Stale`` (ESTALE) when an expectation failed: the caller plans again.
         """
         if list(plan) == [self.shard]:
+            if rid is not None:
+                got = await self.store.write(once.once, rid, _apply_recorded, plan[self.shard])
+                return got["created"]
             return await self.store.write(ops.apply_local, plan[self.shard])
         shards = sorted(plan, key=lambda s: (not any(op[0] == "mkinode" for op in plan[s]), s))
         txid = os.urandom(16)
         self._active.add(txid)
         try:
-            return await self._two_phase(txid, plan, shards)
+            return await self._two_phase(txid, plan, shards, rid)
         finally:
             self._active.discard(txid)
             if txid in self._left:
                 self._left.discard(txid)
                 self._unfinished.set()
 
-    async def _two_phase(self, txid: bytes, plan: dict[int, list[list]], shards: list[int]):
+    async def _two_phase(self, txid: bytes, plan: dict[int, list[list]], shards: list[int],
+                         rid: bytes | None = None):
         # A decided transaction must be finished even if our caller goes away.
         with trio.CancelScope(shield=True):
             await self.store.write(_put_intent, txid, "preparing", shards)
@@ -115,7 +143,7 @@ class Coordinator:
                 self.aborted += 1
                 await self._finish(txid, shards, commit=False)
                 raise
-            await self.store.write(_put_intent, txid, "committing", shards)
+            await self.store.write(_decide, txid, shards, rid, created)
             fault_point("coordinator.decided")
             self.committed += 1
             await self._finish(txid, shards, commit=True)

@@ -10,7 +10,9 @@ Named databases of one environment:
 - ``lock``    lock key -> txid: keys held by a prepared cross-shard transaction
 - ``prepared`` txid -> participant record (ops, coordinator)
 - ``intent``  txid -> coordinator record (state, participants)
-- ``state``   small singletons (inode counter, shard index)
+- ``state``   small singletons (inode counter, shard index, replication position)
+- ``request`` client request id -> [time ns, result]: a namespace change retried after a
+              failover answers what it did the first time (replicated shards)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from jpfs.types import Attr, Chunk
 U64 = struct.Struct(">Q")
 DENTRY_VALUE = struct.Struct(">QI")
 
-DBS = ("inode", "dentry", "chunk", "xattr", "lock", "prepared", "intent", "state")
+DBS = ("inode", "dentry", "chunk", "xattr", "lock", "prepared", "intent", "state", "request")
 
 
 def ino_key(ino: int) -> bytes:

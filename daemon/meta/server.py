@@ -20,19 +20,24 @@ from typing import Any
 import trio
 
 from jpfs import config
+from jpfs.coord.clustermap import MapFollower
 from jpfs.errors import JPFSError, error
 from jpfs.placement import new_dir_shard, shard_of
 from jpfs.proto import meta as P
+from jpfs.proto import replica as R
 from jpfs.proto.meta import RENAME_EXCHANGE, RENAME_NOREPLACE, check_name
+from jpfs.proto.replica import ShardPool
 from jpfs.rpc import Defer, Handler, Method, Pool, Service, serve
 from jpfs.types import ROOT_INO, Attr
 
+from . import heal, once
 from . import layout as L
 from . import maintenance as M
 from . import namespace as ns
 from .coordinator import Coordinator
 from .keys import Inode
 from .ops import NEW, apply_local
+from .replica import RENEW, TTL, Replication
 from .store import Locked, Store, Txn
 
 log = logging.getLogger(__name__)
@@ -55,6 +60,18 @@ def _init_shard(t: Txn, chunk_size: int) -> int:
     return int(stored)
 
 
+def _lead_init(t: Txn, chunk_size: int, term: int) -> int:
+    """A new leader's first entry: ``_init_shard`` plus its term, so a majority holds an
+    entry of this term before the leader answers anyone (see ``Replication.became_ready``)."""
+    t.t.put(b"leader_term", term.to_bytes(8, "big"), db=t.db["state"])
+    return _init_shard(t, chunk_size)
+
+
+def _stored_chunk_size(t: Txn) -> int | None:
+    stored = t.t.get(b"chunk_size", db=t.db["state"])
+    return int(stored) if stored is not None else None
+
+
 def _unlink_here(t: Txn, parent: int, name: bytes) -> list:
     """Unlink in one transaction when the file's inode lives on this shard (the usual case:
     files are made on their directory's shard); ``Defer`` to two-phase commit otherwise."""
@@ -74,13 +91,15 @@ def _getparent(t: Txn, ino: int) -> int:
 class MetaShard:
     """One shard's handlers for the methods of ``jpfs.proto.meta`` (see ``handlers``)."""
 
-    def __init__(self, store: Store, peers: Pool, chunk_size: int):
+    def __init__(self, store: Store, peers: Pool | ShardPool, chunk_size: int):
         self.store = store
         self.shard = store.shard
         self.n_shards = store.n_shards
         self.peers = peers
         self.coord = Coordinator(store, peers)
         self.chunk_size = chunk_size
+        self.repl: Replication | None = None
+        """This copy's replication (None: the shard has one copy)."""
         self._local: dict[Method, Callable[..., Awaitable[Any]]] = {
             P.LOOKUP: self.lookup, P.GETATTR: self.getattr, P.GETPARENT: self.getparent,
             P.RENAME_LOCK: self.rename_lock, P.RENAME_UNLOCK: self.rename_unlock}
@@ -118,18 +137,87 @@ class MetaShard:
 
         return Handler(run, now)
 
-    def _write(self, fn, *extra, run=None) -> Handler:
+    def _write(self, method: Method, fn, *extra, run=None) -> Handler:
         """A single-shard change: ``fn(txn, key, *args, *extra)`` queued to the next group
-        commit and answered once it is durable (``run`` takes over when ``fn`` defers)."""
+        commit and answered once it is durable (``run`` takes over when ``fn`` defers). A
+        request id (the record's last field) makes it run once (``once.once``)."""
         mine, write_later = self._mine, self.store.write_later
+        full = len(method._fields)
 
         def now(key, *args):
+            if len(args) + 1 == full:
+                rid = args[-1]
+                args = args[:-1]
+                if rid is not None:
+                    return write_later(once.once, rid, fn, mine(key), *args, *extra)
             return write_later(fn, mine(key), *args, *extra)
 
         return Handler(run, now)
 
+    def _guarded(self, table: dict) -> dict:
+        """Every client method answers "not leader" on a copy that does not lead."""
+        repl = self.repl
+        if repl is None:
+            return table
+        check = repl.check
+        out = {}
+        for m, h in table.items():
+            now, run = h.now, h.run
+
+            def g_now(*a, _now=now):
+                check()
+                return _now(*a)
+
+            async def g_run(*a, _run=run, **kw):
+                check()
+                return await _run(*a, **kw)
+
+            out[m] = Handler(g_run if run is not None else None, g_now if now else None)
+        return out
+
+    def _replica_handlers(self) -> dict:
+        repl = self.repl
+        if repl is not None:
+            return {R.REPL_STATUS: Handler(repl.repl_status),
+                    R.REPL_APPEND: Handler(repl.repl_append),
+                    R.REPL_SNAPSHOT: Handler(repl.repl_snapshot)}
+
+        async def single(shard: int) -> dict:
+            term, seq = self.store.pos
+            return {"shard": self.shard, "replica": 0, "term": term, "seq": seq,
+                    "role": "single", "leader": 0, "resyncing": False}
+
+        async def refuse(*args) -> None:
+            raise error(errno.EINVAL, f"metadata shard {self.shard} has one copy: nothing "
+                                      "replicates to it")
+
+        return {R.REPL_STATUS: Handler(single), R.REPL_APPEND: Handler(refuse),
+                R.REPL_SNAPSHOT: Handler(refuse)}
+
+    async def lead(self, nursery: trio.Nursery) -> None:
+        """This copy became the shard's leader: the first entry of its term, then what a
+        shard does at start for 2PC (intents and prepared records replicated with the rest)."""
+        assert self.repl is not None
+        self.coord.reset()
+        await self.store.write(_lead_init, self.chunk_size, self.store.term)
+        self.repl.became_ready()
+        await nursery.start(self.coord.resolver)
+        nursery.start_soon(self.coord.orphan_checker)
+        nursery.start_soon(self._prune_requests)
+
+    async def _prune_requests(self) -> None:
+        while True:
+            await trio.sleep(10.0)
+            try:
+                await self.store.write(once.prune)
+            except JPFSError as e:
+                log.info("pruning request ids: %s", e.strerror)
+
     def handlers(self) -> dict:
         """Every method of ``jpfs.proto.meta`` bound to its handler."""
+        return {**self._guarded(self._client_handlers()), **self._replica_handlers()}
+
+    def _client_handlers(self) -> dict:
         cs = self.chunk_size
         return {
             P.LOOKUP: self._read(ns.lookup),
@@ -142,22 +230,22 @@ class MetaShard:
             P.STATFS: Handler(self.statfs),
             P.GETXATTR: Handler(self.getxattr),
             P.LISTXATTR: Handler(self.listxattr),
-            P.CREATE: self._write(ns.create),
-            P.MKNOD: self._write(ns.mknod),
+            P.CREATE: self._write(P.CREATE, ns.create),
+            P.MKNOD: self._write(P.MKNOD, ns.mknod),
             P.MKDIR: Handler(self.mkdir),
-            P.SYMLINK: self._write(ns.symlink),
+            P.SYMLINK: self._write(P.SYMLINK, ns.symlink),
             P.LINK: Handler(self.link),
-            P.UNLINK: self._write(_unlink_here, run=self.unlink),
+            P.UNLINK: self._write(P.UNLINK, _unlink_here, run=self.unlink),
             P.RMDIR: Handler(self.rmdir),
             P.RENAME: Handler(self.rename),
-            P.SETATTR: self._write(ns.setattr_, cs),
-            P.SETXATTR: self._write(ns.setxattr),
-            P.REMOVEXATTR: self._write(ns.removexattr),
+            P.SETATTR: self._write(P.SETATTR, ns.setattr_, cs),
+            P.SETXATTR: self._write(P.SETXATTR, ns.setxattr),
+            P.REMOVEXATTR: self._write(P.REMOVEXATTR, ns.removexattr),
             P.GET_LAYOUT: self._read(L.get_layout, cs),
             P.BATCH_LAYOUT: self._read(L.batch_layout, cs, batch=True),
             P.LOOKUP_LAYOUTS: self._read(L.lookup_layouts, cs),
-            P.WRITE_CHUNKS: self._write(L.write_chunks, cs),
-            P.BULK_CREATE: self._write(L.bulk_create, cs),
+            P.WRITE_CHUNKS: self._write(P.WRITE_CHUNKS, L.write_chunks, cs),
+            P.BULK_CREATE: self._write(P.BULK_CREATE, L.bulk_create, cs),
             P.TX_PREPARE: Handler(self.coord.tx_prepare),
             P.TX_COMMIT: Handler(self.coord.tx_commit),
             P.TX_ABORT: Handler(self.coord.tx_abort),
@@ -196,10 +284,22 @@ class MetaShard:
 
     # ---- changes that may span shards -----------------------------------------------------------
 
-    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> list:
+    def _recorded(self, rid: bytes | None) -> object:
+        return once.MISSING if rid is None else self.store.read(once.recorded, rid)
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                    rid: bytes | None = None) -> list:
         self._mine(parent)
         check_name(name)
+        got = self._recorded(rid)
+        if isinstance(got, dict):
+            return await self._getattr(got["created"][0])
+        if got is not once.MISSING:
+            return got  # type: ignore[return-value]
         if new_dir_shard(parent, name, self.n_shards) == self.shard:
+            if rid is not None:
+                return await self.store.write(once.once, rid, ns.mkdir_local, parent, name,
+                                              mode, uid, gid)
             return await self.store.write(ns.mkdir_local, parent, name, mode, uid, gid)
 
         async def plan():
@@ -211,12 +311,14 @@ class MetaShard:
                              ["subdirs", parent, 1]],
             }
 
-        created = await self._run(plan)
+        created = await self._run(plan, rid)
         return await self._getattr(created[0])
 
-    async def link(self, ino: int, parent: int, name: bytes) -> list:
+    async def link(self, ino: int, parent: int, name: bytes, rid: bytes | None = None) -> list:
         self._mine(parent)
         check_name(name)
+        if self._recorded(rid) is not once.MISSING:
+            return await self._getattr(ino)
 
         async def plan():
             attr = Attr.from_wire(await self._getattr(ino))
@@ -229,12 +331,14 @@ class MetaShard:
                 (shard_of(ino), ["nlink", ino, 1]),
             )
 
-        await self._run(plan)
+        await self._run(plan, rid)
         return await self._getattr(ino)
 
-    async def unlink(self, parent: int, name: bytes) -> list:
+    async def unlink(self, parent: int, name: bytes, rid: bytes | None = None) -> list:
         """The general case (the inode on another shard): planned, and run by 2PC if needed."""
         self._mine(parent)
+        if self._recorded(rid) is not once.MISSING:
+            return self.store.read(ns.getattr_, parent)
 
         async def plan():
             ino, kind, _ = await self.store.view(ns.lookup, parent, name)
@@ -243,11 +347,13 @@ class MetaShard:
             return _merge((self.shard, ["rmdent", parent, name, ino]),
                           (shard_of(ino), ["nlink", ino, -1]))
 
-        await self._run(plan)
+        await self._run(plan, rid)
         return self.store.read(ns.getattr_, parent)
 
-    async def rmdir(self, parent: int, name: bytes) -> list:
+    async def rmdir(self, parent: int, name: bytes, rid: bytes | None = None) -> list:
         self._mine(parent)
+        if self._recorded(rid) is not once.MISSING:
+            return self.store.read(ns.getattr_, parent)
 
         async def plan():
             ino, kind, _ = await self.store.view(ns.lookup, parent, name)
@@ -257,11 +363,11 @@ class MetaShard:
                           (self.shard, ["subdirs", parent, -1]),
                           (shard_of(ino), ["rmdir", ino]))
 
-        await self._run(plan)
+        await self._run(plan, rid)
         return self.store.read(ns.getattr_, parent)
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
-                     flags: int) -> list:
+                     flags: int, rid: bytes | None = None) -> list:
         self._mine(src_parent)
         check_name(src_name)
         check_name(dst_name)
@@ -270,13 +376,16 @@ class MetaShard:
             raise error(errno.EINVAL, "invalid rename flags")
         owner = None
         try:
+            if self._recorded(rid) is not once.MISSING:
+                return [self.store.read(ns.getattr_, p) if shard_of(p) == self.shard else None
+                        for p in (src_parent, dst_parent)]
             src_ino, src_kind, _ = await self.store.view(ns.lookup, src_parent, src_name)
             moves_dir = src_kind == stat.S_IFDIR or bool(flags & RENAME_EXCHANGE)
             if moves_dir and src_parent != dst_parent:
                 owner = os.urandom(16)
                 await self._rename_lock(owner)
             await self._run(lambda: self._plan_rename(src_parent, src_name, dst_parent, dst_name,
-                                                      flags))
+                                                      flags), rid)
         finally:
             if owner is not None:
                 with trio.CancelScope(shield=True):
@@ -352,14 +461,15 @@ class MetaShard:
     async def _rename_lock(self, owner: bytes) -> None:
         await self._call(0, P.RENAME_LOCK, [owner, 30.0])
 
-    async def _run(self, planner) -> list[int]:
-        """Plan and run; plan again when the namespace changed under the plan."""
+    async def _run(self, planner, rid: bytes | None = None) -> list[int]:
+        """Plan and run; plan again when the namespace changed under the plan. ``rid``: the
+        request id recorded with the change (see ``once``)."""
         for attempt in range(REPLAN_ATTEMPTS):
             plan = await planner()
             if not plan:
                 return []
             try:
-                return await self.coord.run(plan)
+                return await self.coord.run(plan, rid)
             except JPFSError as e:
                 if e.errno != errno.ESTALE:
                     raise
@@ -424,33 +534,95 @@ COUNTERS = frozenset({"commits", "ops", "transactions_committed", "transactions_
 """shard_info keys that only grow (Prometheus counters); the rest are gauges."""
 
 
+def meta_replicas(cluster: config.Cluster) -> tuple[tuple[config.Server, ...], ...]:
+    """Every copy of each shard."""
+    return cluster.meta_replicas
+
+
+def shard_peers(nursery: trio.Nursery, cluster: config.Cluster) -> Pool | ShardPool:
+    """How a shard calls the others: their leaders when any is replicated, else (as before)
+    one Pool over the shards' addresses."""
+    reps = meta_replicas(cluster)
+    if all(len(r) == 1 for r in reps):
+        return Pool(nursery, [s.address for s in cluster.meta], cluster.secret, role="meta",
+                    retry_for=5.0)
+    return ShardPool(nursery, [[s.address for s in r] for r in reps], cluster.secret,
+                     peer_timeout=cluster.peer_timeout)
+
+
 async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: int, *,
-                    sync: bool = True, ack_after_sync: bool = False,
-                    metrics: str | None = None,
+                    replica: int = 0, sync: bool = True, ack_after_sync: bool = False,
+                    metrics: str | None = None, heal_options: dict | None = None,
+                    ttl: float = TTL, renew: float = RENEW,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Open shard ``index`` and serve it until cancelled; ``task_status.started(port)``.
-    ``metrics``: HOST:PORT for Prometheus."""
+    """Open shard ``index`` (copy ``replica``) and serve it until cancelled;
+    ``task_status.started(port)``. ``metrics``: HOST:PORT for Prometheus. A shard with
+    several copies elects a leader on etcd (lease ``ttl``, renewed every ``renew`` s)."""
+    copies = meta_replicas(cluster)[index]
+    replicated = len(copies) > 1
+    etcd = tuple(cluster.etcd)
+    if replicated and not etcd:
+        raise SystemExit(f"metadata shard {index} has {len(copies)} copies but the cluster "
+                         "names no etcd (replication elects its leader there): add "
+                         '[cluster] etcd = ["http://HOST:PORT"]')
     store = Store(data, index, cluster.n_shards, sync=sync, ack_after_sync=ack_after_sync)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(store.committer)
-            chunk_size = await store.write(_init_shard, cluster.chunk_size)
-            peers = Pool(nursery, [s.address for s in cluster.meta], cluster.secret, role="meta",
-                         retry_for=5.0)
-            shard = MetaShard(store, peers, chunk_size)
-            await nursery.start(shard.coord.resolver)
-            nursery.start_soon(shard.coord.orphan_checker)
-            service = Service("meta", P.METHODS, shard.handlers())
+            peers = shard_peers(nursery, cluster)
+            if not replicated:
+                chunk_size = await store.write(_init_shard, cluster.chunk_size)
+                shard = MetaShard(store, peers, chunk_size)
+                await nursery.start(shard.coord.resolver)
+                nursery.start_soon(shard.coord.orphan_checker)
+            else:
+                stored = store.read(_stored_chunk_size)
+                shard = MetaShard(store, peers, stored or cluster.chunk_size)
+                shard.repl = Replication(
+                    store, replica, [s.address for s in copies], cluster.secret, etcd,
+                    cluster.name, nursery, on_lead=shard.lead, ttl=ttl, renew=renew,
+                    peer_timeout=min(cluster.peer_timeout, ttl / 2))
+            healer = heal.Healer(store, cluster, **(heal_options or {}))  # leads only: heal.py
+            await nursery.start(healer.run)
+            service = Service("meta", P.METHODS, {**shard.handlers(), **healer.handlers()})
             bound = await nursery.start(serve, service, host, port, cluster.secret)
+            if shard.repl is not None:
+                await nursery.start(shard.repl.run)
+            if etcd:
+                nursery.start_soon(follow_map, cluster, shard)
             if metrics:
                 from ..metrics import serve_metrics
 
                 serve_metrics(metrics, "meta", index, service, shard.shard_info, COUNTERS)
-            log.info("meta shard %d of %d serving %s on port %d", index, cluster.n_shards, data,
-                     bound)
+            log.info("meta shard %d of %d (copy %d of %d) serving %s on port %d", index,
+                     cluster.n_shards, replica, len(copies), data, bound)
             task_status.started(bound)
     finally:
         store.close()
+
+
+async def follow_map(cluster: config.Cluster, shard: MetaShard) -> None:
+    """Follow the cluster map: new shards join the peers and take their share of new
+    directories (``n_shards`` is what directory placement hashes over)."""
+    def changed(new: config.Cluster) -> None:
+        reps = meta_replicas(new)
+        if isinstance(shard.peers, ShardPool):
+            shard.peers.set_replicas([[s.address for s in r] for r in reps])
+        else:
+            set_addresses = getattr(shard.peers, "set_addresses", None)
+            if set_addresses is not None:
+                set_addresses([s.address for s in new.meta])
+        if new.n_shards != shard.n_shards:
+            log.info("the map has %d metadata shards (was %d)", new.n_shards, shard.n_shards)
+        shard.n_shards = shard.store.n_shards = new.n_shards
+
+    try:
+        async with trio.open_nursery() as nursery:
+            follower = MapFollower(cluster)
+            follower.subscribe(changed)
+            await follower.start(nursery)
+    except Exception:  # the shard serves on with the map it has
+        log.exception("following the cluster map failed; serving with the map at start")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -462,14 +634,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ack-after-sync", action="store_true",
                    help="answer single-shard changes only once they are fsynced (default: once "
                    "committed, durable within one fsync; clients call sync for fsync(2))")
+    p.add_argument("--replica", type=int, default=0,
+                   help="which copy of the shard this is (0-based; shards with several copies "
+                   "elect a leader on etcd)")
+    p.add_argument("--lease-ttl", type=float, default=TTL,
+                   help="seconds of the leader's etcd lease (default %(default)s)")
+    p.add_argument("--lease-renew", type=float, default=RENEW,
+                   help="seconds between lease renewals (default %(default)s)")
+    heal.add_arguments(p)
     args = p.parse_args(argv)
     common.setup_logging(args.log_level, args.log_file)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per etcd request otherwise
     cluster, data, host, port = common.resolve(args, "meta")
+    copies = meta_replicas(cluster)[args.index]
+    if not 0 <= args.replica < len(copies):
+        raise SystemExit(f"jpfs-meta: --replica {args.replica} but shard {args.index} has "
+                         f"{len(copies)} copies")
+    if args.replica and not args.listen:
+        host, port = config.parse_address(copies[args.replica].address)
+    if args.replica and not args.data:
+        data = cluster.data_dir("meta", args.index, args.replica)
 
     async def serve_shard() -> None:
-        await run_shard(cluster, args.index, data, host, port, sync=not args.no_sync,
-                        ack_after_sync=args.ack_after_sync,
-                        metrics=common.metrics_address(args, cluster, "meta"))
+        await run_shard(cluster, args.index, data, host, port, replica=args.replica,
+                        sync=not args.no_sync, ack_after_sync=args.ack_after_sync,
+                        metrics=common.metrics_address(args, cluster, "meta"),
+                        heal_options=heal.options(args), ttl=args.lease_ttl,
+                        renew=args.lease_renew)
 
     common.run(args, serve_shard)
 

@@ -31,9 +31,11 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import trio
@@ -43,6 +45,7 @@ from jpfs.placement import COUNTER_MASK, make_ino
 from jpfs.rpc.service import Defer, Later
 
 from . import keys as K
+from . import replog
 from .keys import Inode
 
 log = logging.getLogger(__name__)
@@ -64,8 +67,8 @@ class Txn:
 
     __slots__ = ("t", "store", "now", "db")
 
-    def __init__(self, t: lmdb.Transaction, store: Store, now: int):
-        self.t = t
+    def __init__(self, t: lmdb.Transaction | replog.Recorder, store: Store, now: int):
+        self.t: Any = t
         self.store = store
         self.now = now
         self.db = store.dbs
@@ -178,6 +181,17 @@ class Store:
         self._tx_done: dict[bytes, trio.Event] = {}
         self.commits = 0
         self.ops = 0
+        # replication (None: a single copy, exactly the old path): see replica.py
+        self.repl: Any = None
+        self.leading = True
+        """False on a follower: writes raise "not leader" (``repl.not_leader()``)."""
+        self.pos = self.read(lambda t: replog.unpack_pos(
+            t.t.get(replog.REPL_KEY, db=t.db["state"])))
+        """(term, seq) of the last group this copy committed or applied."""
+        self.term = self.pos[0]
+        """The term this copy writes entries in while it leads."""
+        self._names = {h: name for name, h in self.dbs.items()}
+        self._repl_wait: deque[tuple[int, int, _Slot]] = deque()  # (seq, group, slot)
 
     def _check_identity(self) -> None:
         """Refuse to serve another shard's data (a wrong --index would corrupt placement)."""
@@ -206,9 +220,15 @@ class Store:
                 await self.wait_resolved(held.txid)
 
     # ---- writes
+    def _check_leading(self) -> None:
+        if not self.leading:
+            raise self.repl.not_leader()
+
     async def write(self, fn: Callable, *args):
-        """Run ``fn(txn, *args)`` in the next group commit; returns its result once durable."""
+        """Run ``fn(txn, *args)`` in the next group commit; returns its result once durable
+        (and, replicated, once a majority of the copies holds it)."""
         while True:
+            self._check_leading()
             done = trio.Event()
             slot = _Slot(fn, args, done=done)
             self._send.send_nowait(slot)
@@ -223,6 +243,7 @@ class Store:
     def write_later(self, fn: Callable, *args) -> Later:
         """``write`` for a server's inline handler: queue ``fn(txn, *args)`` for the next group
         commit and return a ``Later`` settled with its result once durable (no task waits)."""
+        self._check_leading()
         later = Later()
         self._send.send_nowait(_Slot(fn, args, later=later))
         return later
@@ -241,18 +262,26 @@ class Store:
                         batch.append(self._recv.receive_nowait())
                     except trio.WouldBlock:
                         break
+                if not self.leading:  # queued before this copy stepped down
+                    self._fail_all(batch, self.repl.not_leader())
+                    for slot in batch:
+                        self._answer(slot)
+                    continue
                 self._commit(batch)  # microseconds per operation: cheaper than a thread hop
                 self._committed += 1
                 if self.durable:
                     self._dirty.set()
+                repl = self.repl
                 for slot in batch:
                     if slot.later is not None and isinstance(slot.exc, Locked):
                         waiters.start_soon(self._requeue_when_resolved, slot, slot.later,
                                            slot.exc)
-                    elif self.durable and (slot.later is None or self.ack_after_sync):
-                        self._pending.append((self._committed, slot))
+                    elif repl is not None:  # answered once a majority holds the group
+                        self._repl_wait.append((self.pos[1], self._committed, slot))
                     else:
-                        self._answer(slot)
+                        self._settle(self._committed, slot)
+                if repl is not None:
+                    repl.committed(self.pos[1])
 
     async def _syncer(self) -> None:
         """Make committed groups durable, one fsync for all committed since the last one."""
@@ -277,6 +306,35 @@ class Store:
                 if failure is not None and w.exc is None:
                     w.exc = failure
                 self._answer(w)
+
+    def _settle(self, group: int, slot: _Slot) -> None:
+        """Answer a committed slot now, or once its group is fsynced where that is asked."""
+        if self.durable and (slot.later is None or self.ack_after_sync):
+            if self._synced >= group:
+                self._answer(slot)
+            else:
+                self._pending.append((group, slot))
+        else:
+            self._answer(slot)
+
+    def replicated(self, seq: int) -> None:
+        """A majority of the copies holds every group up to ``seq``: answer their writes."""
+        wait = self._repl_wait
+        while wait and wait[0][0] <= seq:
+            _, group, slot = wait.popleft()
+            self._settle(group, slot)
+
+    def step_down(self, exc: JPFSError) -> None:
+        """This copy stopped leading: fail what waits for replication, and wake the waiters of
+        cross-shard transactions (the next leader finishes those)."""
+        self.leading = False
+        wait, self._repl_wait = self._repl_wait, deque()
+        for _, _, slot in wait:
+            slot.result, slot.exc = None, exc
+            self._answer(slot)
+        done, self._tx_done = self._tx_done, {}
+        for ev in done.values():
+            ev.set()
 
     def _answer(self, slot: _Slot) -> None:
         if slot.later is None:
@@ -310,12 +368,15 @@ class Store:
 
     def _commit(self, batch: list[_Slot]) -> None:
         now = time.time_ns()
+        record = self.repl is not None
+        group: list[replog.Mutation] = []
         try:
             with self.env.begin(write=True) as parent:
                 for slot in batch:
                     child = self.env.begin(write=True, parent=parent)
+                    t = replog.Recorder(child, self._names) if record else child
                     try:
-                        slot.result = slot.fn(Txn(child, self, now), *slot.args)
+                        slot.result = slot.fn(Txn(t, self, now), *slot.args)
                     except BaseException as e:  # noqa: BLE001 - every failure goes to its caller
                         child.abort()
                         slot.exc = e
@@ -323,6 +384,14 @@ class Store:
                             log.exception("metadata operation %s failed", slot.fn.__name__)
                     else:
                         child.commit()
+                        if record:
+                            group.extend(t.rec)  # type: ignore[union-attr]
+                if group:
+                    pos = (self.term, self.pos[1] + 1)
+                    parent.put(replog.REPL_KEY, replog.pack_pos(*pos), db=self.dbs["state"])
+            if group:
+                self.pos = pos
+                self.repl.append(replog.Entry(pos[0], pos[1], group, replog.entry_size(group)))
             self.commits += 1
             self.ops += len(batch)
         except lmdb.MapFullError:
@@ -336,6 +405,55 @@ class Store:
         for slot in batch:
             if slot.exc is None:
                 slot.exc = exc
+
+    # ---- a follower's side of replication (see replica.py)
+    def apply_entries(self, entries: list) -> tuple[int, int]:
+        """Apply a leader's entries (wire form, in order) in one transaction, with their
+        position; durable within one fsync, as a commit is. Returns the new position."""
+        state = self.dbs["state"]
+        with self.env.begin(write=True) as t:
+            for term, seq, mutations in entries:
+                replog.apply(t, self.dbs, mutations)
+                pos = (term, seq)
+            t.put(replog.REPL_KEY, replog.pack_pos(*pos), db=state)
+        self.pos = pos
+        self._mark_committed()
+        return pos
+
+    def _mark_committed(self) -> None:
+        self._committed += 1
+        self.commits += 1
+        if self.durable:
+            self._dirty.set()
+
+    def snapshot_begin(self) -> None:
+        """Drop everything before a snapshot is installed; the copy is marked incomplete
+        (``resyncing``) until ``snapshot_end``, so it never campaigns with half a shard."""
+        with self.env.begin(write=True) as t:
+            for handle in self.dbs.values():
+                t.drop(handle, delete=False)
+            t.put(replog.RESYNC_KEY, b"1", db=self.dbs["state"])
+            t.put(b"shard", str(self.shard).encode(), db=self.dbs["state"])
+        self.pos = (0, 0)
+        self._mark_committed()
+
+    def snapshot_data(self, db: str, items: list) -> None:
+        handle = self.dbs[db]
+        with self.env.begin(write=True) as t:
+            for key, value in items:
+                t.put(key, value, db=handle)
+        self._mark_committed()
+
+    def snapshot_end(self, pos: tuple[int, int]) -> None:
+        with self.env.begin(write=True) as t:
+            t.put(replog.REPL_KEY, replog.pack_pos(*pos), db=self.dbs["state"])
+            t.delete(replog.RESYNC_KEY, db=self.dbs["state"])
+        self.pos = pos
+        self._mark_committed()
+
+    @property
+    def resyncing(self) -> bool:
+        return self.read(lambda t: t.t.get(replog.RESYNC_KEY, db=t.db["state"])) is not None
 
     # ---- cross-shard transaction resolution
     def tx_begun(self, txid: bytes) -> None:

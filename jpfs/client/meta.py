@@ -8,7 +8,9 @@ shard and sent in parallel.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncGenerator, Sequence
+from typing import Any
 
 import trio
 
@@ -16,6 +18,7 @@ from ..config import Cluster
 from ..errors import ProtocolError, from_name
 from ..placement import shard_of
 from ..proto import meta as P
+from ..proto.replica import ShardPool
 from ..rpc import Method, Pool
 from ..types import Attr, DirEntry, Layout
 
@@ -25,21 +28,57 @@ class MetaClient:
 
     ``pool_options`` go to the ``Pool``; ``peer_timeout`` (how long a shard that does not answer
     is given) defaults to the cluster file's. A shard that refuses the connection fails the
-    call at once, with an error naming the shard.
+    call at once, with an error naming the shard. A shard with several copies is called at
+    its leader, through a failover (``ShardPool``).
     """
 
     def __init__(self, nursery: trio.Nursery, cluster: Cluster, **pool_options):
         self.cluster = cluster
         self.n_shards = cluster.n_shards
         pool_options.setdefault("peer_timeout", cluster.peer_timeout)
-        self.pool = Pool(nursery, [s.address for s in cluster.meta], cluster.secret, role="meta",
-                         **pool_options)
+        self.pool: Pool | ShardPool
+        self.replicated = any(len(r) > 1 for r in _replicas(cluster))
+        """Whether any shard has several copies: calls then go to each shard's leader and
+        namespace changes carry a request id (a retry after a failover is answered once)."""
+        if self.replicated:
+            self.pool = ShardPool(nursery, [[s.address for s in r] for r in _replicas(cluster)],
+                                  cluster.secret, **pool_options)
+        else:
+            self.pool = Pool(nursery, [s.address for s in cluster.meta], cluster.secret,
+                             role="meta", **pool_options)
+        self._nursery = nursery
+        self._pool_options = pool_options
+
+    def set_cluster(self, cluster: Cluster) -> None:
+        """Follow a new cluster map (``MapFollower``): more shards, or copies elsewhere."""
+        self.cluster = cluster
+        self.n_shards = cluster.n_shards
+        reps = [[s.address for s in r] for r in _replicas(cluster)]
+        if isinstance(self.pool, ShardPool):
+            self.pool.set_replicas(reps)
+        elif all(len(r) == 1 for r in reps):
+            set_addresses: Any = getattr(self.pool, "set_addresses", None)
+            if set_addresses is not None:
+                set_addresses([r[0] for r in reps])
+            else:  # an older Pool: a new one (connections reopen on use)
+                self.pool.close()
+                self.pool = Pool(self._nursery, [r[0] for r in reps], cluster.secret,
+                                 role="meta", **self._pool_options)
+        else:  # copies were added to a cluster that had none
+            self.pool.close()
+            self.pool = ShardPool(self._nursery, reps, cluster.secret, **self._pool_options)
+            self.replicated = True
+
+    def _rid(self) -> bytes | None:
+        """A request id for a namespace change: the time (so shards prune the oldest first)
+        and 8 random bytes; None where no shard is replicated."""
+        if not self.replicated:
+            return None
+        return time.time_ns().to_bytes(8, "big") + os.urandom(8)
 
     def follow(self, cluster: Cluster) -> None:
         """A newer cluster map (``jpfs.coord.clustermap``): shards added or moved."""
-        self.cluster = cluster
-        self.pool.set_addresses([s.address for s in cluster.meta])
-        self.n_shards = cluster.n_shards
+        self.set_cluster(cluster)
 
     async def call(self, shard: int, method: str, *args, **kw):
         """Call any method by name and get its answer in wire form (for tools: fsck, gc,
@@ -175,38 +214,40 @@ class MetaClient:
                      gid: int | None = None, exclusive: bool = True) -> tuple[Attr, bool]:
         m = P.CREATE
         c = m.decode(await self.pool.call(
-            shard_of(parent), m, P.CreateReq(parent, name, mode, _uid(uid), _gid(gid), exclusive)))
+            shard_of(parent), m, P.CreateReq(parent, name, mode, _uid(uid), _gid(gid), exclusive,
+                                         self._rid())))
         return (c.attr if c.attr is not None else await self.getattr(c.ino)), c.created
 
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int = 0,
                     uid: int | None = None, gid: int | None = None) -> Attr:
         """A new node of any type but directory and symlink (EEXIST if the name is taken)."""
         c = await self._ask(shard_of(parent), P.MKNOD,
-                            P.MknodReq(parent, name, mode, _uid(uid), _gid(gid), rdev))
+                            P.MknodReq(parent, name, mode, _uid(uid), _gid(gid), rdev, self._rid()))
         return c.attr if c.attr is not None else await self.getattr(c.ino)
 
     async def mkdir(self, parent: int, name: bytes, mode: int = 0o755, uid: int | None = None,
                     gid: int | None = None) -> Attr:
         return await self._ask(shard_of(parent), P.MKDIR,
-                               P.MkdirReq(parent, name, mode, _uid(uid), _gid(gid)))
+                               P.MkdirReq(parent, name, mode, _uid(uid), _gid(gid), self._rid()))
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int | None = None,
                       gid: int | None = None) -> Attr:
         return await self._ask(shard_of(parent), P.SYMLINK,
-                               P.SymlinkReq(parent, name, target, _uid(uid), _gid(gid)))
+                               P.SymlinkReq(parent, name, target, _uid(uid), _gid(gid),
+                                             self._rid()))
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
-        return await self._ask(shard_of(parent), P.LINK, P.LinkReq(ino, parent, name))
+        return await self._ask(shard_of(parent), P.LINK, P.LinkReq(ino, parent, name, self._rid()))
 
     async def unlink(self, parent: int, name: bytes) -> Attr | None:
         """Remove a non-directory; returns the directory's attributes after it (None when the
         shard does not say)."""
-        got = await self._ask(shard_of(parent), P.UNLINK, P.NameReq(parent, name))
+        got = await self._ask(shard_of(parent), P.UNLINK, P.RemoveReq(parent, name, self._rid()))
         return got.parent
 
     async def rmdir(self, parent: int, name: bytes) -> Attr | None:
         """Remove an empty directory; returns the parent's attributes after it."""
-        got = await self._ask(shard_of(parent), P.RMDIR, P.NameReq(parent, name))
+        got = await self._ask(shard_of(parent), P.RMDIR, P.RemoveReq(parent, name, self._rid()))
         return got.parent
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
@@ -214,30 +255,37 @@ class MetaClient:
         """Rename as ``rename(2)``; returns both directories' attributes after it (None where
         unknown)."""
         got = await self._ask(shard_of(src_parent), P.RENAME,
-                              P.RenameReq(src_parent, src_name, dst_parent, dst_name, flags))
+                              P.RenameReq(src_parent, src_name, dst_parent, dst_name, flags,
+                                           self._rid()))
         return got.src, got.dst
 
     async def setattr(self, ino: int, **fields: int) -> Attr:
-        return await self._ask(shard_of(ino), P.SETATTR, P.SetattrReq(ino, fields))
+        return await self._ask(shard_of(ino), P.SETATTR, P.SetattrReq(ino, fields, self._rid()))
 
     async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
-        await self._ask(shard_of(ino), P.SETXATTR, P.SetxattrReq(ino, name, value, flags))
+        await self._ask(shard_of(ino), P.SETXATTR,
+                        P.SetxattrReq(ino, name, value, flags, self._rid()))
 
     async def removexattr(self, ino: int, name: bytes) -> None:
-        await self._ask(shard_of(ino), P.REMOVEXATTR, P.XattrReq(ino, name))
+        await self._ask(shard_of(ino), P.REMOVEXATTR, P.RemoveXattrReq(ino, name, self._rid()))
 
     async def write_chunks(self, ino: int, chunks: list, size: int,
                            expect_version: int | None = None) -> Attr:
         return await self._ask(shard_of(ino), P.WRITE_CHUNKS, P.WriteChunksReq(
-            ino, [c.to_wire() for c in chunks], size, expect_version))
+            ino, [c.to_wire() for c in chunks], size, expect_version, self._rid()))
 
     async def bulk_create(self, parent: int, entries: list, replace: bool = False) -> list:
         """Create files with content in one transaction: Attr or OSError per entry."""
         return await self._ask(shard_of(parent), P.BULK_CREATE,
-                               P.BulkCreateReq(parent, entries, replace))
+                               P.BulkCreateReq(parent, entries, replace, self._rid()))
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _replicas(cluster: Cluster) -> tuple:
+    """Every copy of each shard."""
+    return cluster.meta_replicas
 
 
 def _uid(uid: int | None) -> int:

@@ -3,9 +3,11 @@
 A request is the request record's fields as a msgpack array, in order; names are ``bytes``,
 inode ids, times (ns) and ids are ints, attributes travel as ``Attr.to_wire()`` lists. Reads and
 the 2PC steps are idempotent (safe to retry after a lost connection); namespace changes are not,
-so a client never repeats one that may have reached the server. ``inline`` methods are answered
-on the shard's request loop (reads, and single-shard writes queued to the group commit); the
-others run in a task of their own (they may wait on other shards).
+so a client never repeats one that may have reached the server, except with a request id
+(``rid``, replicated shards), which makes the retry answer the first attempt's result.
+``inline`` methods are answered on the shard's request loop (reads, and single-shard writes
+queued to the group commit); the others run in a task of their own (they may wait on other
+shards).
 
 Per-name and per-inode batch answers carry an errno *name* (``"ENOENT"``) in place of an item
 that failed, so one bad name does not fail the batch.
@@ -19,6 +21,8 @@ from typing import NamedTuple
 from ..errors import error, from_name
 from ..rpc import Method, method_table
 from ..types import NAME_MAX, Attr, DirEntry, Layout
+from .heal import HEAL_METHODS
+from .replica import METHODS as _REPLICA_METHODS
 
 # ---- response records ------------------------------------------------------------------------
 
@@ -164,7 +168,7 @@ class InosReq(NamedTuple):
 
 
 class NameReq(NamedTuple):
-    """A name in a directory: lookup, unlink, rmdir."""
+    """A name in a directory: lookup."""
 
     parent: int
     name: bytes
@@ -194,10 +198,28 @@ class ReaddirReq(NamedTuple):
 
 
 class XattrReq(NamedTuple):
-    """One extended attribute: getxattr, removexattr."""
+    """One extended attribute: getxattr."""
 
     ino: int
     name: bytes
+
+
+class RemoveXattrReq(NamedTuple):
+    """``removexattr``."""
+
+    ino: int
+    name: bytes
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
+
+
+class RemoveReq(NamedTuple):
+    """A name to remove: unlink, rmdir."""
+
+    parent: int
+    name: bytes
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
 class CreateReq(NamedTuple):
@@ -209,6 +231,8 @@ class CreateReq(NamedTuple):
     uid: int
     gid: int
     exclusive: bool
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
 class MknodReq(NamedTuple):
@@ -220,6 +244,8 @@ class MknodReq(NamedTuple):
     uid: int
     gid: int
     rdev: int
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
 class MkdirReq(NamedTuple):
@@ -230,6 +256,8 @@ class MkdirReq(NamedTuple):
     mode: int
     uid: int
     gid: int
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
 class SymlinkReq(NamedTuple):
@@ -240,6 +268,8 @@ class SymlinkReq(NamedTuple):
     target: bytes
     uid: int
     gid: int
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
 class LinkReq(NamedTuple):
@@ -248,6 +278,8 @@ class LinkReq(NamedTuple):
     ino: int
     parent: int
     name: bytes
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
 class RenameReq(NamedTuple):
@@ -259,6 +291,8 @@ class RenameReq(NamedTuple):
     dst_name: bytes
     flags: int
     """RENAME_NOREPLACE, RENAME_EXCHANGE."""
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
 class SetattrReq(NamedTuple):
@@ -267,6 +301,8 @@ class SetattrReq(NamedTuple):
     ino: int
     fields: dict
     """Some of SETATTR_FIELDS, each an int."""
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
 class SetxattrReq(NamedTuple):
@@ -277,6 +313,8 @@ class SetxattrReq(NamedTuple):
     value: bytes
     flags: int
     """XATTR_CREATE, XATTR_REPLACE."""
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
 class WriteChunksReq(NamedTuple):
@@ -288,6 +326,8 @@ class WriteChunksReq(NamedTuple):
     size: int
     expect_version: int | None
     """ESTALE unless the file is still at this version (None: any)."""
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
 class BulkCreateReq(NamedTuple):
@@ -297,6 +337,8 @@ class BulkCreateReq(NamedTuple):
     entries: list
     """``[name, mode, uid, gid, mtime_ns, size, [Chunk.to_wire(), ...]]`` each."""
     replace: bool
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
 class TxPrepareReq(NamedTuple):
@@ -367,13 +409,13 @@ MKNOD = Method(12, "mknod", MknodReq, Created, inline=True)
 MKDIR = Method(13, "mkdir", MkdirReq, Attr)
 SYMLINK = Method(14, "symlink", SymlinkReq, Attr, inline=True)
 LINK = Method(15, "link", LinkReq, Attr)
-UNLINK = Method(16, "unlink", NameReq, PostOp, inline=True)
+UNLINK = Method(16, "unlink", RemoveReq, PostOp, inline=True)
 """Inline when the file's inode is on the directory's shard; deferred to 2PC otherwise."""
-RMDIR = Method(17, "rmdir", NameReq, PostOp)
+RMDIR = Method(17, "rmdir", RemoveReq, PostOp)
 RENAME = Method(18, "rename", RenameReq, RenamePostOp)
 SETATTR = Method(19, "setattr", SetattrReq, Attr, inline=True)
 SETXATTR = Method(20, "setxattr", SetxattrReq, None, inline=True)
-REMOVEXATTR = Method(21, "removexattr", XattrReq, None, inline=True)
+REMOVEXATTR = Method(21, "removexattr", RemoveXattrReq, None, inline=True)
 # file data layout
 GET_LAYOUT = _read(22, "get_layout", InoReq, Layout)
 BATCH_LAYOUT = _read(23, "batch_layout", InosReq, Layouts)
@@ -404,7 +446,13 @@ METHODS = method_table(
     TX_COMMIT, TX_ABORT, TX_STATUS, RENAME_LOCK, RENAME_UNLOCK, SCAN, PENDING, REPAIR, SHARD_INFO,
     SYNC,
 )
-"""Every metadata method by name."""
+"""Every metadata method by name (the replication methods of ``replica.py`` included)."""
+METHODS.update(_REPLICA_METHODS)
+METHODS.update(method_table(*HEAL_METHODS))  # the healer's (jpfs/proto/heal.py, ids 80-99)
+
+CHANGES = frozenset({CREATE, MKNOD, MKDIR, SYMLINK, LINK, UNLINK, RMDIR, RENAME, SETATTR,
+                     SETXATTR, REMOVEXATTR, WRITE_CHUNKS, BULK_CREATE})
+"""Namespace changes: their request records end with ``rid`` (see ``CreateReq.rid``)."""
 
 # rename flags (as renameat2)
 RENAME_NOREPLACE = 1

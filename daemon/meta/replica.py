@@ -1,0 +1,415 @@
+"""One copy of a replicated shard: leader election on an etcd lease, log shipping, fencing.
+
+The leader holds ``LEADER_KEY(name, shard)`` with a lease it renews every ``renew`` seconds;
+its term is the key's create revision (every election makes the key anew, so terms grow). It
+records each group commit as a log entry (``replog``), ships entries to every follower (one
+append in flight per follower, carrying everything since the last), and answers a client's
+write once a majority (itself included) has committed it (``Store.replicated``). It stops
+answering, reads included, once its lease may have lapsed (``serving``: the last renewal's send
+time plus the TTL, less a margin), which is before etcd can give the key to anyone else.
+
+A follower applies entries that continue exactly from its position, rejects any from a term
+older than the newest it has seen, and answers clients "not leader" with the leader's name.
+When the key is gone, a copy asks the others for their positions and campaigns only if a
+majority answered (itself included) and none is ahead (ties: the lowest replica index): every
+acknowledged write is on a majority, majorities intersect, so the winner holds them all. A
+follower whose position is not in the leader's recent history (behind the ring, or holding an
+entry nobody acknowledged) gets a snapshot.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from jpfs.coord.clustermap import LEADER_KEY
+from jpfs.coord.etcd import Etcd
+from jpfs.errors import JPFSError, error
+from jpfs.proto import replica as R
+from jpfs.rpc import Pool
+
+from . import replog
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+TTL = 2.0
+RENEW = 0.5
+SNAPSHOT_BYTES = 1 << 20
+
+
+class Replication:
+    """Replica ``replica`` of ``store``'s shard; ``addresses`` lists every copy's address.
+
+    ``on_lead(nursery)`` is awaited when this copy becomes leader (the shard's 2PC recovery
+    runs there); the nursery is cancelled when it stops leading.
+    """
+
+    def __init__(self, store: Store, replica: int, addresses: list[str], secret: bytes,
+                 etcd_endpoints: tuple[str, ...], cluster_name: str, nursery: trio.Nursery, *,
+                 on_lead: Callable[[trio.Nursery], Awaitable[None]], ttl: float = TTL,
+                 renew: float = RENEW, peer_timeout: float = 1.0):
+        self.store = store
+        self.shard = store.shard
+        self.replica = replica
+        self.addresses = list(addresses)
+        self.n = len(addresses)
+        self.majority = self.n // 2 + 1
+        self.endpoints = etcd_endpoints
+        self.cluster_name = cluster_name
+        self.on_lead = on_lead
+        self.ttl = ttl
+        self.renew = renew
+        self.peers = Pool(nursery, self.addresses, secret, role="meta", retry_for=0.0,
+                          peer_timeout=peer_timeout, timeout=max(2.0, 4 * renew))
+        self.role = "follower"
+        self.ready = False
+        self.known_term = store.pos[0]
+        self.leader: int | None = None
+        self.leader_address: str | None = None
+        self.valid_until = -math.inf
+        self.ring: replog.Ring | None = None
+        self.match: dict[int, int] = {}
+        self._wake = trio.Event()
+        self._lead_scope: trio.CancelScope | None = None
+        self.elections = 0
+        self.snapshots_sent = 0
+        store.repl = self
+        store.leading = False
+
+    # ---- what the store and the handlers ask -------------------------------------------------
+
+    def serving(self) -> bool:
+        """Whether this copy may answer clients now: it leads, a majority holds an entry of
+        its own term (``ready``), and its lease cannot have lapsed."""
+        return self.ready and self.role == "leader" and trio.current_time() < self.valid_until
+
+    def may_ack(self) -> bool:
+        return self.role == "leader" and trio.current_time() < self.valid_until
+
+    def became_ready(self) -> None:
+        """The first entry of this term is on a majority: start answering clients. Counting
+        copies for entries of older terms alone could acknowledge one that a later election
+        drops, as in Raft's figure 8: an entry of the new term on a majority rules that out."""
+        self.ready = True
+
+    def check(self) -> None:
+        if not self.serving():
+            raise self.not_leader()
+
+    def not_leader(self) -> JPFSError:
+        leader = self.leader if self.leader != self.replica else None
+        return R.not_leader(self.shard, self.replica, leader, self.leader_address
+                            if leader is not None else None)
+
+    def append(self, entry: replog.Entry) -> None:
+        """A group commit of this leader (``Store._commit``): keep it and wake the shippers."""
+        if self.ring is not None:
+            self.ring.append(entry)
+        self._wake.set()
+        self._wake = trio.Event()
+
+    def committed(self, seq: int) -> None:
+        self._advance()
+
+    def _advance(self) -> None:
+        if self.role != "leader":
+            return
+        marks = sorted([self.store.pos[1], *self.match.values()], reverse=True)
+        if len(marks) >= self.majority and self.may_ack():
+            self.store.replicated(marks[self.majority - 1])
+
+    def status(self) -> dict:
+        term, seq = self.store.pos
+        return {"shard": self.shard, "replica": self.replica, "term": term, "seq": seq,
+                "known_term": self.known_term, "role": self.role, "leader": self.leader,
+                "leader_address": self.leader_address, "resyncing": self.store.resyncing,
+                "elections": self.elections, "snapshots_sent": self.snapshots_sent,
+                "followers": dict(self.match) if self.role == "leader" else {}}
+
+    # ---- election -------------------------------------------------------------------------------
+
+    def _key(self) -> str:
+        return LEADER_KEY(self.cluster_name, self.shard)
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Follow or lead until cancelled."""
+        etcd = Etcd(self.endpoints, timeout=max(1.0, self.ttl / 2))
+        task_status.started()
+        try:
+            while True:
+                try:
+                    await self._round(etcd)
+                except JPFSError as e:
+                    log.warning("shard %d replica %d: etcd: %s", self.shard, self.replica,
+                                e.strerror)
+                    await trio.sleep(self.renew)
+                except Exception:  # a daemon lives on: logged, and the next round tries again
+                    log.exception("shard %d replica %d: election round failed", self.shard,
+                                  self.replica)
+                    await trio.sleep(self.renew)
+        finally:
+            with trio.CancelScope(shield=True):
+                await etcd.aclose()
+
+    async def _round(self, etcd: Etcd) -> None:
+        key = self._key()
+        kv = await etcd.get(key)
+        if kv is not None:
+            info = json.loads(kv.value)
+            if info.get("replica") == self.replica:
+                # our own key from before a restart: its lease is not ours to renew
+                log.info("shard %d replica %d: clearing the leader key of a previous run",
+                         self.shard, self.replica)
+                await etcd.delete_if(key, mod_revision=kv.mod_revision)
+                return
+            if kv.create_revision > self.known_term:
+                self.known_term = kv.create_revision
+            self.leader, self.leader_address = info.get("replica"), info.get("address")
+            await trio.sleep(self.renew)
+            return
+        self.leader = self.leader_address = None
+        if not await self._may_campaign():
+            await trio.sleep(self.renew / 2)
+            return
+        t0 = trio.current_time()
+        lease = await etcd.grant(self.ttl)
+        value = json.dumps({"replica": self.replica, "address": self.addresses[self.replica],
+                            "seq": self.store.pos[1]}).encode()
+        if not await etcd.put_if(key, value, mod_revision=0, lease=lease):
+            await etcd.revoke(lease)
+            return
+        kv = await etcd.get(key)
+        if kv is None or kv.value != value:
+            return
+        self.valid_until = t0 + self.ttl * 0.75
+        await self._lead(etcd, lease, kv.create_revision)
+
+    async def _may_campaign(self) -> bool:
+        """Ask every other copy where it is: campaign only with a majority and nobody ahead."""
+        mine = self.store.pos
+        if self.store.resyncing:
+            return False
+        answers: list[Any] = []
+
+        async def ask(j: int) -> None:
+            try:
+                answers.append(await self.peers.call(j, R.REPL_STATUS, [self.shard],
+                                                     timeout=self.ttl / 2))
+            except JPFSError:
+                pass
+
+        async with trio.open_nursery() as nursery:
+            for j in range(self.n):
+                if j != self.replica:
+                    nursery.start_soon(ask, j)
+        if 1 + len(answers) < self.majority:
+            return False
+        for a in answers:
+            if a.get("resyncing"):
+                continue
+            theirs = (a["term"], a["seq"])
+            if theirs > mine or (theirs == mine and a["replica"] < self.replica):
+                return False
+        return True
+
+    # ---- leading --------------------------------------------------------------------------------
+
+    async def _lead(self, etcd: Etcd, lease: int, term: int) -> None:
+        self.elections += 1
+        log.info("shard %d replica %d leads (term %d, at seq %d)", self.shard, self.replica,
+                 term, self.store.pos[1])
+        self.role, self.known_term, self.leader = "leader", term, self.replica
+        self.leader_address = self.addresses[self.replica]
+        self.store.term = term
+        self.ring = replog.Ring(self.store.pos)
+        self.match = {}
+        self.store.leading = True
+        try:
+            async with trio.open_nursery() as nursery:
+                self._lead_scope = nursery.cancel_scope
+                nursery.start_soon(self._guard, self._keepalive, etcd, lease)
+                for j in range(self.n):
+                    if j != self.replica:
+                        nursery.start_soon(self._guard, self._ship, j)
+                nursery.start_soon(self._guard, self.on_lead, nursery)
+        finally:
+            self._stop_leading()
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                try:
+                    await etcd.revoke(lease)
+                except JPFSError:
+                    pass
+
+    def _stop_leading(self) -> None:
+        if self.role == "leader":
+            log.info("shard %d replica %d stops leading (term %d)", self.shard, self.replica,
+                     self.store.term)
+        self.role = "follower"
+        self.ready = False
+        if self.leader == self.replica:
+            self.leader = self.leader_address = None
+        self.ring = None
+        self.match = {}
+        self.store.step_down(self.not_leader())
+        if self._lead_scope is not None:
+            self._lead_scope.cancel()
+
+    async def _guard(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """A leader task: any failure ends the leadership (logged), never the daemon."""
+        try:
+            await fn(*args)
+        except Exception:
+            log.exception("shard %d replica %d: leader task %s failed; stepping down",
+                          self.shard, self.replica, fn.__name__)
+            self._stop_leading()
+
+    async def _keepalive(self, etcd: Etcd, lease: int) -> None:
+        while True:
+            await trio.sleep(self.renew)
+            t0 = trio.current_time()
+            left: float | None = None
+            with trio.move_on_at(self.valid_until):
+                try:
+                    left = await etcd.keepalive(lease)
+                except JPFSError as e:
+                    log.warning("shard %d replica %d: lease renewal failed: %s", self.shard,
+                                self.replica, e.strerror)
+            if left is not None and left > 0:
+                self.valid_until = t0 + min(left, self.ttl) * 0.75
+                self._advance()
+            elif left == 0 or trio.current_time() >= self.valid_until:
+                log.warning("shard %d replica %d: lease %s; stepping down", self.shard,
+                            self.replica, "gone" if left == 0 else "not renewed within its TTL")
+                self._stop_leading()
+                return
+
+    async def _ship(self, j: int) -> None:
+        """Keep follower ``j`` up to date: entries from the ring, or a snapshot."""
+        known: tuple[int, int] | None = None
+        resync = False
+        delay = 0.05
+        while True:
+            ring = self.ring
+            if ring is None:
+                return
+            try:
+                if known is not None and (resync or not ring.holds(known)):
+                    known, resync = await self._snapshot(j), False
+                    continue
+                prev = known if known is not None else ring.last
+                entries = ring.after(prev[1]) if known is not None else []
+                if known is not None and not entries:
+                    wake = self._wake
+                    with trio.move_on_after(self.renew):
+                        await wake.wait()
+                    if not ring.holds(prev):
+                        continue  # the ring moved past it meanwhile: a snapshot
+                    entries = ring.after(prev[1])
+                ans: Any = await self.peers.call(j, R.REPL_APPEND, [
+                    self.shard, self.store.term, self.replica, self.addresses[self.replica],
+                    prev[0], prev[1], [e.to_wire() for e in entries]])
+                known = (ans["term"], ans["seq"])
+                if ans["ok"]:
+                    self.match[j] = known[1]
+                    self._advance()
+                else:
+                    resync = bool(ans.get("resyncing"))
+                delay = 0.05
+            except JPFSError as e:
+                if e.errno == errno.ESTALE:
+                    log.warning("shard %d replica %d: %s; stepping down", self.shard,
+                                self.replica, e.strerror)
+                    self._stop_leading()
+                    return
+                log.debug("shard %d: replica %d unreachable: %s", self.shard, j, e.strerror)
+                known = None
+                self.match.pop(j, None)
+                await trio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _snapshot(self, j: int) -> tuple[int, int]:
+        """Copy the whole shard to follower ``j`` from one read transaction (a consistent view
+        at one position; a read transaction may stay open across awaits, writes go on)."""
+        store = self.store
+        head = [self.shard, store.term, self.replica, self.addresses[self.replica]]
+        log.info("shard %d: sending replica %d a snapshot", self.shard, j)
+
+        async def call(args: list) -> None:
+            await self.peers.call(j, R.REPL_SNAPSHOT, args, timeout=60.0)
+
+        with store.env.begin() as t:
+            pos = replog.unpack_pos(t.get(replog.REPL_KEY, db=store.dbs["state"]))
+            await call([*head, "begin", "", [], [0, 0]])
+            for name, handle in store.dbs.items():
+                items: list = []
+                size = 0
+                with t.cursor(db=handle) as cur:
+                    for k, v in cur:
+                        items.append([bytes(k), bytes(v)])
+                        size += len(k) + len(v)
+                        if size >= SNAPSHOT_BYTES:
+                            await call([*head, "data", name, items, [0, 0]])
+                            items, size = [], 0
+                if items:
+                    await call([*head, "data", name, items, [0, 0]])
+            await call([*head, "end", "", [], list(pos)])
+        self.snapshots_sent += 1
+        return pos
+
+    # ---- the follower's handlers ---------------------------------------------------------------
+
+    def _hear(self, shard: int, term: int, leader: int, address: str) -> None:
+        if shard != self.shard:
+            raise error(errno.EXDEV, f"replication for shard {shard} sent to shard "
+                                     f"{self.shard} (misrouted)")
+        if term < self.known_term:
+            raise error(errno.ESTALE, f"shard {self.shard} replica {self.replica}: term {term} "
+                                      f"is older than term {self.known_term}")
+        if self.role == "leader" and (term > self.store.term or leader != self.replica):
+            self._stop_leading()
+        self.known_term = term
+        self.leader, self.leader_address = leader, address
+
+    async def repl_status(self, shard: int) -> dict:
+        return self.status()
+
+    async def repl_append(self, shard: int, term: int, leader: int, address: str,
+                          prev_term: int, prev_seq: int, entries: list) -> dict:
+        self._hear(shard, term, leader, address)
+        store = self.store
+        if self.role == "leader":
+            raise error(errno.EBUSY, f"shard {self.shard} replica {self.replica} leads")
+        resyncing = store.resyncing
+        ok = not resyncing and store.pos == (prev_term, prev_seq)
+        if ok and entries:
+            store.apply_entries(entries)
+            if store.ack_after_sync:
+                await store.sync()
+        term_now, seq_now = store.pos
+        return {"ok": ok, "term": term_now, "seq": seq_now, "resyncing": resyncing}
+
+    async def repl_snapshot(self, shard: int, term: int, leader: int, address: str, step: str,
+                            db: str, items: list, pos: list[int]) -> bool:
+        self._hear(shard, term, leader, address)
+        store = self.store
+        if step == "begin":
+            store.snapshot_begin()
+        elif step == "data":
+            if db not in store.dbs:
+                raise error(errno.EINVAL, f"no database {db!r}")
+            store.snapshot_data(db, items)
+        elif step == "end":
+            store.snapshot_end((pos[0], pos[1]))
+            await store.sync()
+            log.info("shard %d replica %d installed a snapshot at seq %d", self.shard,
+                     self.replica, pos[1])
+        else:
+            raise error(errno.EINVAL, f"unknown snapshot step {step!r}")
+        return True

@@ -1,0 +1,204 @@
+"""Metadata shard replication: the leader-to-follower methods, the "not leader" answer, and
+``ShardPool``, which calls the leader of each replicated shard and follows it through a
+failover.
+
+Every copy of a shard (a *replica*) is its own daemon; one leads (it holds the shard's etcd
+lease) and is the only one that answers clients. The others apply the leader's log entries
+(``repl_append``) or install a snapshot of it (``repl_snapshot``), and answer any client call
+with ``EREMOTE`` "not leader", naming the leader they know (``[leader J]``), so a client moves
+there at once. Method ids 60-79.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import trio
+
+from ..errors import DeadlineError, JPFSError, Unavailable, error
+from ..rpc import Method, Pool, method_table
+from ..rpc.client import Refused
+
+log = logging.getLogger(__name__)
+
+NOT_LEADER = errno.EREMOTE
+"""The errno of a "not leader" answer (``Object is remote``: the shard is served elsewhere)."""
+
+_HINT = re.compile(r"\[leader (\d+)\]")
+
+FAILOVER_FOR = 10.0
+"""Seconds a call keeps looking for a shard's leader (a failover takes a lease TTL plus an
+election: 2-3 s here) before it fails."""
+
+
+def not_leader(shard: int, replica: int, leader: int | None, address: str | None) -> JPFSError:
+    """The answer of a copy that does not lead: names the leader it knows, for the client."""
+    where = (f"; the leader is replica {leader} ({address}) [leader {leader}]"
+             if leader is not None else "; no leader is known yet (an election is under way)")
+    return error(NOT_LEADER, f"metadata shard {shard} replica {replica} is not the "
+                             f"leader{where}")
+
+
+def leader_hint(e: OSError) -> int | None:
+    """The leader a "not leader" answer names, if any."""
+    m = _HINT.search(e.strerror or "")
+    return int(m.group(1)) if m else None
+
+
+# ---- request records ------------------------------------------------------------------------
+
+class StatusReq(NamedTuple):
+    """``repl_status``: this copy's position (also what a candidate asks in an election)."""
+
+    shard: int
+
+
+class AppendReq(NamedTuple):
+    """``repl_append``: log entries from the leader of ``term`` (none: a heartbeat)."""
+
+    shard: int
+    term: int
+    leader: int
+    """The leader's replica index (followers name it in "not leader" answers)."""
+    address: str
+    prev_term: int
+    prev_seq: int
+    """The position the entries follow; the follower must be exactly there."""
+    entries: list
+    """``[term, seq, [[db, key, value or None], ...]]`` each, in order."""
+
+
+class SnapshotReq(NamedTuple):
+    """``repl_snapshot``: one step of a whole-shard copy from the leader."""
+
+    shard: int
+    term: int
+    leader: int
+    address: str
+    step: str
+    """``begin`` (drop everything), ``data`` (``db``'s ``items``), ``end`` (at ``pos``)."""
+    db: str
+    items: list
+    """``[key, value]`` each."""
+    pos: list[int]
+    """``[term, seq]`` the snapshot is at (``end``)."""
+
+
+REPL_STATUS = Method(60, "repl_status", StatusReq, dict, idempotent=True)
+"""``{"replica", "term", "seq", "known_term", "role", "leader", "resyncing"}``."""
+REPL_APPEND = Method(61, "repl_append", AppendReq, dict)
+"""``{"ok": bool, "term": t, "seq": s, "resyncing": bool}``: ``ok`` False when the follower
+is not at ``prev`` (``term``/``seq`` say where it is)."""
+REPL_SNAPSHOT = Method(62, "repl_snapshot", SnapshotReq, bool)
+
+METHODS = method_table(REPL_STATUS, REPL_APPEND, REPL_SNAPSHOT)
+
+
+# ---- calling the leader ---------------------------------------------------------------------
+
+class ShardPool:
+    """Calls to the leader of each shard, any of whose copies may lead.
+
+    ``replicas[i]`` lists the addresses of shard ``i``'s copies. A call goes to the copy last
+    seen leading; on "not leader" it moves to the named leader (or the next copy), on a
+    refused, closed or silent connection to the next copy, and retries within
+    ``failover_for`` seconds. Calls that change the namespace carry a request id
+    (``MetaClient``), so a retry after a failover answers what the first attempt did. A shard
+    whose every copy refuses the connection fails at once. Unreplicated shards (one copy) go
+    straight to their ``Pool``, as before.
+    """
+
+    def __init__(self, nursery: trio.Nursery, replicas: Sequence[Sequence[str]],
+                 secret: bytes, *, role: str = "meta", failover_for: float = FAILOVER_FOR,
+                 attempt_timeout: float | None = None, **pool_options: Any):
+        self.nursery = nursery
+        self.secret = secret
+        self.role = role
+        self.failover_for = failover_for
+        self.attempt_timeout = attempt_timeout
+        """Seconds one copy is given to answer before the call moves to the next (None: the
+        call's whole timeout); bounds a leader that is cut off with the connection up."""
+        pool_options.setdefault("retry_for", 0.0)  # another copy is tried instead
+        self.options = pool_options
+        self.pools: list[Pool] = []
+        self.leader: list[int] = []
+        self.set_replicas(replicas)
+
+    def __len__(self) -> int:
+        return len(self.pools)
+
+    def set_replicas(self, replicas: Sequence[Sequence[str]]) -> None:
+        """Follow a new map: more shards, or copies at new addresses."""
+        for i, addrs in enumerate(replicas):
+            addrs = list(addrs)
+            if i < len(self.pools):
+                if self.pools[i].addresses != addrs:
+                    self.pools[i].close()
+                    self.pools[i] = Pool(self.nursery, addrs, self.secret, role=self.role,
+                                         **self.options)
+                    self.leader[i] = 0
+            else:
+                self.pools.append(Pool(self.nursery, addrs, self.secret, role=self.role,
+                                       **self.options))
+                self.leader.append(0)
+
+    @property
+    def addresses(self) -> list[str]:
+        """The address of the copy believed to lead, per shard."""
+        return [p.addresses[j] for p, j in zip(self.pools, self.leader, strict=True)]
+
+    async def call(self, shard: int, method: Method, args: Sequence[Any], payload=(),
+                   **kw: Any) -> object:
+        if not 0 <= shard < len(self.pools):
+            raise error(errno.EINVAL, f"no metadata shard number {shard}")
+        pool = self.pools[shard]
+        n = len(pool)
+        if n == 1:
+            return await pool.call(0, method, args, payload, **kw)
+        give_up = trio.current_time() + self.failover_for
+        j = self.leader[shard]
+        refused: set[int] = set()
+        delay = 0.02
+        hops = 0
+        if self.attempt_timeout is not None:
+            kw["timeout"] = min(kw.get("timeout") or pool.timeout, self.attempt_timeout)
+        while True:
+            try:
+                result = await pool.call(j, method, args, payload, **kw)
+            except JPFSError as e:
+                hint = None
+                if isinstance(e, DeadlineError) and self.attempt_timeout is not None:
+                    pass  # a leader cut off with the connection up: try another copy
+                elif e.errno == NOT_LEADER:
+                    hint = leader_hint(e)
+                    refused.discard(j)
+                elif isinstance(e, Unavailable):
+                    if isinstance(e, Refused):
+                        refused.add(j)
+                    if len(refused) == n:
+                        raise Refused(f"metadata shard {shard}: every copy refused the "
+                                      f"connection (not running?): {e.strerror}") from None
+                else:
+                    raise
+                if trio.current_time() + delay >= give_up:
+                    raise Unavailable(f"metadata shard {shard}: no copy answered as leader "
+                                      f"within {self.failover_for:.3g} s (last: "
+                                      f"{e.strerror}); run `jpfs cluster status`") from None
+                log.debug("shard %d copy %d: %s; trying another", shard, j, e.strerror)
+                if hint is not None and hint != j and hops < n:
+                    j, hops = hint, hops + 1
+                    continue
+                j, hops = (j + 1) % n, 0
+                await trio.sleep(delay)
+                delay = min(delay * 2, 0.25)
+                continue
+            self.leader[shard] = j
+            return result
+
+    def close(self) -> None:
+        for p in self.pools:
+            p.close()
