@@ -9,6 +9,9 @@ must agree, and so must the bytes), and ``put_blobs`` it back to the bad node, w
 fresh copy and clears the mark. A blob whose every copy is bad or whose chunk has one replica
 cannot be repaired: it is reported with the path of its file. A bad blob no chunk record names is
 garbage that ``jpfs gc`` deletes; it is reported, not repaired.
+
+The same repair also runs without anyone asking: each metadata shard's leader heals the chunks
+it owns (``jpfs_daemon.meta.heal``), and ``heal_status`` here gathers what the healers report.
 """
 
 from __future__ import annotations
@@ -106,6 +109,35 @@ async def start(client: AsyncClient, nodes: list[int] | None = None) -> list[dic
         except JPFSError as e:
             out[node] = {"error": e.strerror}
     return [{"node": n, **s} for n, s in sorted(out.items())]
+
+
+async def heal_status(client: AsyncClient) -> list[dict]:
+    """Every shard leader's healer progress (``jpfs.proto.heal.HEAL_KEYS``), or ``{"shard": i,
+    "error": reason}`` for a shard that does not answer (or predates healing)."""
+    out: list[dict] = [{} for _ in range(client.meta.n_shards)]
+
+    async def one(shard: int) -> None:
+        try:
+            out[shard] = await client.meta.call(shard, "heal_status", retry_for=1.0,
+                                                timeout=10.0)
+        except JPFSError as e:
+            out[shard] = {"shard": shard, "error": e.strerror}
+
+    async with trio.open_nursery() as nursery:
+        for shard in range(client.meta.n_shards):
+            nursery.start_soon(one, shard)
+    return out
+
+
+async def heal_kick(client: AsyncClient) -> list[dict]:
+    """Ask every shard's healer for a round now; their status or errors."""
+    out: list[dict] = []
+    for shard in range(client.meta.n_shards):
+        try:
+            out.append(await client.meta.call(shard, "heal_kick", retry_for=1.0, timeout=10.0))
+        except JPFSError as e:
+            out.append({"shard": shard, "error": e.strerror})
+    return out
 
 
 async def bad_blobs(client: AsyncClient, node: int) -> list[tuple[bytes, int, int, float, str]]:

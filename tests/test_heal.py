@@ -1,0 +1,290 @@
+"""Storage that heals and grows: real daemons, a real etcd, real volume files, no mocks.
+
+Each test runs a small etcd-backed cluster (3 storage nodes, replicas 2 unless it grows), stores
+files, changes the cluster the way an operator would (`jpfs node remove|drain|add`, a killed
+daemon, a flipped byte in a volume) and checks what a user would: every file reads back
+byte-identical, nothing fails meanwhile, the map and the chunk records end as promised.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import jpfs
+from jpfs import config, localcluster
+from jpfs.cli.main import main as cli
+from jpfs.client import scrub
+
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
+
+CHUNK = 256 << 10
+HEAL = ["--heal-interval", "0.5"]
+DEADLINE = 120.0
+
+
+@pytest.fixture
+def cluster_dir(tmp_path):
+    d = tmp_path / "c"
+    yield d
+    localcluster.down(d)
+
+
+def up(d: Path, nodes: int = 3, replicas: int = 2, storage_args: list[str] | None = None
+       ) -> config.Cluster:
+    return localcluster.up(d, etcd=True, meta_shards=2, storage_nodes=nodes, replicas=replicas,
+                           chunk_size=CHUNK, sync=False,
+                           extra_args={"meta": HEAL, "storage": storage_args or []})
+
+
+def write_files(c: jpfs.Client, top: str, n: int, seed: int = 0) -> dict[str, bytes]:
+    """``n`` files over two directories: one-chunk files and files of several chunks."""
+    rnd = random.Random(seed)
+    files = {}
+    for i in range(n):
+        path = f"{top}/{'ab'[i % 2]}/f{i:03d}"
+        files[path] = rnd.randbytes(rnd.choice((1000, 60_000, CHUNK + 5, 3 * CHUNK - 7)))
+    for d in {p.rsplit("/", 1)[0] for p in files}:
+        c.makedirs(d, exist_ok=True)
+    for path, data in files.items():
+        c.write_bytes(path, data)
+    return files
+
+
+def chunk_records(c: jpfs.Client) -> list[tuple[int, int, bytes, list[int]]]:
+    """Every chunk record of every shard: (ino, index, blob, nodes)."""
+    async def all_shards(ac):
+        out = []
+        for shard in range(ac.meta.n_shards):
+            after = b""
+            while True:
+                items, nxt = await ac.meta.call(shard, "scan", "chunk", after, 5000)
+                out += [tuple(x) for x in items]
+                if nxt is None:
+                    break
+                after = nxt
+        return out
+
+    return c.run(all_shards)
+
+
+def heal(c: jpfs.Client) -> list[dict]:
+    return c.run(scrub.heal_status)
+
+
+def wait_healed(c: jpfs.Client, epoch: int, *, gone: int | None = None,
+                timeout: float = DEADLINE) -> list[dict]:
+    """Until every shard finished a round that began at map ``epoch`` or later with nothing
+    under-replicated (and no chunk naming node ``gone``)."""
+    give_up = time.monotonic() + timeout
+    while True:
+        s = heal(c)
+        if all(not x.get("error") and x["round_epoch"] >= epoch and x["under_replicated"] == 0
+               and x["unrepairable"] == 0 and x["pending"] == 0
+               and (gone is None or not x["node_chunks"].get(gone)) for x in s):
+            return s
+        if time.monotonic() > give_up:
+            raise AssertionError(f"not healed within {timeout:.0f} s: {s}")
+        time.sleep(0.25)
+
+
+def epoch_of(d: Path) -> int:
+    return config.load(localcluster.cluster_file(d)).epoch
+
+
+def read_all(c: jpfs.Client, files: dict[str, bytes]) -> None:
+    for path, data in files.items():
+        assert c.read_bytes(path) == data, path
+
+
+class Loop(threading.Thread):
+    """Runs ``step`` until stopped; remembers the first failure (the test re-raises it)."""
+
+    def __init__(self, step):
+        super().__init__(daemon=True)
+        self.step = step
+        self.stop = threading.Event()
+        self.failure: BaseException | None = None
+        self.rounds = 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.step()
+            except BaseException as e:  # noqa: BLE001 - the test re-raises it
+                self.failure = e
+                return
+            self.rounds += 1
+
+    def finish(self) -> int:
+        self.stop.set()
+        self.join(60)
+        if self.failure is not None:
+            raise self.failure
+        return self.rounds
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def test_remove_a_lost_node_restores_copies_then_another_loss_loses_nothing(cluster_dir):
+    d = cluster_dir
+    cl = up(d)
+    path = str(localcluster.cluster_file(d))
+    c = jpfs.connect(cl)
+    try:
+        files = write_files(c, "/data", 24)
+        records = chunk_records(c)
+        assert all(len(set(r[3])) == 2 for r in records)
+        assert localcluster.kill(d, "storage", 1)
+        assert cli(["--cluster", path, "node", "remove", "1"]) == 0
+        assert config.load(path).storage[1].state == "removed"
+        status = wait_healed(c, epoch_of(d), gone=1)
+        assert sum(x["repaired_chunks"] for x in status) >= sum(1 in r[3] for r in records)
+        after = chunk_records(c)
+        assert all(1 not in r[3] and len(set(r[3])) == 2 for r in after)
+        assert localcluster.kill(d, "storage", 0)  # a second loss: every chunk has a copy on 2
+        read_all(c, files)
+    finally:
+        c.close()
+
+
+def test_drain_while_reading_ends_removed_and_no_chunk_names_the_node(cluster_dir, capsys):
+    d = cluster_dir
+    cl = up(d)
+    path = str(localcluster.cluster_file(d))
+    c = jpfs.connect(cl)
+    reader_client = jpfs.connect(path)
+    try:
+        files = write_files(c, "/ds", 24, seed=1)
+        assert any(2 in r[3] for r in chunk_records(c))
+        reader = Loop(lambda: read_all(reader_client, files))
+        reader.start()
+        assert cli(["--cluster", path, "node", "drain", "2", "--wait", "--timeout",
+                    str(DEADLINE)]) == 0
+        assert "removed" in capsys.readouterr().out
+        assert reader.finish() > 0
+        assert config.load(path).storage[2].state == "removed"
+        records = chunk_records(c)
+        assert records and all(2 not in r[3] and len(set(r[3])) == 2 for r in records)
+        localcluster.kill(d, "storage", 2)  # the drained node's daemon can go now
+        read_all(c, files)
+        assert cli(["--cluster", path, "node", "list"]) == 0
+        out = capsys.readouterr().out
+        assert "storage-2" in out and "removed" in out
+    finally:
+        reader_client.close()
+        c.close()
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def test_a_corrupt_byte_is_found_by_the_scrubber_and_healed_without_a_command(cluster_dir):
+    d = cluster_dir
+    cl = up(d, storage_args=["--scrub-rate", "1GiB", "--scrub-pause", "3600"])
+    c = jpfs.connect(cl)
+    try:
+        needle = os.urandom(50_000)
+        c.makedirs("/x")
+        c.write_bytes("/x/victim", needle)
+        (_, _, _, nodes), = chunk_records(c)
+        node = nodes[0]
+        vol = next(v for v in sorted((d / f"storage-{node}" / "volumes").iterdir())
+                   if needle in v.read_bytes())
+        _flip(vol, vol.read_bytes().find(needle) + 1234)
+        before = c.run(scrub.status)[node]["repaired"]
+        c.run(scrub.start, [node])
+        give_up = time.monotonic() + DEADLINE
+        while True:  # found by the scrubber, then repaired by the healer: nobody runs repair
+            s = c.run(scrub.status)[node]
+            if s["bad_found"] >= 1 and s["bad_blobs"] == 0 and s["repaired"] > before:
+                break
+            assert time.monotonic() < give_up, s
+            time.sleep(0.25)
+        assert needle in vol.read_bytes() or any(
+            needle in v.read_bytes() for v in (d / f"storage-{node}" / "volumes").iterdir())
+        localcluster.kill(d, "storage", nodes[1])  # the repaired copy alone serves the file
+        assert c.read_bytes("/x/victim") == needle
+        assert sum(x["repaired_chunks"] for x in heal(c)) >= 1
+    finally:
+        c.close()
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_grow_from_two_to_three_nodes_while_reading_and_writing(cluster_dir, capsys):
+    d = cluster_dir
+    cl = up(d, nodes=2, replicas=2)
+    path = str(localcluster.cluster_file(d))
+    c = jpfs.connect(cl)
+    rw = jpfs.connect(path)
+    try:
+        files = write_files(c, "/old", 40, seed=2)
+        written: dict[str, bytes] = {}
+        when: dict[str, float] = {}
+        counter = iter(range(10**6))
+        for k in range(8):
+            rw.makedirs(f"/new/d{k}")
+
+        def write_one() -> None:
+            k = next(counter)
+            data = os.urandom((40_000, 90_000, 2 * CHUNK + 11)[k % 3])
+            path = f"/new/d{k % 8}/g{k:05d}"  # directories spread their small files' runs
+            when[path] = time.monotonic()
+            rw.write_bytes(path, data)
+            written[path] = data
+            time.sleep(0.01)
+
+        reader = Loop(lambda: read_all(rw, files))
+        writer = Loop(write_one)
+        reader.start()
+        writer.start()
+        time.sleep(0.5)
+        assert cli(["--cluster", path, "node", "add", _free_address()]) == 0
+        assert "storage-2 added" in capsys.readouterr().out
+        localcluster.start(d, "storage", 2)
+        # a write that met the node before its daemon listened avoids it for a few seconds
+        settled = time.monotonic() + 4.0
+        give_up = time.monotonic() + DEADLINE
+        while sum(t > settled for t in list(when.values())) < 40:
+            assert time.monotonic() < give_up and writer.is_alive(), writer.failure
+            time.sleep(0.1)
+        writer.finish()
+        reader.finish()
+        # new writes land on the new node
+        by_ino: dict[int, set[int]] = {}
+        for ino, _index, _blob, nodes in chunk_records(c):
+            by_ino.setdefault(ino, set()).update(nodes)
+        late = [c.stat(p).ino for p, t in when.items() if t > settled and p in written]
+        assert sum(2 in by_ino[i] for i in late) >= len(late) // 3, (len(late), by_ino)
+        # usage evens out within the healers' bound: max - min <= max(10% of mean, 2 chunks)
+        give_up = time.monotonic() + DEADLINE
+        while True:
+            used = [c.run(lambda ac, n=n: ac.storage.stats(n))["live_bytes"] for n in range(3)]
+            mean = sum(used) / 3
+            if max(used) - min(used) <= max(0.1 * mean, 2 * CHUNK) + CHUNK:
+                break
+            assert time.monotonic() < give_up, used
+            time.sleep(0.5)
+        read_all(c, files)
+        read_all(c, written)
+    finally:
+        rw.close()
+        c.close()
