@@ -22,7 +22,7 @@ from jpfs.errors import JPFSError
 from .common import PATH_RULE
 
 GROUPS = ("cluster", "node", "shard", "fs", "data", "mount", "lerobot", "bench", "scrub")
-SUBCOMMANDS = ("cluster_command", "lerobot", "bench")  # dests of the groups' own subparsers
+SUBCOMMANDS = ("cluster_command", "node_command", "lerobot", "bench")  # the groups' own dests
 JPFS_ONLY = {"ls", "stat", "mkdir", "rm", "mv", "cat", "du"}  # their paths all name JPFS files
 _URL = re.compile(r"\bjpfs://")
 

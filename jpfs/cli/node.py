@@ -295,6 +295,15 @@ def _clean_everywhere(heal: list[dict], node: int) -> bool:
                               for s in heal)
 
 
+def _drained(current: config.Cluster, node: int) -> config.Cluster:
+    """``current`` with ``node`` removed if it is still draining (else unchanged)."""
+    if node >= current.n_nodes or current.storage[node].state != DRAINING:
+        return current
+    nodes = list(current.storage)
+    nodes[node] = dataclasses.replace(nodes[node], state=REMOVED)
+    return dataclasses.replace(current, storage=tuple(nodes))
+
+
 def cmd_drain(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     new = _set_state(cluster, args.node, DRAINING, args.force)
@@ -311,8 +320,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
     try:
         while state == DRAINING:
             heal = _gather(client)["heal"]
-            if _clean_everywhere(heal, args.node):
-                new = _set_state(cluster, args.node, REMOVED, True)
+            if _clean_everywhere(heal, args.node):  # shard 0's healer may have done it already
+                new = _change(cluster, lambda cur: _drained(cur, args.node))
             else:
                 new = config.load(args.cluster)
             state = new.storage[args.node].state
