@@ -103,6 +103,8 @@ class Healer:
         self._kick = trio.Event()
         self._limiter = trio.CapacityLimiter(CONCURRENCY)
         self._due = 0.0
+        self._batch_limit = int(min(P.BATCH_BYTES, max(1 << 20, self.rate / 4)))
+        """Bytes per pull: a quarter second's worth at the rate, so a burst stays short."""
         self._deletes: list[tuple[float, int, bytes]] = []
         self._drain_seen: dict[int, int] = {}  # draining node -> clean rounds in a row
         self._storage: Pool | None = None
@@ -323,7 +325,7 @@ class Healer:
                 return
             async with trio.open_nursery() as nursery:
                 for (target, source), items in groups.items():
-                    for batch in P.batches(items):
+                    for batch in P.batches(items, self._batch_limit):
                         nursery.start_soon(self._pull, target, source, batch)
             pending = [cp for cp in pending if not cp.ok]
 

@@ -183,12 +183,13 @@ def live_after(j: Job, nodes: Sequence[int], r: Round) -> int:
                (ACTIVE, DRAINING) and (j.chunk.blob not in r.bad.get(n, ()) or n in ok))
 
 
-def batches(items: list[Copy]) -> list[list[Copy]]:
+def batches(items: list[Copy], limit: int = BATCH_BYTES) -> list[list[Copy]]:
+    """Copies in pulls of at most ``limit`` bytes (at least one copy) and BATCH_BLOBS blobs."""
     out: list[list[Copy]] = []
     cur: list[Copy] = []
     size = 0
     for cp in items:
-        if cur and (size + cp.length > BATCH_BYTES or len(cur) >= BATCH_BLOBS):
+        if cur and (size + cp.length > limit or len(cur) >= BATCH_BLOBS):
             out.append(cur)
             cur, size = [], 0
         cur.append(cp)

@@ -167,12 +167,15 @@ def heal_status_lines(client) -> list[str]:
     except OSError as e:
         scrubs = []
         lines.append(f"scrub: cannot tell ({e.strerror or e})")
-    if scrubs:
-        going = [(i, s) for i, s in enumerate(scrubs) if s.get("state") == "scrubbing"]
-        bad = sum(s.get("bad_blobs", 0) for s in scrubs if not s.get("error"))
-        found = sum(s.get("bad_found", 0) for s in scrubs if not s.get("error"))
-        repaired = sum(s.get("repaired", 0) for s in scrubs if not s.get("error"))
-        cells = [f"{len(going)} of {len(scrubs)} nodes scrubbing"] + [
+    states = [s.state for s in client.aclient.cluster.storage]
+    nodes = [(i, s) for i, s in enumerate(scrubs) if i >= len(states) or states[i] != REMOVED]
+    if nodes:
+        going = [(i, s) for i, s in nodes if s.get("state") == "scrubbing"]
+        fine = [s for _, s in nodes if not s.get("error")]
+        bad = sum(s.get("bad_blobs", 0) for s in fine)
+        found = sum(s.get("bad_found", 0) for s in fine)
+        repaired = sum(s.get("repaired", 0) for s in fine)
+        cells = [f"{len(going)} of {len(nodes)} nodes scrubbing"] + [
             f"storage-{i} {s.get('progress', 0.0):.0%}" for i, s in going]
         lines.append(f"scrub: {', '.join(cells)}; bad copies {bad:,} (found {found:,}, "
                      f"repaired {repaired:,})")

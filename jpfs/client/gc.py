@@ -1,10 +1,14 @@
 """``jpfs gc``: reclaim the space of blobs no file points at, then compact volumes.
 
-Mark and sweep: the live set is every blob named by a chunk record on any shard; every blob a
-storage node holds that is not live and older than ``grace`` seconds is deleted, and volumes with
-enough dead bytes are rewritten (``compact``, which never loses a live blob even if killed). The
-grace period protects writes in flight: their blobs are stored before the metadata that names
-them commits. Blobs freed by a delete or overwrite during the scan are found by the next gc.
+Mark and sweep: the live set is every (blob, node) pair named by a chunk record on any shard;
+every blob a storage node holds that no record names *on that node* and that is older than
+``grace`` seconds is deleted, and volumes with enough dead bytes are rewritten (``compact``,
+which never loses a live blob even if killed). Per node, not per blob: a copy the healer moved
+away (rebalance, drain), or one it copied whose record changed meanwhile, is garbage on that
+node even though the blob lives on elsewhere. The grace period protects writes in flight and
+the healer's copies: their blobs are stored before the metadata that names them commits. Blobs
+freed by a delete or overwrite during the scan are found by the next gc. Removed nodes are
+left alone (nothing of theirs counts any more).
 """
 
 from __future__ import annotations
@@ -22,18 +26,26 @@ DEFAULT_GRACE = 600.0
 DELETE_BATCH = 10_000
 
 
-async def live_blobs(client: AsyncClient) -> set[bytes]:
-    """Mark: the id of every blob a chunk record points at, over every shard."""
-    live: set[bytes] = set()
+async def live_copies(client: AsyncClient) -> dict[bytes, frozenset[int]]:
+    """Mark: every blob a chunk record points at, with the nodes the records name for it."""
+    live: dict[bytes, frozenset[int]] = {}
     for shard in range(client.meta.n_shards):
         after = b""
         while True:
             items, nxt = await client.meta.call(shard, "scan", "chunk", after, 5000)
-            live.update(rec[2] for rec in items)
+            for rec in items:
+                have = live.get(rec[2])
+                nodes = frozenset(rec[3])
+                live[rec[2]] = nodes if have is None else have | nodes
             if nxt is None:
                 break
             after = nxt
     return live
+
+
+async def live_blobs(client: AsyncClient) -> set[bytes]:
+    """Mark: the id of every blob a chunk record points at, over every shard."""
+    return set(await live_copies(client))
 
 
 async def collect(client: AsyncClient, *, grace: float = DEFAULT_GRACE,
@@ -50,10 +62,12 @@ async def collect(client: AsyncClient, *, grace: float = DEFAULT_GRACE,
     the storage daemon reports volumes' bytes summed per node, not per volume.
     """
     storage = client._data().storage
-    live = await live_blobs(client)
+    live = await live_copies(client)
     cutoff = time.time() - grace
     report: dict = {"live_blobs": len(live), "nodes": {}}
     for node in range(storage.n_nodes):
+        if storage.state(node) == "removed":
+            continue
         r: dict[str, Any] = {"scanned": 0, "deleted": 0, "kept_by_grace": 0}
         report["nodes"][node] = r
         try:
@@ -66,7 +80,7 @@ async def collect(client: AsyncClient, *, grace: float = DEFAULT_GRACE,
                     break
                 r["scanned"] += len(page)
                 for bid, created in page:
-                    if bid not in live:
+                    if node not in live.get(bid, ()):
                         if created < cutoff:
                             dead.append(bid)
                         else:
