@@ -67,7 +67,7 @@ class Replication:
         self.ttl = ttl
         self.renew = renew
         self.peers = Pool(nursery, self.addresses, secret, role="meta", retry_for=0.0,
-                          peer_timeout=peer_timeout, timeout=max(2.0, 4 * renew))
+                          peer_timeout=peer_timeout, timeout=10.0)
         self.role = "follower"
         self.ready = False
         self.known_term = store.pos[0]
@@ -78,6 +78,7 @@ class Replication:
         self.match: dict[int, int] = {}
         self._wake = trio.Event()
         self._lead_scope: trio.CancelScope | None = None
+        self._vacant_since: float | None = None
         self.elections = 0
         self.snapshots_sent = 0
         store.repl = self
@@ -169,12 +170,15 @@ class Replication:
                          self.shard, self.replica)
                 await etcd.delete_if(key, mod_revision=kv.mod_revision)
                 return
+            self._vacant_since = None
             if kv.create_revision > self.known_term:
                 self.known_term = kv.create_revision
             self.leader, self.leader_address = info.get("replica"), info.get("address")
             await trio.sleep(self.renew)
             return
         self.leader = self.leader_address = None
+        if self._vacant_since is None:
+            self._vacant_since = trio.current_time()
         if not await self._may_campaign():
             await trio.sleep(self.renew / 2)
             return
@@ -211,11 +215,14 @@ class Replication:
                     nursery.start_soon(ask, j)
         if 1 + len(answers) < self.majority:
             return False
+        # a tie goes to the lowest index, unless the seat stayed empty for long (that copy
+        # may be unable to reach etcd)
+        ties_count = trio.current_time() - (self._vacant_since or 0.0) < 3 * self.ttl
         for a in answers:
             if a.get("resyncing"):
                 continue
             theirs = (a["term"], a["seq"])
-            if theirs > mine or (theirs == mine and a["replica"] < self.replica):
+            if theirs > mine or (ties_count and theirs == mine and a["replica"] < self.replica):
                 return False
         return True
 
@@ -223,6 +230,7 @@ class Replication:
 
     async def _lead(self, etcd: Etcd, lease: int, term: int) -> None:
         self.elections += 1
+        self._vacant_since = None
         log.info("shard %d replica %d leads (term %d, at seq %d)", self.shard, self.replica,
                  term, self.store.pos[1])
         self.role, self.known_term, self.leader = "leader", term, self.replica

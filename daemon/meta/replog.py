@@ -36,6 +36,10 @@ def unpack_pos(raw: bytes | memoryview | None) -> tuple[int, int]:
     return int.from_bytes(raw[:8], "big"), int.from_bytes(raw[8:16], "big")
 
 
+_UNRECORDED = frozenset({"drop", "putmulti"})
+"""Changes the recorder does not capture (nothing in a shard's operations uses them)."""
+
+
 class _Cursor:
     """A cursor whose changes are recorded (reads pass straight through)."""
 
@@ -56,6 +60,9 @@ class _Cursor:
         return iter(self._c)
 
     def __getattr__(self, name: str) -> Any:
+        if name in _UNRECORDED:
+            raise NotImplementedError(f"cursor.{name} inside a replicated write is not "
+                                      "recorded: use put/delete")
         return getattr(self._c, name)
 
     def delete(self, dupdata: bool = False) -> bool:
@@ -97,6 +104,9 @@ class Recorder:
         self._names = names
 
     def __getattr__(self, name: str) -> Any:
+        if name in _UNRECORDED:
+            raise NotImplementedError(f"{name} inside a replicated write is not recorded: "
+                                      "use put/delete")
         return getattr(self._t, name)
 
     def get(self, key: bytes, default: Any = None, db: Any = None) -> Any:
