@@ -21,10 +21,10 @@ import json
 import re
 import sys
 
-from . import aggregate, convert, gen, loader, meta, mount, read
+from . import aggregate, convert, gen, heal, loader, meta, mount, read
 
 COMMANDS = {"gen": gen, "meta": meta, "read": read, "loader": loader, "aggregate": aggregate,
-            "convert": convert, "mount": mount}
+            "convert": convert, "mount": mount, "heal": heal}
 """The benchmarks by subcommand name, in the order `--help` lists them."""
 
 
