@@ -288,3 +288,34 @@ def test_grow_from_two_to_three_nodes_while_reading_and_writing(cluster_dir, cap
     finally:
         rw.close()
         c.close()
+
+
+def test_a_read_that_fails_its_checksum_is_reported_and_the_copy_healed(cluster_dir):
+    d = cluster_dir
+    cl = up(d, storage_args=["--scrub-rate", "0"])  # no scrubber: only the reader can tell
+    c = jpfs.connect(cl)
+    try:
+        needle = os.urandom(70_000)
+        c.makedirs("/y")
+        c.write_bytes("/y/victim", needle)
+        (_, _, _, nodes), = chunk_records(c)
+        first = nodes[0]  # the replica a reader asks first
+        vol = next(v for v in sorted((d / f"storage-{first}" / "volumes").iterdir())
+                   if needle in v.read_bytes())
+        _flip(vol, vol.read_bytes().find(needle) + 999)
+        fresh = jpfs.connect(localcluster.cluster_file(d))  # nothing cached
+        try:
+            assert fresh.read_bytes("/y/victim") == needle  # from the other replica
+        finally:
+            fresh.close()
+        give_up = time.monotonic() + DEADLINE
+        while True:  # the node re-verified the reported blob, marked it, the healer fixed it
+            s = c.run(scrub.status)[first]
+            if s["repaired"] >= 1 and s["bad_blobs"] == 0:
+                break
+            assert time.monotonic() < give_up, s
+            time.sleep(0.25)
+        localcluster.kill(d, "storage", nodes[1])
+        assert c.read_bytes("/y/victim") == needle
+    finally:
+        c.close()
