@@ -385,6 +385,10 @@ def test_two_mounts_see_each_others_changes(cluster, tmp_path):
         (a.path / "shared" / "f").write_bytes(b"version two")
         assert (b.path / "shared" / "f").read_bytes() == b"version two"
         (b.path / "shared" / "g").write_bytes(b"from b")
+        deadline = time.monotonic() + 5  # a new name too: within the entry timeout (1 s), as a
+        while not (a.path / "shared" / "g").exists():  # is writing there (listings.KnownDirs)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         assert (a.path / "shared" / "g").read_bytes() == b"from b"
         os.unlink(b.path / "shared" / "g")
         deadline = time.monotonic() + 2.5  # the entry timeout (1 s) bounds how long a is stale

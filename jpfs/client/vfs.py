@@ -11,7 +11,9 @@ that is safe:
 - attributes of a node are trusted for ``attr_timeout`` (forever with ``read_only``) unless this
   VFS changed the inode, its parent or its names since: then the next ``getattr`` asks the
   metadata service, so a process always sees its own changes (nlink, size, mode, times);
-- lookups in directories being read are answered from the prefetcher's listings;
+- lookups in directories being read are answered from the prefetcher's listings, and lookups
+  that find nothing in directories being written from their names as this VFS knows them
+  (``listings.KnownDirs``; within the entry timeout, as the kernel's caches);
 - an open of a file whose bytes the kernel caches (same version) keeps the kernel's pages;
 - a small file is fetched whole at open (usually prefetched already) and pushed into the kernel's
   page cache, so its reads never reach us.
@@ -30,8 +32,8 @@ import logging
 import os
 import stat
 import time
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -40,11 +42,13 @@ import trio
 from ..config import Cluster
 from ..errors import JPFSError, error
 from ..placement import shard_of
+from ..proto.meta import check_name
 from ..types import ROOT_INO, Attr, Layout, StatFS
 from .cache import BlobCache
 from .client import AsyncClient
 from .handles import DirHandle, FileHandle, Handles
 from .inodes import Inodes, Node
+from .listings import KnownDirs
 from .prefetch import PrefetchConfig
 from .reader import chunk_map
 from .writer import FileWriter
@@ -53,6 +57,9 @@ log = logging.getLogger(__name__)
 
 FALLOC_FL_KEEP_SIZE = 0x01
 _ACL = b"system.posix_acl_"
+_CAPS = b"security.capability"
+"""Asked by the kernel before every write(2) (to drop file capabilities), so before each 4 KiB
+write: answered from memory while known absent (the attribute timeout; a new file has none)."""
 _DEVICES = (stat.S_IFBLK, stat.S_IFCHR)
 
 
@@ -119,6 +126,8 @@ class VFSStats:
     write_bytes: int = 0
     notify_store_bytes: int = 0
     commits: int = 0
+    capability_checks: int = 0
+    """security.capability lookups answered from memory (one per write(2) otherwise)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -153,6 +162,12 @@ class VFS:
         self._listing_age = float("inf") if self.ro else config.entry_timeout
         self._attr_age = float("inf") if self.ro else config.attr_timeout
         self._statfs: tuple[float, StatFS | None] = (0.0, None)
+        self.known: KnownDirs | None = None if self.ro or config.entry_timeout <= 0 else \
+            KnownDirs(self.meta, config.entry_timeout)
+        """Names of directories being written (None on read-only mounts: listings do it)."""
+        self._no_caps: dict[int, float] = {}
+        """Inodes known to have no security.capability, and since when (time.monotonic())."""
+        self._xattr_changes = 0
 
     @classmethod
     async def connect(cls, nursery: trio.Nursery, cluster: Cluster, cache: BlobCache,
@@ -219,16 +234,32 @@ class VFS:
         else:
             self.inodes.update(attr)
 
-    def _made_in(self, parent: int, child: Attr, subdir: bool = False) -> None:
+    @contextmanager
+    def _names_of(self, *dirs: int) -> Iterator[None]:
+        """Around a namespace change: if it fails, what this VFS knew of the directories' names
+        may be wrong (EEXIST where it knew of nothing): forget it."""
+        try:
+            yield
+        except JPFSError:
+            if self.known is not None:
+                for d in dirs:
+                    self.known.drop(d)
+            raise
+
+    def _made_in(self, parent: int, name: bytes, child: Attr, subdir: bool = False) -> None:
         """``child`` was just made in ``parent``. Made in one transaction on the parent's shard
         (files, symlinks, directories placed there), the parent's new mtime and ctime are the
         child's ctime to the nanosecond (and a directory adds a link): no need to ask again,
         and the attributes stay as fresh as they were. Anything else: ask next time."""
         self.prefetcher.forget_dir(parent)
+        here = shard_of(child.ino) == shard_of(parent)
+        if self.known is not None:
+            self.known.changed(parent, added=name,
+                               key=(child.ctime_ns, child.ctime_ns) if here else None)
         node = self.inodes.get(parent)
         if node is None:
             return
-        if shard_of(child.ino) != shard_of(parent) or node.fetched == float("-inf"):
+        if not here or node.fetched == float("-inf"):
             self.inodes.stale(parent)
             return
         t = child.ctime_ns
@@ -253,7 +284,8 @@ class VFS:
 
     def snapshot(self) -> dict:
         return {"inodes": len(self.inodes), "handles": len(self.handles),
-                **self.stats.as_dict()}
+                **self.stats.as_dict(),
+                "names": self.known.as_dict() if self.known is not None else {}}
 
     # ------------------------------------------------------------------ names
 
@@ -267,7 +299,15 @@ class VFS:
                 return self.attr_of(node)
             if lst.complete:
                 raise error(errno.ENOENT, "no such entry")
-        attr = await self.meta.lookup(parent, name)
+        known = self.known
+        if known is not None and await known.absent(parent, check_name(name)):
+            raise error(errno.ENOENT, "no such entry")
+        try:
+            attr = await self.meta.lookup(parent, name)
+        except JPFSError as e:
+            if known is not None and e.errno == errno.ENOENT:
+                await known.missed(parent)
+            raise
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     def forget(self, items) -> None:
@@ -325,44 +365,65 @@ class VFS:
         and device number; the kernel does their I/O)."""
         self._writable()
         gid, mode = self._owner(parent, uid, gid, mode)
-        attr = await self.meta.mknod(parent, name, mode, rdev if stat.S_IFMT(mode) in _DEVICES
-                                     else 0, uid, gid)
-        self._made_in(parent, attr)
+        with self._names_of(parent):
+            attr = await self.meta.mknod(parent, name, mode,
+                                         rdev if stat.S_IFMT(mode) in _DEVICES else 0, uid, gid)
+        self._made_in(parent, name, attr)
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
         self._writable()
         gid, mode = self._owner(parent, uid, gid, stat.S_IFDIR | (mode & 0o7777))
-        attr = await self.meta.mkdir(parent, name, mode & 0o7777, uid, gid)
-        self._made_in(parent, attr, subdir=True)
+        sent = time.monotonic()
+        with self._names_of(parent):
+            attr = await self.meta.mkdir(parent, name, mode & 0o7777, uid, gid)
+        self._made_in(parent, name, attr, subdir=True)
+        if self.known is not None:
+            self.known.made(attr.ino, attr, sent)
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int
                       ) -> Attr:
         self._writable()
         gid, _ = self._owner(parent, uid, gid, stat.S_IFLNK)
-        attr = await self.meta.symlink(parent, name, target, uid, gid)
-        self._made_in(parent, attr)
+        with self._names_of(parent):
+            attr = await self.meta.symlink(parent, name, target, uid, gid)
+        self._made_in(parent, name, attr)
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
         self._writable()
-        attr = await self.meta.link(ino, parent, name)
+        with self._names_of(parent):
+            attr = await self.meta.link(ino, parent, name)
         self._changed_dir(parent)
+        if self.known is not None:
+            self.known.changed(parent, added=name)
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     async def unlink(self, parent: int, name: bytes) -> None:
         self._writable()
-        after = await self.meta.unlink(parent, name)
+        with self._names_of(parent):
+            after = await self.meta.unlink(parent, name)
         gone = self.inodes.unname(parent, name)
+        if self.known is not None:  # answered from the unlink's own transaction when the
+            # file's inode is on the directory's shard (see daemon/meta/server.py)
+            exact = after is not None and gone is not None \
+                and shard_of(gone.ino) == shard_of(parent)
+            self.known.changed(parent, removed=name,
+                               key=(after.mtime_ns, after.ctime_ns) if exact and after else None)
         self._post_op(parent, after)
         if gone is not None:
             self.inodes.stale(gone.ino)  # nlink and ctime changed
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         self._writable()
-        after = await self.meta.rmdir(parent, name)
+        with self._names_of(parent):
+            after = await self.meta.rmdir(parent, name)
         gone = self.inodes.unname(parent, name)
+        if self.known is not None:
+            self.known.changed(parent, removed=name)
+            if gone is not None:
+                self.known.drop(gone.ino)
         self._post_op(parent, after)
         if gone is not None:
             self.inodes.stale(gone.ino)
@@ -372,8 +433,15 @@ class VFS:
                      flags: int) -> None:
         """Rename as ``rename(2)``, with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2)."""
         self._writable()
-        src_after, dst_after = await self.meta.rename(parent_old, name_old, parent_new,
-                                                      name_new, flags)
+        with self._names_of(parent_old, parent_new):
+            src_after, dst_after = await self.meta.rename(parent_old, name_old, parent_new,
+                                                          name_new, flags)
+        if self.known is not None:  # post-op attributes read after the change: not exact
+            exchange = bool(flags & 2)
+            self.known.changed(parent_old, removed=None if exchange else name_old)
+            self.known.changed(parent_new, added=name_new)
+            if exchange:
+                self.known.changed(parent_old, added=name_old)
         moved = self.inodes.unname(parent_old, name_old)
         other = self.inodes.unname(parent_new, name_new)
         self._post_op(parent_old, src_after)
@@ -507,10 +575,15 @@ class VFS:
         """open(O_CREAT): the file (made if missing; EEXIST with O_EXCL), opened."""
         self._writable()
         gid, mode = self._owner(parent, uid, gid, mode)
-        attr, created = await self.meta.create(parent, name, mode, uid, gid,
-                                               exclusive=bool(flags & os.O_EXCL))
+        sent = time.monotonic()
+        with self._names_of(parent):
+            attr, created = await self.meta.create(parent, name, mode, uid, gid,
+                                                   exclusive=bool(flags & os.O_EXCL))
         if created:
-            self._made_in(parent, attr)
+            self._made_in(parent, name, attr)
+            self._none_since(attr.ino, sent)  # a new file has no extended attributes
+        elif self.known is not None:
+            self.known.drop(parent)  # it was there (made elsewhere) after all
         node = self.inodes.remember(attr, parent, name)
         if created:
             node.kernel_version = attr.version
@@ -758,13 +831,37 @@ class VFS:
     async def getxattr(self, ino: int, name: bytes) -> bytes:
         if name.startswith(_ACL):  # asked by ls and cp for every file; never stored
             raise error(errno.ENODATA, "no such attribute")
-        return await self.meta.getxattr(ino, name)
+        if name != _CAPS:
+            return await self.meta.getxattr(ino, name)
+        since = self._no_caps.get(ino)
+        sent = time.monotonic()
+        if since is not None and sent - since < self._attr_age:
+            self.stats.capability_checks += 1
+            raise error(errno.ENODATA, "no such attribute")
+        changes = self._xattr_changes
+        try:
+            return await self.meta.getxattr(ino, name)
+        except JPFSError as e:
+            if e.errno == errno.ENODATA and changes == self._xattr_changes:
+                self._none_since(ino, sent)
+            raise
+
+    def _none_since(self, ino: int, t: float) -> None:
+        """Inode ``ino`` had no security.capability at ``t``."""
+        if len(self._no_caps) > 65536:
+            self._no_caps.clear()
+        self._no_caps[ino] = t
 
     async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
         self._writable()
         if name.startswith(_ACL):
             raise error(errno.EOPNOTSUPP, "JPFS has no POSIX ACLs (mode bits only)")
-        await self.meta.setxattr(ino, name, value, flags)
+        self._xattr_changes += 1
+        self._no_caps.pop(ino, None)
+        try:
+            await self.meta.setxattr(ino, name, value, flags)
+        finally:
+            self._xattr_changes += 1
         self.inodes.stale(ino)
 
     async def listxattr(self, ino: int) -> list[bytes]:
@@ -772,7 +869,11 @@ class VFS:
 
     async def removexattr(self, ino: int, name: bytes) -> None:
         self._writable()
-        await self.meta.removexattr(ino, name)
+        self._xattr_changes += 1
+        try:
+            await self.meta.removexattr(ino, name)
+        finally:
+            self._xattr_changes += 1
         self.inodes.stale(ino)
 
 

@@ -1,4 +1,5 @@
-"""FALLOCATE, which pyfuse3 does not dispatch, served through libfuse's own operations table.
+"""FALLOCATE, which pyfuse3 does not dispatch, served through libfuse's own operations table;
+and FOPEN_NOFLUSH on read opens, which pyfuse3's ``FileInfo`` cannot set.
 
 pyfuse3 3.5 registers no ``fallocate`` handler, so libfuse answers the kernel's FALLOCATE with
 ENOSYS, the kernel stops asking and every ``fallocate(2)`` on the mount fails with EOPNOTSUPP
@@ -12,6 +13,13 @@ callback starts a trio task (it runs on pyfuse3's loop thread, inside libfuse's 
 calls ``Operations.fallocate`` and answers with ``fuse_reply_err``. If any check fails, nothing is
 written and fallocate stays unsupported (logged once), so a pyfuse3 or libfuse whose layout
 differs costs a feature, never a crash.
+
+The same table's ``open`` slot is pointed at a ctypes callback that sets ``noflush`` in the
+request's ``fuse_file_info`` when the file is opened for reading only, then calls pyfuse3's own
+handler, which copies the struct and answers with it: libfuse turns the bit into FOPEN_NOFLUSH, and
+the kernel's ``close`` of that file no longer sends FLUSH (a read handle has nothing to commit).
+A read-only mount needs none of this (it answers the first FLUSH with ENOSYS, which stops them
+all); on a read-write mount it is one FUSE request fewer per read open.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import logging
 import mmap
 import os
 import struct
+from collections.abc import Callable
 
 import pyfuse3
 import trio
@@ -45,6 +54,17 @@ _FH_OFFSET = 16
 """offsetof(struct fuse_file_info, fh): int flags, two 32-bit bit-field words, then fh."""
 _SESSION_SEARCH = 1024
 """How far into struct fuse_session the table copy is looked for (it sits near the start)."""
+
+_FLAGS_WORD = 4
+"""offsetof(struct fuse_file_info, the first bit-field word) (after ``int flags``)."""
+_NOFLUSH_BIT = 1 << 7
+"""``noflush`` in that word: writepage, direct_io, keep_cache, flush, nonseekable,
+flock_release, cache_readdir, noflush (libfuse 3.11+; GCC packs bit-fields from bit 0)."""
+_NOFLUSH_SINCE = (3, 11)
+
+_OPEN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)
+_OPEN_PYFUSE3 = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)
+"""pyfuse3's handler, called with the GIL held (as libfuse's dispatch calls it)."""
 
 _FALLOCATE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int,
                               ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
@@ -85,6 +105,97 @@ def _load_base(path: str) -> int | None:
     return None
 
 
+_tables: dict[int, int] = {}
+"""Session address -> address of its copy of the operations table (found once: once a slot is
+changed, the copy no longer matches pyfuse3's table)."""
+
+
+def _session_slot(name: str) -> int | str:
+    """The address of slot ``name`` in the live session's copy of the operations table, or
+    why it cannot be found (a layout this module does not know)."""
+    so = pyfuse3.__file__
+    syms = _symbols(so, {"__pyx_v_7pyfuse3_fuse_ops", "__pyx_v_7pyfuse3_session"})
+    if len(syms) != 2:
+        return "pyfuse3 was built without its symbol table"
+    base = _load_base(so)
+    if base is None:
+        return "pyfuse3's mapping not found"
+    session = ctypes.c_void_p.from_address(base + syms["__pyx_v_7pyfuse3_session"][0])
+    if not session.value:
+        return "no session (call after pyfuse3.init)"
+    at = _tables.get(session.value)
+    if at is None:
+        table_addr, table_size = syms["__pyx_v_7pyfuse3_fuse_ops"]
+        table_addr += base
+        if table_size != len(_SLOTS) * 8:
+            return f"struct fuse_lowlevel_ops is {table_size} bytes, not {len(_SLOTS) * 8}"
+        table = ctypes.string_at(table_addr, table_size)
+        slots = struct.unpack(f"<{len(_SLOTS)}Q", table)
+        filled = {n for n, ptr in zip(_SLOTS, slots, strict=True) if ptr}
+        if filled != _PYFUSE3_FILLS:
+            return f"pyfuse3 fills other slots: {sorted(filled ^ _PYFUSE3_FILLS)}"
+        window = ctypes.string_at(session.value, _SESSION_SEARCH + table_size)
+        found = window.find(table)
+        if found < 0 or found % 8 or window.find(table, found + 1) >= 0:
+            return "the session's copy of the table was not found exactly once"
+        at = _tables[session.value] = session.value + found
+    return at + _SLOTS.index(name) * 8
+
+
+def _libfuse_version() -> tuple[int, int]:
+    lib = ctypes.CDLL(ctypes.util.find_library("fuse3") or "libfuse3.so.3")
+    lib.fuse_version.restype = ctypes.c_int
+    v = lib.fuse_version()  # major * 100 + minor (3.14 -> 314)
+    return v // 100, v % 100
+
+
+class NoFlushOnRead:
+    """Sets FOPEN_NOFLUSH on opens for reading only (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._callback = _OPEN(self._open)  # kept alive as long as the session
+        self._pyfuse3: Callable[[int, int, int], None] | None = None
+        self.opens = 0
+
+    def install(self) -> bool:
+        """Wrap the session's open slot; False (and logged) if the layout is unknown."""
+        try:
+            why = self._install()
+        except (OSError, ValueError, struct.error) as e:
+            why = f"{type(e).__name__}: {e}"
+        if why:
+            log.info("read opens keep their FLUSH on this mount: %s", why)
+            return False
+        return True
+
+    def _install(self) -> str | None:
+        if _libfuse_version() < _NOFLUSH_SINCE:
+            return "libfuse is older than 3.11 (no noflush)"
+        slot = _session_slot("open")
+        if isinstance(slot, str):
+            return slot
+        ptr = ctypes.c_void_p.from_address(slot)
+        if not ptr.value:
+            return "pyfuse3 has no open handler"
+        self._pyfuse3 = _OPEN_PYFUSE3(ptr.value)
+        ptr.value = ctypes.cast(self._callback, ctypes.c_void_p).value
+        return None
+
+    def _open(self, req, ino, fi) -> None:
+        """Serve libfuse's open callback, on the loop thread: mark a read-only open, then hand the
+        request to pyfuse3 (never raise into C)."""
+        try:
+            flags = ctypes.c_int.from_address(fi).value
+            if flags & (os.O_ACCMODE | os.O_TRUNC) == os.O_RDONLY:
+                word = ctypes.c_uint32.from_address(fi + _FLAGS_WORD)
+                word.value |= _NOFLUSH_BIT
+                self.opens += 1
+        except BaseException:  # noqa: BLE001 - nothing may unwind through libfuse
+            log.exception("open: could not mark a read open")
+        assert self._pyfuse3 is not None
+        self._pyfuse3(req, ino, fi)
+
+
 class Fallocate:
     """Installs and serves FALLOCATE for one mounted session (see the module docstring)."""
 
@@ -110,30 +221,9 @@ class Fallocate:
         return True
 
     def _install(self) -> str | None:
-        so = pyfuse3.__file__
-        syms = _symbols(so, {"__pyx_v_7pyfuse3_fuse_ops", "__pyx_v_7pyfuse3_session"})
-        if len(syms) != 2:
-            return "pyfuse3 was built without its symbol table"
-        base = _load_base(so)
-        if base is None:
-            return "pyfuse3's mapping not found"
-        table_addr, table_size = syms["__pyx_v_7pyfuse3_fuse_ops"]
-        table_addr += base
-        if table_size != len(_SLOTS) * 8:
-            return f"struct fuse_lowlevel_ops is {table_size} bytes, not {len(_SLOTS) * 8}"
-        table = ctypes.string_at(table_addr, table_size)
-        slots = struct.unpack(f"<{len(_SLOTS)}Q", table)
-        filled = {name for name, ptr in zip(_SLOTS, slots, strict=True) if ptr}
-        if filled != _PYFUSE3_FILLS:
-            return f"pyfuse3 fills other slots: {sorted(filled ^ _PYFUSE3_FILLS)}"
-        session = ctypes.c_void_p.from_address(base + syms["__pyx_v_7pyfuse3_session"][0])
-        if not session.value:
-            return "no session (call after pyfuse3.init)"
-        window = ctypes.string_at(session.value, _SESSION_SEARCH + table_size)
-        at = window.find(table)
-        if at < 0 or at % 8 or window.find(table, at + 1) >= 0:
-            return "the session's copy of the table was not found exactly once"
-        slot = session.value + at + _SLOTS.index("fallocate") * 8
+        slot = _session_slot("fallocate")
+        if isinstance(slot, str):
+            return slot
         ctypes.c_void_p.from_address(slot).value = ctypes.cast(self._callback,
                                                                ctypes.c_void_p).value
         return None
@@ -159,4 +249,4 @@ class Fallocate:
             self._libfuse.fuse_reply_err(req, err)
 
 
-__all__ = ["Fallocate"]
+__all__ = ["Fallocate", "NoFlushOnRead"]

@@ -36,7 +36,7 @@ from ..client.cache import BlobCache
 from ..client.vfs import VFS, VFSConfig
 from ..errors import error
 from . import hints
-from .lowlevel import Fallocate
+from .lowlevel import Fallocate, NoFlushOnRead
 from .notifier import KernelNotifier
 from .operations import FuseConfig, Operations
 
@@ -295,9 +295,12 @@ async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_opti
         async with trio.open_nursery() as requests:  # ended before the session is closed
             fallocate = Fallocate(ops, requests)  # holds the callback libfuse calls
             fallocate.install()
+            noflush = NoFlushOnRead()  # the same; a read-only mount stops FLUSH with ENOSYS
+            if not opts.read_only:
+                noflush.install()
             await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
             requests.cancel_scope.cancel()
-        del fallocate
+        del fallocate, noflush
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(30):
             await ops.vfs.commit_all()

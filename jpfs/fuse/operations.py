@@ -214,6 +214,7 @@ class Operations(pyfuse3.Operations):
             "fuse": self.stats.as_dict(v),
             "cache": vfs.cache.as_dict(),
             "prefetch": vfs.prefetcher.as_dict(),
+            "names": v["names"],
         }
 
     # ------------------------------------------------------------------ names

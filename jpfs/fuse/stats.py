@@ -43,6 +43,7 @@ class MountStats:
             "write_bytes": vfs["write_bytes"],
             "notify_store_bytes": vfs["notify_store_bytes"],
             "commits": vfs["commits"],
+            "capability_checks": vfs["capability_checks"],
             "uptime": round(time.time() - self.started, 3),
         }
 
@@ -50,7 +51,7 @@ class MountStats:
 _GAUGES = frozenset({
     "memory_bytes", "memory_used", "memory_blobs", "disk_bytes", "disk_used", "disk_blobs",
     "prefetched_unused_bytes", "write_queue_bytes", "inflight_bytes", "hints_queued",
-    "hinted_unopened", "listing_dirs", "listing_entries_kept", "enabled",
+    "hinted_unopened", "listing_dirs", "listing_entries_kept", "enabled", "dirs", "names",
 })
 
 
@@ -76,11 +77,12 @@ def families(snap: dict) -> list:
     for name, n in fuse["opens"].items():
         c.add_metric([name], n)
     out.append(c)
-    for key in ("read_bytes", "write_bytes", "notify_store_bytes", "commits"):
+    for key in ("read_bytes", "write_bytes", "notify_store_bytes", "commits",
+                "capability_checks"):
         out.append(CounterMetricFamily(f"jpfs_fuse_{key}", key.replace("_", " "),
                                        value=fuse[key]))
-    for section in ("cache", "prefetch"):
-        for key, v in snap[section].items():
+    for section in ("cache", "prefetch", "names"):
+        for key, v in snap.get(section, {}).items():
             if isinstance(v, bool):
                 v = int(v)
             if not isinstance(v, int | float):
