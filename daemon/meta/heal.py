@@ -234,7 +234,7 @@ class Healer:
         writable = [i for i, s in enumerate(states) if s == ACTIVE]
         up, used, bad = await self._nodes(cluster)
         r = P.Round(cluster.epoch, self.round_started, states,
-                   min(cluster.replicas, max(1, len(writable))), up, bad)
+                   min(cluster.replicas, max(1, len(writable))), up, bad, cluster.replicas)
         if not self._deletes:
             r.moves = self._rebalance_plan(cluster, writable, up, used)
         writable_up = [n for n in writable if n in up]
@@ -305,8 +305,8 @@ class Healer:
                 elif j.kind == "repair":
                     t["repaired_chunks"] += 1
                     t["repaired_bytes"] += sum(cp.length for cp in ok_copies)
-                    if P.live_after(j, nodes, r) >= r.replicas and \
-                            P.live_before(j, r) < r.replicas:
+                    want = max(r.replicas, r.wanted)
+                    if P.live_after(j, nodes, r) >= want > P.live_before(j, r):
                         r.under -= 1
                         r.under_bytes -= j.chunk.blob_len
             else:

@@ -55,8 +55,11 @@ class Round:
     started: float
     states: tuple[str, ...]
     replicas: int
+    """Copies each chunk gets: the map's replicas, or fewer when fewer nodes are writable."""
     up: set[int]
     bad: dict[int, set[bytes]]
+    wanted: int = 0
+    """The map's replicas: a chunk with fewer live copies counts as under-replicated."""
     chunks: int = 0
     nbytes: int = 0
     under: int = 0
@@ -85,7 +88,7 @@ def plan_chunk(ino: int, c: Chunk, r: Round, writable_up: Sequence[int]) -> Job 
     good_drain = [n for n in uniq if state(n) == DRAINING and not bad(n)]
     repairs = [n for n in uniq if state(n) == ACTIVE and bad(n) and n in r.up]
     r.bad_copies += sum(1 for n in uniq if bad(n))
-    if len(good_active) + len(good_drain) < r.replicas:
+    if len(good_active) + len(good_drain) < max(r.replicas, r.wanted):
         r.under += 1
         r.under_bytes += c.blob_len
     sources = [n for n in good_active + good_drain if n in r.up] + \
