@@ -7,10 +7,11 @@ create answered afterwards: the lease running out, an election, the client findi
 leader.
 
 ``run_replication``: the same creates (``--inflight`` in flight) and stats, against one shard
-with one copy and then one shard with three copies, in the same run; the ratio of the two and
-both absolute figures. On one machine the three copies share its cores with each other and
-the client, so the ratio is an upper bound on the cost a cluster with a host per copy pays
-(there the cost is a round trip to the fastest follower per group commit).
+with one copy and one shard with three copies, both up in the same run and measured in turn
+``--rounds`` times; the ratio of the medians and both absolute figures. On one machine the
+three copies share its cores with each other and the client, so the ratio is an upper bound
+on the cost a cluster with a host per copy pays (there the cost is a round trip to the
+fastest follower per group commit).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="files created (then stat-ed) per setting (default 3000)")
     p.add_argument("--inflight", type=int, default=16,
                    help="creates and stats in flight (default 16)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternating rounds of 1 copy and 3 copies (default 3)")
 
 
 def _opt(args: argparse.Namespace, name: str, default):
@@ -127,7 +130,7 @@ def run_failover(args: argparse.Namespace) -> dict:
     return out
 
 
-def _rates(d: Path, files: int, inflight: int) -> dict:
+def _rates(d: Path, files: int, inflight: int, tag: str) -> dict:
     import trio
 
     from jpfs import config
@@ -140,7 +143,7 @@ def _rates(d: Path, files: int, inflight: int) -> dict:
             meta = MetaClient(nursery, cluster)
             for _ in range(100):  # the leader may still be being elected
                 try:
-                    top = await meta.mkdir(1, b"bench")
+                    top = await meta.mkdir(1, tag.encode())
                     break
                 except OSError:
                     await trio.sleep(0.1)
@@ -171,21 +174,31 @@ def _rates(d: Path, files: int, inflight: int) -> dict:
 
 
 def run_replication(args: argparse.Namespace) -> dict:
-    """Creates/s and stats/s with one copy per shard and with three, in the same run."""
+    """Creates/s and stats/s with one copy per shard and with three, in the same run: both
+    clusters up at once, measured in turn ``--rounds`` times (medians: this machine is shared,
+    and one measurement of each drifts with whatever else runs)."""
     files = _opt(args, "files", 3000)
     inflight = _opt(args, "inflight", 16)
-    got = {}
-    for copies in (1, 3):
-        with temporary_cluster(1, 1, etcd=True, meta_replicas=copies) as d:
-            got[copies] = _rates(d, files, inflight)
-    out = {"files": files, "inflight": inflight,
+    rounds = _opt(args, "rounds", 3)
+    runs: dict[int, list[dict]] = {1: [], 3: []}
+    with temporary_cluster(1, 1, etcd=True, meta_replicas=1) as one, \
+            temporary_cluster(1, 1, etcd=True, meta_replicas=3) as three:
+        for r in range(rounds):
+            for copies, d in ((1, one), (3, three)):
+                runs[copies].append(_rates(d, files, inflight, f"r{r}"))
+    got = {c: {k: statistics.median(x[k] for x in runs[c]) for k in ("create", "stat")}
+           for c in runs}
+    out = {"files": files, "inflight": inflight, "rounds": rounds,
            "one_copy": {k: round(v) for k, v in got[1].items()},
            "three_copies": {k: round(v) for k, v in got[3].items()},
-           "ratio": {k: round(ratio(got[3][k], got[1][k]) or 0.0, 3) for k in got[1]}}
+           "ratio": {k: round(ratio(got[3][k], got[1][k]) or 0.0, 3) for k in got[1]},
+           "each": {str(c): [{k: round(v) for k, v in x.items()} for x in runs[c]]
+                    for c in runs}}
     print_table(["phase", "1 copy", "3 copies", "3 / 1"],
                 [[k, fmt_rate(got[1][k]), fmt_rate(got[3][k]),
                   fmt_ratio(ratio(got[3][k], got[1][k]))] for k in ("create", "stat")],
-                title=f"metadata replication: {files} files, {inflight} in flight, 1 shard")
+                title=f"metadata replication: {files} files, {inflight} in flight, 1 shard, "
+                      f"median of {rounds} alternating rounds")
     return out
 
 

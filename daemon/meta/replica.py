@@ -32,7 +32,7 @@ from jpfs.coord.clustermap import LEADER_KEY
 from jpfs.coord.etcd import Etcd
 from jpfs.errors import JPFSError, error
 from jpfs.proto import replica as R
-from jpfs.rpc import Pool
+from jpfs.rpc import Defer, Pool
 
 from . import replog
 from .store import Store
@@ -388,8 +388,8 @@ class Replication:
     async def repl_status(self, shard: int) -> dict:
         return self.status()
 
-    async def repl_append(self, shard: int, term: int, leader: int, address: str,
-                          prev_term: int, prev_seq: int, entries: list) -> dict:
+    def _append(self, shard: int, term: int, leader: int, address: str, prev_term: int,
+                prev_seq: int, entries: list) -> dict:
         self._hear(shard, term, leader, address)
         store = self.store
         if self.role == "leader":
@@ -398,10 +398,21 @@ class Replication:
         ok = not resyncing and store.pos == (prev_term, prev_seq)
         if ok and entries:
             store.apply_entries(entries)
-            if store.ack_after_sync:
-                await store.sync()
         term_now, seq_now = store.pos
         return {"ok": ok, "term": term_now, "seq": seq_now, "resyncing": resyncing}
+
+    def repl_append_now(self, *args: Any) -> dict:
+        """Appends are answered on the request loop, in the order they arrive (no task per
+        append); with ``--ack-after-sync`` the fsync is awaited in a task (``Defer``)."""
+        if self.store.ack_after_sync and args[-1]:
+            raise Defer
+        return self._append(*args)
+
+    async def repl_append(self, *args: Any) -> dict:
+        answer = self._append(*args)
+        if self.store.ack_after_sync:
+            await self.store.sync()
+        return answer
 
     async def repl_snapshot(self, shard: int, term: int, leader: int, address: str, step: str,
                             db: str, items: list, pos: list[int]) -> bool:

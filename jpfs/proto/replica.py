@@ -90,7 +90,7 @@ class SnapshotReq(NamedTuple):
 
 REPL_STATUS = Method(60, "repl_status", StatusReq, dict, idempotent=True)
 """``{"replica", "term", "seq", "known_term", "role", "leader", "resyncing"}``."""
-REPL_APPEND = Method(61, "repl_append", AppendReq, dict)
+REPL_APPEND = Method(61, "repl_append", AppendReq, dict, inline=True)
 """``{"ok": bool, "term": t, "seq": s, "resyncing": bool}``: ``ok`` False when the follower
 is not at ``prev`` (``term``/``seq`` say where it is)."""
 REPL_SNAPSHOT = Method(62, "repl_snapshot", SnapshotReq, bool)
