@@ -243,6 +243,8 @@ class Healer:
                    min(cluster.replicas, max(1, len(writable))), up, bad, cluster.replicas)
         if not self._deletes:
             r.moves = self._rebalance_plan(cluster, writable, up, used)
+        else:  # the figures still count copies moved away but not yet deleted
+            self.rebalance = {"waiting": len(self._deletes)}
         writable_up = [n for n in writable if n in up]
         after = b""
         while True:
