@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 TTL = 2.0
 RENEW = 0.5
 SNAPSHOT_BYTES = 1 << 20
+PIPELINE = 4
+"""Appends in flight per follower."""
 
 
 class Replication:
@@ -298,37 +300,28 @@ class Replication:
                 self._stop_leading()
                 return
 
+    async def _append_call(self, j: int, prev: tuple[int, int], entries: list) -> Any:
+        return await self.peers.call(j, R.REPL_APPEND, [
+            self.shard, self.store.term, self.replica, self.addresses[self.replica],
+            prev[0], prev[1], [e.to_wire() for e in entries]])
+
     async def _ship(self, j: int) -> None:
-        """Keep follower ``j`` up to date: entries from the ring, or a snapshot."""
-        known: tuple[int, int] | None = None
-        resync = False
+        """Keep follower ``j`` up to date: find where it is (an empty append from the ring's
+        end), then stream entries from the ring, or send a snapshot first."""
         delay = 0.05
         while True:
             ring = self.ring
             if ring is None:
                 return
             try:
-                if known is not None and (resync or not ring.holds(known)):
-                    known, resync = await self._snapshot(j), False
-                    continue
-                prev = known if known is not None else ring.last
-                entries = ring.after(prev[1]) if known is not None else []
-                if known is not None and not entries:
-                    wake = self._wake
-                    with trio.move_on_after(self.renew):
-                        await wake.wait()
-                    if not ring.holds(prev):
-                        continue  # the ring moved past it meanwhile: a snapshot
-                    entries = ring.after(prev[1])
-                ans: Any = await self.peers.call(j, R.REPL_APPEND, [
-                    self.shard, self.store.term, self.replica, self.addresses[self.replica],
-                    prev[0], prev[1], [e.to_wire() for e in entries]])
+                ans = await self._append_call(j, ring.last, [])
                 known = (ans["term"], ans["seq"])
-                if ans["ok"]:
-                    self.match[j] = known[1]
-                    self._advance()
-                else:
-                    resync = bool(ans.get("resyncing"))
+                if ans.get("resyncing") or not ring.holds(known):
+                    await self._snapshot(j)
+                    continue  # where is it now? (the ring moved on meanwhile)
+                self.match[j] = known[1]
+                self._advance()
+                await self._stream(j, known)
                 delay = 0.05
             except JPFSError as e:
                 if e.errno == errno.ESTALE:
@@ -337,10 +330,56 @@ class Replication:
                     self._stop_leading()
                     return
                 log.debug("shard %d: replica %d unreachable: %s", self.shard, j, e.strerror)
-                known = None
                 self.match.pop(j, None)
                 await trio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def _stream(self, j: int, start: tuple[int, int]) -> None:
+        """Send follower ``j`` (at ``start``) every new entry, up to ``PIPELINE`` appends in
+        flight (a follower applies them in the order they arrive, on its request loop; each
+        names the position it follows, so one that does not fit is refused, never misapplied).
+        An empty append every ``renew`` seconds when idle tells it the leader lives. Returns
+        when the follower refuses one (the caller finds out where it is); raises what a call
+        raised."""
+        window = trio.Semaphore(PIPELINE)
+        failure: list[JPFSError] = []
+        sent = start
+        async with trio.open_nursery() as nursery:
+
+            async def one(prev: tuple[int, int], entries: list) -> None:
+                try:
+                    ans = await self._append_call(j, prev, entries)
+                except JPFSError as e:
+                    failure.append(e)
+                    nursery.cancel_scope.cancel()
+                    return
+                finally:
+                    window.release()
+                if ans["ok"]:
+                    self.match[j] = max(self.match.get(j, 0), ans["seq"])
+                    self._advance()
+                else:
+                    nursery.cancel_scope.cancel()
+
+            while True:
+                ring = self.ring
+                if ring is None or not ring.holds(sent):
+                    break  # the ring moved past it: the caller sends a snapshot
+                entries = ring.after(sent[1])
+                if not entries:
+                    wake = self._wake
+                    with trio.move_on_after(self.renew):
+                        await wake.wait()
+                    if not ring.holds(sent):
+                        break
+                    entries = ring.after(sent[1])
+                await window.acquire()
+                nursery.start_soon(one, sent, entries)
+                if entries:
+                    sent = (entries[-1].term, entries[-1].seq)
+            nursery.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
 
     async def _snapshot(self, j: int) -> tuple[int, int]:
         """Copy the whole shard to follower ``j`` from one read transaction (a consistent view

@@ -159,7 +159,7 @@ class Entry:
     size: int
 
     def to_wire(self) -> list:
-        return [self.term, self.seq, [list(m) for m in self.mutations]]
+        return [self.term, self.seq, self.mutations]  # msgpack sends tuples as arrays
 
 
 def entry_size(mutations: list) -> int:
