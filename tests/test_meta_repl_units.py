@@ -1,0 +1,142 @@
+"""The parts of metadata replication one at a time, on real LMDB and real daemons: the recorded
+log reproduces a shard byte for byte, a request id makes a retried change answer once, and a
+follower refuses clients naming its leader."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+
+import lmdb
+import pytest
+import trio
+from jpfs_daemon.meta import replog
+
+import jpfs
+from jpfs import config, localcluster
+from jpfs.errors import JPFSError
+from jpfs.placement import shard_of
+from jpfs.proto import meta as P
+from jpfs.proto import replica as R
+from jpfs.rpc import Pool
+
+
+def _env(path):
+    env = lmdb.open(str(path), max_dbs=4, map_size=1 << 26)
+    return env, {name: env.open_db(name.encode()) for name in ("a", "b")}
+
+
+def _dump(env, dbs) -> dict:
+    with env.begin() as t:
+        return {n: [(bytes(k), bytes(v)) for k, v in t.cursor(db=h)] for n, h in dbs.items()}
+
+
+def test_recorded_mutations_rebuild_the_same_database(tmp_path):
+    src, sdbs = _env(tmp_path / "src")
+    dst, ddbs = _env(tmp_path / "dst")
+    names = {h: n for n, h in sdbs.items()}
+    group: list = []
+    with src.begin(write=True) as parent:
+        for step in range(3):
+            child = src.begin(write=True, parent=parent)
+            rec = replog.Recorder(child, names)
+            for i in range(10):
+                rec.put(f"k{step}-{i}".encode(), b"v" * i, db=sdbs["a"])
+            rec.replace(b"r", f"{step}".encode(), db=sdbs["b"])
+            with rec.cursor(db=sdbs["a"]) as cur:  # a cursor walk that deletes
+                if cur.set_range(f"k{step}-5".encode()):
+                    while bytes(cur.key()).startswith(f"k{step}-".encode()):
+                        if not cur.delete():
+                            break
+            rec.delete(f"k{step}-1".encode(), db=sdbs["a"])
+            if step == 1:
+                child.abort()  # a failed operation: its records do not count
+            else:
+                child.commit()
+                group.extend(rec.rec)
+    with dst.begin(write=True) as t:
+        replog.apply(t, ddbs, group)
+    assert _dump(src, sdbs) == _dump(dst, ddbs)
+    assert not any(k.startswith(b"k1-") for k, _ in _dump(dst, ddbs)["a"])
+
+
+def test_a_retried_change_with_the_same_request_id_answers_once(tmp_path):
+    c = localcluster.up(tmp_path, meta_shards=2, storage_nodes=0)
+    try:
+        client = jpfs.connect(c)
+        client.mkdir("/a")
+        client.mkdir("/b")
+        a, b = client.stat("/a").ino, client.stat("/b").ino
+        client.close()
+
+        async def twice() -> None:
+            async with trio.open_nursery() as nursery:
+                pool = Pool(nursery, [s.address for s in c.meta], c.secret, role="meta")
+                shard_a = shard_of(a)
+                rid = time.time_ns().to_bytes(8, "big") + os.urandom(8)
+                req = P.CreateReq(a, b"f", 0o644, 0, 0, True, rid)
+                first = await pool.call(shard_a, P.CREATE, req)
+                again = await pool.call(shard_a, P.CREATE, req)
+                assert again == first  # not EEXIST: the recorded answer
+                with pytest.raises(FileExistsError):  # a new request id is a new change
+                    await pool.call(shard_a, P.CREATE, req._replace(
+                        rid=time.time_ns().to_bytes(8, "big") + os.urandom(8)))
+                rid = time.time_ns().to_bytes(8, "big") + os.urandom(8)
+                move = P.RenameReq(a, b"f", b, b"g", 0, rid)  # may cross shards: 2PC
+                await pool.call(shard_a, P.RENAME, move)
+                await pool.call(shard_a, P.RENAME, move)  # not ENOENT
+                rid = time.time_ns().to_bytes(8, "big") + os.urandom(8)
+                mk = P.MkdirReq(a, b"sub", 0o755, 0, 0, rid)
+                made = await pool.call(shard_a, P.MKDIR, mk)
+                assert (await pool.call(shard_a, P.MKDIR, mk))[0] == made[0]
+                pool.close()
+                nursery.cancel_scope.cancel()
+
+        trio.run(twice)
+        client = jpfs.connect(c)
+        assert client.listdir("/a") == ["sub"]
+        assert client.listdir("/b") == ["g"]
+        client.close()
+    finally:
+        localcluster.down(tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
+def test_a_follower_refuses_clients_and_names_its_leader(tmp_path):
+    localcluster.up(tmp_path, meta_shards=1, storage_nodes=0, etcd=True, meta_replicas=3)
+    try:
+        c = config.load(localcluster.cluster_file(tmp_path))
+        addresses = [s.address for s in c.meta_replicas[0]]
+
+        async def ask() -> None:
+            async with trio.open_nursery() as nursery:
+                pool = Pool(nursery, addresses, c.secret, role="meta")
+                with trio.fail_after(30):
+                    while True:
+                        st = [await pool.call(j, R.REPL_STATUS, [0]) for j in range(3)]
+                        leaders = [s["replica"] for s in st if s["role"] == "leader"]
+                        if leaders and all(s["leader"] == leaders[0] for s in st):
+                            break
+                        await trio.sleep(0.1)
+                leader = leaders[0]
+                follower = (leader + 1) % 3
+                with pytest.raises(JPFSError) as got:
+                    await pool.call(follower, P.GETATTR, P.InoReq(1))
+                assert got.value.errno == errno.EREMOTE
+                assert R.leader_hint(got.value) == leader
+                assert addresses[leader] in got.value.strerror
+                assert (await pool.call(leader, P.GETATTR, P.InoReq(1)))[0] == 1
+                # a client that starts at the follower is sent on to the leader
+                shards = R.ShardPool(nursery, [addresses], c.secret)
+                shards.leader[0] = follower
+                assert (await shards.call(0, P.GETATTR, P.InoReq(1)))[0] == 1
+                assert shards.leader[0] == leader
+                shards.close()
+                pool.close()
+                nursery.cancel_scope.cancel()
+
+        trio.run(ask)
+    finally:
+        localcluster.down(tmp_path)
