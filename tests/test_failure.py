@@ -239,3 +239,42 @@ def test_the_cluster_file_sets_the_deadline(cluster, silent_listener, tmp_path, 
     assert f"metadata shard 1 ({silent_listener}) did not answer within 0.6 s" in err, err
     # and a client given another deadline in code
     assert dataclasses.replace(config.load(f), peer_timeout=2.0).peer_timeout == 2.0
+
+
+def _stopped(d, role: str, index: int):
+    """SIGSTOP a daemon (a hung process: its sockets stay open, nothing answers)."""
+    pid = int((d / f"{role}-{index}.pid").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    return lambda: os.kill(pid, signal.SIGCONT)
+
+
+def test_a_daemon_that_hangs_mid_call_is_found_within_the_deadline(cluster):
+    """Connections already up when a daemon hangs: the probe finds it (not the 60 s call
+    deadline), the error says so, and the client works again once the daemon resumes."""
+    with jpfs.connect(cluster) as c:
+        by = _files_by_node(c, "/hang", 8)
+        node, paths = next(iter(by.items()))
+        d = _dir_on_shard(c, 1, "hung")
+        c.read_bytes(paths[0])  # connections to the node and the shard are up
+        c.listdir(d)
+        resume = _stopped(cluster, "storage", node)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(OSError) as e:
+                c.read_bytes(paths[-1])
+            assert time.monotonic() - t0 < BOUND
+            assert f"storage node {node}" in str(e.value)
+            assert "stopped answering" in str(e.value) or "did not answer" in str(e.value)
+        finally:
+            resume()
+        assert c.read_bytes(paths[-1])
+        resume = _stopped(cluster, "meta", 1)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(OSError) as e:
+                c.listdir(d)
+            assert time.monotonic() - t0 < BOUND
+            assert "metadata shard 1" in str(e.value)
+        finally:
+            resume()
+        assert c.listdir(d) == []

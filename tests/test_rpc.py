@@ -28,6 +28,7 @@ from jpfs.rpc import (
     serve,
 )
 from jpfs.rpc import frame as F
+from jpfs.rpc.client import connect
 
 SECRET = b"s3cret"
 
@@ -459,3 +460,25 @@ def test_every_declared_method_needs_exactly_one_handler():
         Service("test", METHODS, {**impl.handlers(), Method(99, "nope", NoArgs): Handler()})
     with pytest.raises(ValueError):
         method_table(Method(1, "a", NoArgs), Method(1, "b", NoArgs))
+
+
+async def test_a_long_call_on_a_live_server_is_not_taken_for_a_hang(nursery, server):
+    """Calls that hear nothing for a while are probed, not failed: the live server answers the
+    probe on its request loop while the handler still runs."""
+    p = Pool(nursery, [f"127.0.0.1:{server}"], SECRET, role="test", peer_timeout=0.2)
+    try:
+        assert await p.call(0, METHODS["nap"], [1.2]) == 1.2  # six probe periods
+    finally:
+        p.close()
+
+
+async def test_a_probe_is_answered_before_any_method(nursery, server):
+    conn = await connect(f"127.0.0.1:{server}", SECRET, nursery)
+    try:
+        parts = conn.fs.frame_parts(F.REQUEST, [7, F.PING, [], None])
+        await conn.fs.send_parts(parts)
+        with trio.fail_after(5):
+            while conn._heard == 0.0:
+                await trio.sleep(0.01)
+    finally:
+        conn.close()

@@ -69,7 +69,8 @@ class _Pending:
 class Connection:
     """One authenticated connection; ``call`` may be used by many tasks at once."""
 
-    def __init__(self, fs: F.FrameSocket, address: str, role: str, nursery: trio.Nursery):
+    def __init__(self, fs: F.FrameSocket, address: str, role: str, nursery: trio.Nursery,
+                 peer_timeout: float = DEFAULT_PEER_TIMEOUT):
         self.fs = fs
         self.address = address
         self.role = role
@@ -81,6 +82,11 @@ class Connection:
         self._sweep_wake = trio.Event()
         self._outbox: list = []
         self._flush_soon = False
+        self.peer_timeout = peer_timeout
+        self._heard = 0.0
+        """When the server last showed it is alive (a frame read, or the first call after a
+        quiet spell: time without calls proves nothing either way)."""
+        self._ping_at: float | None = None  # when the probe now out was sent
 
     @property
     def alive(self) -> bool:
@@ -95,6 +101,7 @@ class Connection:
         try:
             while True:
                 kind, body, payload = await self.fs.read_frame(self._choose_dest)
+                self._heard = trio.current_time()
                 if kind not in (F.RESPONSE, F.ERROR) or not isinstance(body, list) or not body:
                     raise ProtocolError(f"unexpected frame from {self.address}")
                 if kind == F.ERROR and body[0] == 0:
@@ -118,9 +125,11 @@ class Connection:
             self._fail(Unavailable(f"connection to {self.address} closed"))
 
     async def sweeper(self) -> None:
-        """Fail calls whose deadline has passed. One timer per connection instead of a cancel
-        scope per call (entering and leaving one was a fifth of a small call's client CPU): it
-        sleeps until the earliest deadline it knows of and is woken only by a call due sooner."""
+        """Fail calls whose deadline has passed, and probe a server that has gone quiet with
+        calls in flight. One timer per connection instead of a cancel scope per call (entering
+        and leaving one was a fifth of a small call's client CPU): it sleeps until the earliest
+        deadline or probe time it knows of and is woken only by a call due sooner."""
+        due = math.inf
         while self.broken is None:
             now = trio.current_time()
             expired = [(rid, c) for rid, c in self._pending.items() if c.deadline <= now]
@@ -129,10 +138,51 @@ class Connection:
                 call.exc = DeadlineError(f"{call.method} to {self.role} server {self.address}: "
                                          "deadline exceeded")
                 call.done.set()
-            self._sweep_at = min((c.deadline for c in self._pending.values()), default=math.inf)
+            late = now - due > self.peer_timeout / 2  # our own loop stalled: judge nothing yet
+            due = self._sweep_at = min(
+                min((c.deadline for c in self._pending.values()), default=math.inf),
+                self._liveness(now, late))
             self._sweep_wake = trio.Event()
             with trio.move_on_at(self._sweep_at):
                 await self._sweep_wake.wait()
+
+    def _liveness(self, now: float, late: bool) -> float:
+        """Probe a server that has said nothing for half of ``peer_timeout`` while calls wait
+        on it; fail the connection (every call on it, as a lost connection does) if the probe
+        hears nothing for ``peer_timeout`` more: the daemon is hung or its host is gone. Long
+        calls are fine: a live server answers the probe on its request loop at once. Returns
+        when to look again."""
+        if not self._pending or self.peer_timeout <= 0:
+            self._ping_at = None
+            return math.inf
+        quiet = self.peer_timeout / 2
+        if self._ping_at is not None and self._heard >= self._ping_at:
+            self._ping_at = None  # the server spoke since the probe went out
+        if self._ping_at is None:
+            if now - self._heard < quiet:
+                return self._heard + quiet
+            self._ping_at = now
+            self._nursery.start_soon(self._ping)
+            return now + self.peer_timeout
+        if late:  # give the reader a turn before judging the server
+            return now + quiet
+        if now - self._ping_at < self.peer_timeout:
+            return self._ping_at + self.peer_timeout
+        waited = now - self._heard
+        self._fail(Silent(f"{self.role} server {self.address} stopped answering: nothing heard "
+                          f"for {waited:.1f} s with {len(self._pending)} calls in flight"))
+        return math.inf
+
+    async def _ping(self) -> None:
+        """Send one liveness probe (its answer only moves ``_heard``)."""
+        if self.broken is not None:
+            return
+        req_id = next(self._ids)
+        self._pending[req_id] = _Pending(None, "ping", trio.current_time() + 2 * self.peer_timeout)
+        try:
+            await self._send(self.fs.frame_parts(F.REQUEST, [req_id, F.PING, [], None]))
+        except JPFSError as e:
+            self._fail(e if isinstance(e, Unavailable) else Unavailable(str(e)))
 
     def _choose_dest(self, kind: int, body: object, length: int
                      ) -> memoryview | list[memoryview] | None:
@@ -207,6 +257,8 @@ class Connection:
             raise self.broken
         req_id = next(self._ids)
         call = _Pending(into, method.name, deadline)
+        if not self._pending:
+            self._heard = trio.current_time()  # quiet until now proves nothing
         self._pending[req_id] = call
         if deadline < self._sweep_at:
             self._sweep_wake.set()
@@ -255,7 +307,7 @@ class _Sent(Exception):
 
 async def connect(
     address: str, secret: bytes, nursery: trio.Nursery, *, limits: F.Limits = F.Limits(),
-    timeout: float = 5.0,
+    timeout: float = 5.0, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
 ) -> Connection:
     """Open, authenticate and start the reader of one connection."""
     host, port = parse_address(address)
@@ -290,7 +342,7 @@ async def connect(
     except BaseException:
         _close(sock)
         raise
-    conn = Connection(fs, address, role, nursery)
+    conn = Connection(fs, address, role, nursery, peer_timeout)
     nursery.start_soon(conn.reader)
     nursery.start_soon(conn.sweeper)
     return conn
@@ -385,7 +437,8 @@ class Pool:
                 if len(conns) < self.per_server and (not conns or conns[0].in_flight):
                     conn = await connect(self.addresses[index], self.secret, self.nursery,
                                          limits=self.limits,
-                                         timeout=max(left, 0.001))
+                                         timeout=max(left, 0.001),
+                                         peer_timeout=self.peer_timeout)
                     conns.append(conn)
                     return conn
                 return min(conns, key=lambda c: c.in_flight)

@@ -37,6 +37,10 @@ AUTH = 5
 AUTH_OK = 6
 KINDS = frozenset({REQUEST, RESPONSE, ERROR, HELLO, AUTH, AUTH_OK})
 
+PING = 0
+"""The method id of a liveness probe: every server answers it on its request loop, before any
+service's methods (whose ids start at 1), so an answer proves the daemon's loop runs."""
+
 _RECV_BUFFER = 256 << 10
 _SCATTER_DIRECT = 64 << 10
 """Scatter-receive parts at least this big go straight from the socket into their buffer."""

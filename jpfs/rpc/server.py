@@ -128,6 +128,9 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
             await _send_final_error(fs, e)
             return
         req_id, method, args, deadline = _parse_request(body)
+        if method == F.PING and type(method) is int and req_id is not None and not payload_len:
+            outbox.add(F.FrameSocket.frame_parts(F.RESPONSE, [req_id, None]))  # I am alive
+            continue
         bound = service.lookup(method)
         spec = bound.spec if bound is not None else None
         if spec is not None:
