@@ -89,6 +89,9 @@ async def status(client: AsyncClient) -> list[dict]:
     out: list[dict] = [{} for _ in range(storage.n_nodes)]
 
     async def one(node: int) -> None:
+        if storage.state(node) == "removed":  # left the cluster: nothing of it counts
+            out[node] = {"enabled": False, "state": "removed"}
+            return
         out[node] = await node_status(client, node)
 
     async with trio.open_nursery() as nursery:
@@ -204,6 +207,8 @@ async def repair(client: AsyncClient, *, dry_run: bool = False) -> RepairReport:
     report = RepairReport(dry_run=dry_run)
     bad: dict[int, dict[bytes, tuple[int, int, str]]] = {}
     for node in range(storage.n_nodes):
+        if storage.state(node) == "removed":
+            continue
         try:
             bad[node] = {bid: (length, xxh, reason)
                          for bid, length, xxh, _found, reason in await bad_blobs(client, node)}
