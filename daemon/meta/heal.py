@@ -11,7 +11,9 @@ shard's leader scans its own ``chunk`` records, round after round, and for every
   the chunk has R live ones (a draining or removed node's copy then leaves the record);
 - when usage is uneven (a node was added), moves copies from the fullest active node to the
   emptiest, a bounded share per round (see ``_rebalance_plan``), deleting the old copy a little
-  later (readers that hold the old record fail over meanwhile).
+  later (readers that hold the old record fail over meanwhile). Only in a cluster with a map:
+  a static cluster file never grows, and moving its chunks would only fight placement's
+  packing of a directory's files.
 
 Copies go node to node (``pull_blobs``: the target fetches from the source and verifies the
 record's xxh3), so no bytes pass through the shard. Each copy is paced by a per-shard rate
@@ -198,7 +200,7 @@ class Healer:
                         await self._etcd.aclose()
 
     async def _loop(self) -> None:
-        pause = min(self.interval, 2.0)  # the first round soon after start
+        pause = self.interval  # a map change or heal_kick starts one sooner
         while True:
             with trio.move_on_after(pause):
                 await self._kick.wait()
@@ -241,7 +243,9 @@ class Healer:
         up, used, bad = await self._nodes(cluster)
         r = P.Round(cluster.epoch, self.round_started, states,
                    min(cluster.replicas, max(1, len(writable))), up, bad, cluster.replicas)
-        if not self._deletes:
+        if not getattr(cluster, "etcd", ()):
+            self.rebalance = {"off": "a static cluster file never grows"}
+        elif not self._deletes:
             r.moves = self._rebalance_plan(cluster, writable, up, used)
         else:  # the figures still count copies moved away but not yet deleted
             self.rebalance = {"waiting": len(self._deletes)}
