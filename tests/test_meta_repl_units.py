@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import time
 
 import lmdb
@@ -138,5 +139,29 @@ def test_a_follower_refuses_clients_and_names_its_leader(tmp_path):
                 nursery.cancel_scope.cancel()
 
         trio.run(ask)
+    finally:
+        localcluster.down(tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
+def test_ack_after_sync_copies_fsync_before_acknowledging(tmp_path):
+    localcluster.up(tmp_path, meta_shards=1, storage_nodes=0, etcd=True, meta_replicas=3,
+                    extra_args={"meta": ["--ack-after-sync"]})
+    try:
+        client = jpfs.connect(localcluster.cluster_file(tmp_path))
+        client.mkdir("/d")
+
+        async def creates(ac) -> list:
+            d = (await ac.meta.lookup(1, b"d")).ino
+            async with trio.open_nursery() as nursery:
+                for i in range(40):
+                    nursery.start_soon(ac.meta.create, d, f"f{i}".encode(), 0o644)
+            return [await ac.meta.call(0, "repl_status", 0)]
+
+        (status,) = client.run(creates)
+        leader = status["leader"]
+        localcluster.stop(tmp_path, "meta", 0, sig=signal.SIGKILL, replica=leader)
+        assert sorted(client.listdir("/d")) == sorted(f"f{i}" for i in range(40))
+        client.close()
     finally:
         localcluster.down(tmp_path)

@@ -32,7 +32,7 @@ from jpfs.coord.clustermap import LEADER_KEY
 from jpfs.coord.etcd import Etcd
 from jpfs.errors import JPFSError, error
 from jpfs.proto import replica as R
-from jpfs.rpc import Defer, Pool
+from jpfs.rpc import Later, Pool
 
 from . import replog
 from .store import Store
@@ -440,17 +440,14 @@ class Replication:
         term_now, seq_now = store.pos
         return {"ok": ok, "term": term_now, "seq": seq_now, "resyncing": resyncing}
 
-    def repl_append_now(self, *args: Any) -> dict:
-        """Appends are answered on the request loop, in the order they arrive (no task per
-        append); with ``--ack-after-sync`` the fsync is awaited in a task (``Defer``)."""
-        if self.store.ack_after_sync and args[-1]:
-            raise Defer
-        return self._append(*args)
-
-    async def repl_append(self, *args: Any) -> dict:
+    def repl_append(self, *args: Any) -> dict | Later:
+        """Appends are applied on the request loop, in the order they arrive (no task per
+        append); under ``--ack-after-sync`` the answer waits for the follower's fsync."""
         answer = self._append(*args)
-        if self.store.ack_after_sync:
-            await self.store.sync()
+        if self.store.ack_after_sync and args[-1]:
+            later = Later()
+            self.store.settle_when_synced(later, answer)
+            return later
         return answer
 
     async def repl_snapshot(self, shard: int, term: int, leader: int, address: str, step: str,

@@ -179,7 +179,7 @@ class MetaShard:
         repl = self.repl
         if repl is not None:
             return {R.REPL_STATUS: Handler(repl.repl_status),
-                    R.REPL_APPEND: Handler(repl.repl_append, repl.repl_append_now),
+                    R.REPL_APPEND: Handler(None, repl.repl_append),
                     R.REPL_SNAPSHOT: Handler(repl.repl_snapshot)}
 
         async def single(shard: int) -> dict:
@@ -195,7 +195,7 @@ class MetaShard:
             raise error(errno.EINVAL, f"metadata shard {self.shard} has one copy: nothing "
                                       "replicates to it")
 
-        return {R.REPL_STATUS: Handler(single), R.REPL_APPEND: Handler(refuse, refuse_now),
+        return {R.REPL_STATUS: Handler(single), R.REPL_APPEND: Handler(None, refuse_now),
                 R.REPL_SNAPSHOT: Handler(refuse)}
 
     async def lead(self, nursery: trio.Nursery) -> None:

@@ -420,6 +420,16 @@ class Store:
         self._mark_committed()
         return pos
 
+    def settle_when_synced(self, later: Later, result: object) -> None:
+        """Settle ``later`` with ``result`` once everything applied so far is fsynced (a
+        follower's acknowledgement under ``ack_after_sync``)."""
+        slot = _Slot(self.settle_when_synced, (), later=later, result=result)
+        if not self.durable or self._synced >= self._committed:
+            self._answer(slot)
+            return
+        self._pending.append((self._committed, slot))
+        self._dirty.set()
+
     def _mark_committed(self) -> None:
         self._committed += 1
         self.commits += 1
