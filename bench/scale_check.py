@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-meta", action="store_true", help="skip the metadata phases")
     p.add_argument("--no-read", action="store_true", help="skip the read phases")
     p.add_argument("--no-etcd", action="store_true", help="skip the etcd phase")
+    p.add_argument("--connections", type=int, default=2000,
+                   help="idle client connections opened to one shard and one storage daemon, "
+                        "to measure their memory and handshake CPU (default 2000; 0: skip)")
     p.add_argument("--etcd-tasks", type=int, default=32,
                    help="etcd: leases renewed concurrently, as fast as they go (default 32)")
     p.add_argument("--etcd-seconds", type=float, default=5.0,
@@ -157,30 +160,6 @@ def machine_busy() -> tuple[float, float]:
     return (sum(fields) - idle) / tick, sum(fields) / tick
 
 
-class CpuMarks:
-    """CPU seconds of named process groups (and of the whole machine) between two marks."""
-
-    def __init__(self, groups: dict[str, list[int]]):
-        self.groups = groups
-        self.t0 = 0.0
-        self.m0: tuple[float, float] = (0.0, 0.0)
-        self.c0: dict[str, float] = {}
-
-    def start(self) -> None:
-        self.t0 = time.monotonic()
-        self.m0 = machine_busy()
-        self.c0 = {g: sum(proc_cpu(p) for p in pids) for g, pids in self.groups.items()}
-
-    def stop(self) -> dict:
-        wall = time.monotonic() - self.t0
-        busy, _ = machine_busy()
-        out: dict[str, float | None] = {
-            f"{g}_cpu_s": round(sum(proc_cpu(p) for p in pids) - self.c0[g], 3)
-            for g, pids in self.groups.items()}
-        out["machine_busy_cores"] = round((busy - self.m0[0]) / wall, 2) if wall else None
-        return out
-
-
 class BusySampler:
     """The machine's busy CPU and the CPU of named process groups, sampled every ``period``
     seconds in a thread, so what each used during any span of wall-clock time
@@ -240,7 +219,7 @@ def _receive(out, procs, until: float) -> tuple:
 
 
 def read_epoch(namespaces: list[str], ds: Dataset, root: str, cluster: str, inflight: int,
-               epoch: int, marks: CpuMarks, timeout: float = 600.0) -> dict:
+               epoch: int, groups: dict[str, list[int]], timeout: float = 600.0) -> dict:
     """One epoch: one native reader per client namespace, each its share of the episodes."""
     ctx = mp.get_context("spawn")
     go, out = ctx.Event(), ctx.Queue()
@@ -259,10 +238,12 @@ def read_epoch(namespaces: list[str], ds: Dataset, root: str, cluster: str, infl
         until = time.monotonic() + 120
         for _ in procs:
             _receive(out, procs, until)  # ready
-        marks.start()
-        go.set()
-        results = [_receive(out, procs, time.monotonic() + timeout + 30)[2] for _ in procs]
-        cpu = marks.stop()
+        with BusySampler(groups) as busy:
+            t0 = time.time()
+            go.set()
+            results = [_receive(out, procs, time.monotonic() + timeout + 30)[2] for _ in procs]
+            time.sleep(2 * busy.period)
+            t1 = time.time()
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -276,14 +257,14 @@ def read_epoch(namespaces: list[str], ds: Dataset, root: str, cluster: str, infl
     if files != ds.files:
         raise RuntimeError(f"read {files} files of {ds.files}")
     secs = max(r["end"] for r in results) - min(r["start"] for r in results)
-    cpu["reader_cpu_s"] = round(sum(r["cpu_s"] for r in results), 3)
+    sp = busy.span(t0, t1)
+    wall, machine, cpu = sp if sp else (secs, 0.0, {g: 0.0 for g in groups})
+    cpu["reader"] = sum(r["cpu_s"] for r in results)
     gb = nbytes / 1e9
-    per_gb = {k.replace("_cpu_s", "_cpu_s_per_GB"): round(v / gb, 3) for k, v in cpu.items()
-              if k.endswith("_cpu_s")}
-    ours = sum(v for k, v in cpu.items() if k.endswith("_cpu_s"))
-    return {"GBps": gb / secs, "files_per_s": files / secs, "seconds": secs,
-            "bytes": nbytes, "files": files, "ours_cores": round(ours / secs, 2), **cpu,
-            **per_gb}
+    return {"GBps": gb / secs, "files_per_s": files / secs, "seconds": secs, "bytes": nbytes,
+            "files": files, "machine_busy_cores": round(machine / wall, 2),
+            "ours_cores": round(sum(cpu.values()) / wall, 2),
+            **{f"{g}_cpu_s_per_GB": round(c / gb, 3) for g, c in cpu.items()}}
 
 
 def meta_phases(namespaces: list[str], cluster_dir: str, base: str, n: int, inflight: int,
@@ -364,60 +345,61 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
+async def _hammer(call, tasks: int, seconds: float, pid: int) -> dict:
+    """``call()`` from ``tasks`` concurrent loops for ``seconds``: calls/s, etcd CPU each."""
+    import trio
+
+    count = 0
+
+    async def loop(until: float) -> None:
+        nonlocal count
+        while trio.current_time() < until:
+            await call(count)
+            count += 1
+
+    c0, t0 = proc_cpu(pid), time.monotonic()
+    async with trio.open_nursery() as n:
+        for _ in range(tasks):
+            n.start_soon(loop, trio.current_time() + seconds)
+    secs = time.monotonic() - t0
+    return {"per_s": round(count / secs), "concurrent": tasks,
+            "etcd_cpu_us_each": round((proc_cpu(pid) - c0) / max(count, 1) * 1e6, 1)}
+
+
 async def _etcd_load(url: str, pid: int, args: argparse.Namespace) -> dict:
     import trio
 
     from jpfs.coord.etcd import Etcd
 
-    out: dict = {}
     value = map_value(args.map_shards, 3, args.map_nodes)
-    out["map_bytes"] = len(value)
     key = "/jpfs/scale/map"
-    # keepalives: as fast as --etcd-tasks concurrent renewals go, from one Python process
+    out: dict = {"map_bytes": len(value)}
     async with Etcd([url], timeout=10) as etcd:
+        # lease renewals and map reads, as fast as concurrent loops in one process go
         leases = [await etcd.grant(2.0) for _ in range(args.etcd_tasks)]
-        count = 0
-
-        async def renew(lease: int, until: float) -> None:
-            nonlocal count
-            while trio.current_time() < until:
-                await etcd.keepalive(lease)
-                count += 1
-
-        c0, t0 = proc_cpu(pid), time.monotonic()
-        until = trio.current_time() + args.etcd_seconds
-        async with trio.open_nursery() as n:
-            for lease in leases:
-                n.start_soon(renew, lease, until)
-        secs = time.monotonic() - t0
-        out["keepalive"] = {"per_s": round(count / secs),
-                            "etcd_cpu_us_each": round((proc_cpu(pid) - c0) / count * 1e6, 1),
-                            "concurrent": len(leases)}
+        out["keepalive"] = await _hammer(lambda i: etcd.keepalive(leases[i % len(leases)]),
+                                         len(leases), args.etcd_seconds, pid)
         for lease in leases:
             await etcd.revoke(lease)
         rev = await etcd.put(key, value)
+        out["map_read"] = await _hammer(lambda i: etcd.get(key), 8, args.etcd_seconds, pid)
     # watches: --watchers streams (50 per HTTP client), then map changes fanned out to all
     watchers = args.watchers
     seen: dict[int, int] = {}
     done: dict[int, trio.Event] = {}
-    arrived: dict[int, float] = {}
-    rss0 = _rss_kib(pid)
     clients = [Etcd([url], timeout=10) for _ in range(-(-watchers // 50))]
-    opened = 0
-    all_open = trio.Event()
+    opened, all_open, rss0 = [0], trio.Event(), _rss_kib(pid)
 
     async def watch(etcd: Etcd) -> None:
-        nonlocal opened
         async with etcd.watch(key, start_revision=rev + 1) as batches:
-            opened += 1
-            if opened == watchers:
+            opened[0] += 1
+            if opened[0] == watchers:
                 all_open.set()
             async for events in batches:
                 for ev in events:
                     r = ev.kv.mod_revision
                     seen[r] = seen.get(r, 0) + 1
                     if seen[r] == watchers:
-                        arrived[r] = time.perf_counter()
                         done.setdefault(r, trio.Event()).set()
 
     lat = []
@@ -426,25 +408,23 @@ async def _etcd_load(url: str, pid: int, args: argparse.Namespace) -> dict:
             n.start_soon(watch, clients[i // 50])
         with trio.fail_after(120):
             await all_open.wait()
-        await trio.sleep(1.0)  # streams registered on etcd's side (the first event proves it)
-        rss1 = _rss_kib(pid)
-        c0 = proc_cpu(pid)
+        await trio.sleep(1.0)  # streams registered on etcd's side
+        rss1, c0 = _rss_kib(pid), proc_cpu(pid)
         async with Etcd([url], timeout=10) as etcd:
             for _ in range(args.map_changes):
                 t = time.perf_counter()
                 r = await etcd.put(key, value)
                 with trio.fail_after(60):
                     await done.setdefault(r, trio.Event()).wait()
-                lat.append(arrived[r] - t)
+                lat.append(time.perf_counter() - t)
         cpu = proc_cpu(pid) - c0
         n.cancel_scope.cancel()
     for c in clients:
         await c.aclose()
     lat.sort()
-    out["watch"] = {"watchers": watchers, "etcd_rss_kib_per_watch": round((rss1 - rss0)
-                                                                        / watchers, 1),
-                    "changes": len(lat), "all_notified_ms_p50": round(lat[len(lat) // 2] * 1e3,
-                                                                      1),
+    out["watch"] = {"watchers": watchers, "changes": len(lat),
+                    "etcd_rss_kib_per_watch": round((rss1 - rss0) / watchers, 1),
+                    "all_notified_ms_p50": round(lat[len(lat) // 2] * 1e3, 1),
                     "all_notified_ms_max": round(lat[-1] * 1e3, 1),
                     "etcd_cpu_ms_per_change": round(cpu / len(lat) * 1e3, 2),
                     "etcd_cpu_us_per_notification": round(cpu / len(lat) / watchers * 1e6, 2)}
@@ -452,7 +432,8 @@ async def _etcd_load(url: str, pid: int, args: argparse.Namespace) -> dict:
 
 
 def measure_etcd(args: argparse.Namespace, work: Path) -> dict:
-    """Lease renewals and map-change fan-out against a local etcd (``localcluster``'s)."""
+    """Lease renewals, map reads and map-change fan-out against a local etcd (started as
+    ``localcluster`` starts a cluster's, as a child of this process)."""
     import signal
 
     import trio
@@ -467,8 +448,11 @@ def measure_etcd(args: argparse.Namespace, work: Path) -> dict:
         return trio.run(_etcd_load, url, pid, args)
     finally:
         os.kill(pid, signal.SIGTERM)
-        for _ in range(100):
-            if not os.path.exists(f"/proc/{pid}") or _zombie(pid):
+        for _ in range(100):  # it is our child: reap it (or see it reaped by subprocess)
+            try:
+                if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                    break
+            except ChildProcessError:
                 break
             time.sleep(0.1)
         else:
@@ -476,12 +460,47 @@ def measure_etcd(args: argparse.Namespace, work: Path) -> dict:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+# ---------------------------------------------------------------------- connections
+
+
+def measure_connections(n: int, work: Path) -> dict:
+    """What ``n`` idle client connections cost a shard and a storage daemon: memory each, and the
+    daemon's CPU per handshake (every client process opens its own to every daemon it reads
+    from)."""
+    import socket
+
+    import trio
+
+    from jpfs import config, localcluster
+    from jpfs.rpc import frame as F
+    from jpfs.rpc.auth import client_handshake
+
+    from .harness import temporary_cluster
+
+    out: dict = {}
+    with temporary_cluster(1, 1, directory=str(work / "conn-check")) as d:
+        cluster = config.load(localcluster.cluster_file(d))
+        pids = {x.role: x.pid for x in localcluster.status(d) if x.pid}
+        for role, address in (("meta", cluster.meta[0].address),
+                              ("storage", cluster.storage[0].address)):
+            pid = pids[role]
+            socks = []
+            rss0, cpu0, t0 = _rss_kib(pid), proc_cpu(pid), time.monotonic()
+            try:
+                for _ in range(n):
+                    sock = socket.create_connection(config.parse_address(address))
+                    socks.append(sock)
+                    trio.run(client_handshake, F.FrameSocket(sock), cluster.secret)
+                secs = time.monotonic() - t0
+                time.sleep(0.5)
+                rss1, cpu1 = _rss_kib(pid), proc_cpu(pid)
+            finally:
+                for sock in socks:
+                    sock.close()
+            out[role] = {"connections": n, "rss_kib_each": round((rss1 - rss0) / n, 1),
+                         "cpu_us_per_handshake": round((cpu1 - cpu0) / n * 1e6, 1),
+                         "handshakes_per_s": round(n / secs)}
+    return out
 
 
 # ---------------------------------------------------------------------- the run
@@ -549,10 +568,8 @@ def measure_servers(s: int, args: argparse.Namespace, ds: Dataset, work: Path) -
                 if not args.no_read:
                     epochs = []
                     for e in range(args.rounds):
-                        marks = CpuMarks({"meta": groups["meta"], "storage": groups["storage"],
-                                          "relay": groups["relay"]})
                         epochs.append(read_epoch(client_ns, ds, root, str(d / "cluster.toml"),
-                                                 args.inflight, e + 1, marks))
+                                                 args.inflight, e + 1, groups))
                     med = sorted(epochs, key=lambda r: r["GBps"])[len(epochs) // 2]
                     row["read"] = {**med, "GBps_all": [round(r["GBps"], 3) for r in epochs]}
                 if not args.no_meta:
@@ -568,23 +585,19 @@ def measure_servers(s: int, args: argparse.Namespace, ds: Dataset, work: Path) -
 
 
 def _print_row(row: dict) -> None:
-    parts = [f"S={row['servers']} C={row['clients']}"]
+    print(f"  S={row['servers']} C={row['clients']}", flush=True)
     if "read" in row:
         r = row["read"]
-        parts.append(f"read {r['GBps']:.3f} GB/s ({r['files_per_s']:.0f} files/s; epochs "
-                     f"{r['GBps_all']}); cores busy: ours {r['ours_cores']}, machine "
-                     f"{r['machine_busy_cores']}; CPU s/GB: readers "
-                     f"{r['reader_cpu_s_per_GB']}, storage {r['storage_cpu_s_per_GB']}, meta "
-                     f"{r['meta_cpu_s_per_GB']}, relays {r['relay_cpu_s_per_GB']}")
-    if "meta" in row:
-        m = row["meta"]
-        parts.append(f"meta (dirs on shards {m['dir_shards']}):")
-        for k, v in m["phases"].items():
-            parts.append(f"  {k:13} {v['ops_per_s']:>7}/s; cores ours "
-                         f"{v.get('ours_cores')} machine {v.get('machine_busy_cores')}; us/op "
-                         f"shard {v.get('shard_cpu_us_per_op')} client "
-                         f"{v.get('client_cpu_us_per_op')} relay {v.get('relay_cpu_us_per_op')}")
-    print("  " + "\n    ".join(parts), flush=True)
+        print(f"    read {r['GBps']:.3f} GB/s ({r['files_per_s']:.0f} files/s; epochs "
+              f"{r['GBps_all']}); cores: ours {r['ours_cores']}, machine "
+              f"{r['machine_busy_cores']}; CPU s/GB: " + ", ".join(
+                  f"{k[:-len('_cpu_s_per_GB')]} {v}" for k, v in r.items()
+                  if k.endswith("_cpu_s_per_GB")), flush=True)
+    for k, v in row.get("meta", {}).get("phases", {}).items():
+        print(f"    {k:13} {v['ops_per_s']:>7}/s; cores ours {v.get('ours_cores')} machine "
+              f"{v.get('machine_busy_cores')}; CPU us/op: " + ", ".join(
+                  f"{g[:-len('_cpu_us_per_op')]} {x}" for g, x in v.items()
+                  if g.endswith("_cpu_us_per_op")), flush=True)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -604,11 +617,15 @@ def run(args: argparse.Namespace) -> dict:
         if not args.no_etcd:
             etcd = measure_etcd(args, work)
             print(f"etcd: {etcd}", flush=True)
+        conns = None
+        if args.connections > 0:
+            conns = measure_connections(args.connections, work)
+            print(f"connections: {conns}", flush=True)
         rows = []
         if not (args.no_read and args.no_meta):
             for s in args.servers:
                 rows += measure_servers(s, args, ds, work)
-        return {"benchmark": "scale_check", "etcd": etcd,
+        return {"benchmark": "scale_check", "etcd": etcd, "connections": conns,
                 "dataset": {"files": ds.files, "bytes": ds.bytes, "episodes": len(ds.units)},
                 "files_per_meta_client": args.files, "inflight": args.inflight,
                 "meta_inflight": args.meta_inflight, "rate_bit_s": args.rate,
