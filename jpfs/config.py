@@ -34,6 +34,8 @@ ever appended, and a node that leaves keeps its index with the state ``removed``
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -191,8 +193,10 @@ def map_key(name: str) -> str:
 
 
 def map_document(cluster: Cluster) -> dict:
-    """The map of ``cluster`` as stored in etcd."""
-    return {
+    """The map of ``cluster`` as stored in etcd, signed with the cluster secret (``mac``): the
+    map tells every client where to send data, so one written without the secret (by anyone who
+    can reach etcd) is refused, as a daemon refuses a connection without it."""
+    doc: dict = {
         "version": MAP_VERSION,
         "replicas": cluster.replicas,
         "chunk_size": cluster.chunk_size,
@@ -200,11 +204,24 @@ def map_document(cluster: Cluster) -> dict:
         "shards": [[_server_table(s) for s in copies] for copies in cluster.meta_replicas],
         "nodes": [{**_server_table(s), "state": s.state} for s in cluster.storage],
     }
+    if cluster.secret:
+        doc["mac"] = _map_mac(cluster.secret, doc)
+    return doc
+
+
+def _map_mac(secret: bytes, doc: dict) -> str:
+    body = json.dumps({k: v for k, v in doc.items() if k != "mac"}, sort_keys=True,
+                      separators=(",", ":")).encode()
+    return hmac.new(secret, b"jpfs-map\0" + body, hashlib.sha256).hexdigest()
 
 
 def from_map(doc: dict, base: Cluster, epoch: int) -> Cluster:
     """``base`` (name, secret, etcd, path) with the shape the map ``doc`` describes."""
     where = f"cluster map {map_key(base.name)}"
+    if base.secret and not hmac.compare_digest(str(doc.get("mac", "")),
+                                               _map_mac(base.secret, doc)):
+        raise ValueError(f"{where} is not signed with this cluster's secret (a wrong secret "
+                         "file, or a map written by something without it): refusing it")
     try:
         if doc.get("version") != MAP_VERSION:
             raise ValueError(f"version {doc.get('version')!r}, this JPFS reads {MAP_VERSION}")

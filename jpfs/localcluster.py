@@ -185,20 +185,18 @@ def _create(d: Path, path: Path, meta_shards: int | None, storage_nodes: int | N
         replicas = 2 if etcd and n_storage >= 2 else 1
     if n_storage and replicas > n_storage:
         raise ValueError(f"replicas = {replicas} needs at least that many storage nodes")
-    config.new_secret(d / "secret")
+    secret = config.new_secret(d / "secret")
     shards = tuple(tuple(_server("meta", i, metrics, j) for j in range(n_copies))
                    for i in range(n_meta))
     cluster = config.Cluster(
         meta=tuple(copies[0] for copies in shards),
         storage=tuple(_server("storage", i, metrics) for i in range(n_storage)),
         replicas=replicas, chunk_size=chunk_size or config.DEFAULT_CHUNK_SIZE, path=path,
-        meta_replicas=shards,
+        meta_replicas=shards, secret=secret,
         etcd=(start_etcd(d),) if etcd else (),
     )
     if etcd:
-        clustermap.update_map_sync(
-            dataclasses.replace(cluster, secret=(d / "secret").read_bytes().strip()),
-            lambda current: current or cluster)
+        clustermap.update_map_sync(cluster, lambda current: current or cluster)
     config.write(cluster, path)
     return config.load(path)
 

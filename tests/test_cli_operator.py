@@ -38,7 +38,8 @@ def test_status_columns_line_up_and_a_down_daemon_says_how_to_restart(make_clust
     d = make_cluster(meta_shards=2, storage_nodes=2)
     localcluster.stop(d, "storage", 1)
     r = jpfs("cluster", "status", "--dir", str(d), check=False)
-    rows = [line for line in r.stdout.splitlines() if line.startswith("  ")]
+    table = r.stdout.split("\n\n")[0]  # then healing and scrub lines
+    rows = [line for line in table.splitlines() if line.startswith("  ")]
     assert [row.split()[0] for row in rows] == ["daemon", "meta-0", "meta-1", "storage-0",
                                                 "storage-1"]
     for column in ("address", "state"):  # every row's cell starts where the header's does

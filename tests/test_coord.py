@@ -105,12 +105,12 @@ async def test_update_map_survives_a_concurrent_change(etcd_url):
 def test_a_cluster_file_that_names_etcd_loads_the_map(etcd_url, tmp_path):
     base = _base(etcd_url, "fromfile")
     clustermap.update_map_sync(base, lambda current: current or base)
-    (tmp_path / "secret").write_text("s3cret\n")
+    (tmp_path / "secret").write_text("s\n")
     path = tmp_path / "cluster.toml"
     config.write(dataclasses.replace(base, path=path), path)
     assert "[[meta]]" not in path.read_text()
     loaded = config.load(path)
-    assert loaded.secret == b"s3cret" and loaded.meta_replicas == base.meta_replicas
+    assert loaded.secret == b"s" and loaded.meta_replicas == base.meta_replicas
     assert loaded.storage == base.storage and loaded.epoch > 0 and loaded.replicas == 2
     doc = json.loads(json.dumps(config.map_document(loaded)))
     assert config.from_map(doc, loaded, loaded.epoch) == loaded
@@ -128,3 +128,16 @@ def test_a_missing_map_or_etcd_names_the_fix(etcd_url, tmp_path):
     path.write_text(f'[cluster]\netcd = ["{etcd_url}"]\n[[meta]]\naddress = "127.0.0.1:1"\n')
     with pytest.raises(ValueError, match="do not mix"):
         config.load(path)
+
+
+def test_a_map_not_signed_with_the_secret_is_refused(etcd_url, tmp_path):
+    base = _base(etcd_url, "signed")
+    clustermap.update_map_sync(base, lambda current: current or base)
+    (tmp_path / "secret").write_text("another secret\n")
+    path = tmp_path / "cluster.toml"
+    config.write(dataclasses.replace(base, path=path), path)
+    with pytest.raises(ValueError, match="not signed with this cluster's secret"):
+        config.load(path)
+    forged = config.map_document(dataclasses.replace(base, secret=b""))  # no mac at all
+    with pytest.raises(ValueError, match="not signed"):
+        config.from_map(forged, base, 1)

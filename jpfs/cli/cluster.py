@@ -145,7 +145,14 @@ def cmd_init(args: argparse.Namespace) -> int:
                              storage=nodes, secret=secret, replicas=replicas,
                              chunk_size=args.chunk_size, name=args.name, path=path.resolve(),
                              etcd=tuple(args.etcd))
-    made = clustermap.update_map_sync(cluster, lambda current: current or cluster)
+    try:
+        made = clustermap.update_map_sync(cluster, lambda current: current or cluster)
+    except ValueError as e:
+        if "not signed" not in str(e):
+            raise
+        raise ValueError(f"etcd already holds a different map for cluster {args.name!r} (made "
+                         "with another secret); choose another --name or use that cluster's "
+                         "secret") from None
     if made.meta_replicas != shards or made.storage != nodes:
         raise ValueError(f"etcd already holds a different map for cluster {args.name!r} "
                          f"(epoch {made.epoch}); choose another --name or use that cluster")
@@ -216,8 +223,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             detail.append(f"metrics http://{row['metrics']}/metrics")
         rows.append([name, row["address"], state, *detail])
     _table(rows)
-    for line in heal:
-        print(line)
+    if heal:
+        print()
+        for line in heal:
+            print(line)
     down = [r["name"] for r in info if not r["alive"]]
     if down:
         print(f"{plural(len(down), 'daemon')} down ({', '.join(down)}): "

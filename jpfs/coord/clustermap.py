@@ -12,6 +12,7 @@ Per-shard leader leases live beside it (``leader_key``), written by the shards t
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -44,8 +45,10 @@ MAP_KEY = map_key
 LEADER_KEY = leader_key
 
 
-def _encode(cluster: Cluster) -> bytes:
-    return json.dumps(config.map_document(cluster), sort_keys=True).encode()
+def _encode(cluster: Cluster, secret: bytes) -> bytes:
+    """The stored form of a map, signed with ``secret`` (the cluster's, from the base)."""
+    doc = config.map_document(dataclasses.replace(cluster, secret=secret))
+    return json.dumps(doc, sort_keys=True).encode()
 
 
 async def read_map(etcd: Etcd, base: Cluster) -> Cluster:
@@ -59,7 +62,8 @@ async def read_map(etcd: Etcd, base: Cluster) -> Cluster:
 
 async def create_map(etcd: Etcd, cluster: Cluster) -> Cluster:
     """Store the first map of a new cluster; an existing map is left alone and returned."""
-    if await etcd.put_if(map_key(cluster.name), _encode(cluster), mod_revision=0):
+    if await etcd.put_if(map_key(cluster.name), _encode(cluster, cluster.secret),
+                         mod_revision=0):
         return await read_map(etcd, cluster)
     return await read_map(etcd, cluster)
 
@@ -73,7 +77,8 @@ async def update_map(etcd: Etcd, base: Cluster, change: Callable[[Cluster], Clus
         new = change(current)
         if new == current:
             return current
-        if await etcd.put_if(map_key(base.name), _encode(new), mod_revision=current.epoch):
+        if await etcd.put_if(map_key(base.name), _encode(new, base.secret),
+                             mod_revision=current.epoch):
             return await read_map(etcd, base)
 
 
@@ -190,6 +195,6 @@ def update_map_sync(base: Cluster, change: Callable[[Cluster | None], Cluster]) 
         target, field = ("MOD", "mod_revision") if rev else ("CREATE", "create_revision")
         txn = {"compare": [{"key": key, "result": "EQUAL", "target": target, field: str(rev)}],
                "success": [{"request_put": {
-                   "key": key, "value": b64encode(_encode(new)).decode()}}]}
+                   "key": key, "value": b64encode(_encode(new, base.secret)).decode()}}]}
         if _gateway(base.etcd, "/v3/kv/txn", txn).get("succeeded"):
             return config.fetch_map(base)
