@@ -17,6 +17,7 @@ from jpfs_daemon.meta import replog
 
 import jpfs
 from jpfs import config, localcluster
+from jpfs.client.fsck import fsck
 from jpfs.errors import JPFSError
 from jpfs.placement import shard_of
 from jpfs.proto import meta as P
@@ -162,6 +163,30 @@ def test_ack_after_sync_copies_fsync_before_acknowledging(tmp_path):
         leader = status["leader"]
         localcluster.stop(tmp_path, "meta", 0, sig=signal.SIGKILL, replica=leader)
         assert sorted(client.listdir("/d")) == sorted(f"f{i}" for i in range(40))
+        client.close()
+    finally:
+        localcluster.down(tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
+def test_fsck_compares_the_copies_of_a_shard(tmp_path):
+    c = localcluster.up(tmp_path, meta_shards=1, storage_nodes=0, etcd=True, meta_replicas=3)
+    try:
+        client = jpfs.connect(localcluster.cluster_file(tmp_path))
+        client.mkdir("/d")
+        report = client.run(lambda ac: fsck(ac.meta))
+        assert report.clean and not report.notes, (report.problems, report.notes)
+        leader = client.run(lambda ac: ac.meta.call(0, "repl_status", 0))["leader"]
+        odd = (leader + 1) % 3
+        localcluster.stop(tmp_path, "meta", 0, replica=odd)
+        env = lmdb.open(str(c.data_dir("meta", 0, odd)), max_dbs=16)
+        with env.begin(write=True) as t:  # a record the leader never wrote
+            t.put(b"stray", b"x", db=env.open_db(b"xattr", txn=t))
+        env.close()
+        localcluster.start(tmp_path, "meta", 0, replica=odd)
+        report = client.run(lambda ac: fsck(ac.meta))
+        assert list(report.counts) == ["copies_differ"], report.problems
+        assert f"copy {odd}" in report.problems[0]
         client.close()
     finally:
         localcluster.down(tmp_path)

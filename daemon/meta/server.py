@@ -30,7 +30,7 @@ from jpfs.proto.replica import ShardPool
 from jpfs.rpc import Defer, Handler, Method, Pool, Service, serve
 from jpfs.types import ROOT_INO, Attr
 
-from . import heal, once
+from . import heal, once, replog
 from . import layout as L
 from . import maintenance as M
 from . import namespace as ns
@@ -177,10 +177,16 @@ class MetaShard:
 
     def _replica_handlers(self) -> dict:
         repl = self.repl
+        store = self.store
+
+        async def digest(shard: int) -> dict:
+            return await trio.to_thread.run_sync(replog.digest, store.env, store.dbs)
+
         if repl is not None:
             return {R.REPL_STATUS: Handler(repl.repl_status),
                     R.REPL_APPEND: Handler(None, repl.repl_append),
-                    R.REPL_SNAPSHOT: Handler(repl.repl_snapshot)}
+                    R.REPL_SNAPSHOT: Handler(repl.repl_snapshot),
+                    R.REPL_DIGEST: Handler(digest)}
 
         async def single(shard: int) -> dict:
             term, seq = self.store.pos
@@ -196,7 +202,7 @@ class MetaShard:
                                       "replicates to it")
 
         return {R.REPL_STATUS: Handler(single), R.REPL_APPEND: Handler(None, refuse_now),
-                R.REPL_SNAPSHOT: Handler(refuse)}
+                R.REPL_SNAPSHOT: Handler(refuse), R.REPL_DIGEST: Handler(digest)}
 
     async def lead(self, nursery: trio.Nursery) -> None:
         """This copy became the shard's leader: the first entry of its term, then what a

@@ -7,7 +7,10 @@ coordinator has forgotten them), then reads every inode, entry and chunk record 
 - every file's link count equals the entries naming it; every directory has exactly one entry
   (the root none), a parent pointer to that entry's directory, and 2 + subdirectories links;
 - no inode is unreachable (orphans are moved to ``/lost+found``, never deleted);
-- no chunk record belongs to a missing inode.
+- no chunk record belongs to a missing inode;
+- every copy of a replicated shard holds the same records as its leader (a hash of every
+  record, compared once the copies are at the same position; a copy that is down or still
+  catching up is noted, not counted as a problem).
 
 Run it on a quiet cluster: a change made during the scan can look like a problem. Each repair
 states what it expects to find, so a repair computed from a stale scan changes nothing.
@@ -19,11 +22,13 @@ import logging
 import stat
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
 from ..errors import JPFSError
 from ..placement import shard_of
+from ..proto.replica import REPL_DIGEST, ShardPool
 from ..types import ROOT_INO
 from .meta import MetaClient
 
@@ -43,6 +48,8 @@ class Report:
     problems: list[str] = field(default_factory=list)
     repaired: int = 0
     counts: Counter = field(default_factory=Counter)
+    notes: list[str] = field(default_factory=list)
+    """What was not checked and why (a copy that is down or still catching up)."""
 
     @property
     def clean(self) -> bool:
@@ -55,7 +62,8 @@ class Report:
     def as_dict(self) -> dict:
         return {"clean": self.clean, "inodes": self.inodes, "entries": self.entries,
                 "chunks": self.chunks, "problems": dict(self.counts),
-                "details": self.problems[:200], "repaired": self.repaired}
+                "details": self.problems[:200], "repaired": self.repaired,
+                "notes": self.notes}
 
 
 async def _scan(meta: MetaClient, shard: int, kind: str) -> list:
@@ -89,6 +97,45 @@ async def settle(meta: MetaClient, report: Report, repair: bool) -> None:
                            f"{txid.hex()} has no coordinator record")
                 if repair and await meta.call(shard, "repair", "abort_tx", [txid]):
                     report.repaired += 1
+
+
+async def check_copies(meta: MetaClient, report: Report, wait: float = 10.0) -> None:
+    """Compare every copy of each replicated shard: same position, same records."""
+    pool = meta.pool
+    if not isinstance(pool, ShardPool):
+        return
+    for shard, copies in enumerate(pool.pools):
+        if len(copies) < 2:
+            continue
+        deadline = trio.current_time() + wait
+        down = ""
+        while True:
+            got: list[Any] = []
+            for j in range(len(copies)):
+                try:
+                    got.append(await copies.call(j, REPL_DIGEST, [shard], timeout=60.0))
+                except JPFSError as e:
+                    got.append(None)
+                    down = e.strerror or str(e)
+            live = [(j, g) for j, g in enumerate(got) if g is not None]
+            positions = {(g["term"], g["seq"]) for _, g in live}
+            if len(positions) <= 1 or trio.current_time() > deadline:
+                break
+            await trio.sleep(0.2)
+        for j, g in enumerate(got):
+            if g is None:
+                report.notes.append(f"shard {shard} copy {j} not checked: {down}")
+        if len(positions) > 1:
+            where = ", ".join(f"copy {j} at seq {g['seq']}" for j, g in live)
+            report.notes.append(f"shard {shard}: copies still catching up, not compared "
+                                f"({where})")
+            continue
+        if len({g["digest"] for _, g in live}) > 1:
+            report.add("copies_differ", f"shard {shard}: copies at the same position hold "
+                       "different records (" + ", ".join(
+                           f"copy {j}: {g['records']} records, {g['digest'][:12]}"
+                           for j, g in live) + "); stop the odd copy, move its data "
+                       "directory away and start it again: it resyncs from the leader")
 
 
 async def fsck(meta: MetaClient, *, repair: bool = False) -> Report:
@@ -191,4 +238,5 @@ async def fsck(meta: MetaClient, *, repair: bool = False) -> Report:
     for ino in chunk_inos - inodes.keys():
         report.add("orphan_chunks", f"chunk records of missing inode {ino:#x}")
         await fix(shard_of(ino), "drop_chunks", [ino])
+    await check_copies(meta, report)
     return report

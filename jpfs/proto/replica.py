@@ -94,8 +94,10 @@ REPL_APPEND = Method(61, "repl_append", AppendReq, dict, inline=True)
 """``{"ok": bool, "term": t, "seq": s, "resyncing": bool}``: ``ok`` False when the follower
 is not at ``prev`` (``term``/``seq`` say where it is)."""
 REPL_SNAPSHOT = Method(62, "repl_snapshot", SnapshotReq, bool)
+REPL_DIGEST = Method(63, "repl_digest", StatusReq, dict, idempotent=True)
+"""``{"term", "seq", "digest", "records"}``: a hash of every record of this copy (fsck)."""
 
-METHODS = method_table(REPL_STATUS, REPL_APPEND, REPL_SNAPSHOT)
+METHODS = method_table(REPL_STATUS, REPL_APPEND, REPL_SNAPSHOT, REPL_DIGEST)
 
 
 # ---- calling the leader ---------------------------------------------------------------------
