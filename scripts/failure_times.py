@@ -81,6 +81,29 @@ def silent_listener() -> tuple[socket.socket, threading.Event]:
     return srv, stop
 
 
+def hung_read(d: Path) -> dict:
+    """A long-lived client (a mount, a training job) whose connection to a node is up when the
+    node hangs (SIGSTOP): time its next read of a file with one copy there."""
+    with jpfs.connect(d) as c:
+        c.write_bytes("/hung", os.urandom(1000))
+        c.read_bytes("/hung")
+        node = c.layout("/hung").chunks[0].nodes[0]
+        pid = int((d / f"storage-{node}.pid").read_text())
+        # replicas 2: the other copy would answer; make this one the only one to be sure
+        localcluster.stop(d, "storage", 1 - node, sig=signal.SIGKILL)
+        c.read_bytes("/hung")
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            c.read_bytes("/hung")
+            res = {"rc": 0, "stderr": ""}
+        except OSError as e:
+            res = {"rc": e.errno, "stderr": str(e)}
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return {"seconds": round(time.monotonic() - t0, 2), **res}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--mount", action="store_true", help="also time a read through a mount")
@@ -147,6 +170,8 @@ def main() -> None:
             c.write_bytes("/f", os.urandom(1000))
         localcluster.stop(d2, "storage", 0, sig=signal.SIGKILL)
         rows.append(("cat, replicas 2, node down", run(d2 / "cluster.toml", "cat", "jpfs:/f")))
+        localcluster.start(d2, "storage", 0, sync=False)
+        rows.append(("running client, node hung", hung_read(d2)))
         localcluster.down(d2, timeout=5)
     finally:
         for sub in ("r1", "r2"):
