@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import trio
 from jpfs_bench import netns
+from jpfs_bench.harness import free_port
 
 from jpfs import config
 from jpfs.client.meta import MetaClient
@@ -31,7 +32,6 @@ pytestmark = [
 
 COPIES = 3
 PORT = 7360
-ETCD_PORTS = (23790, 23791)
 
 # A client inside the cut-off host's namespace: it can still reach the old leader there.
 INSIDE = r"""
@@ -58,8 +58,8 @@ trio.run(main)
 """
 
 
-def _start_etcd(d: Path, host: str) -> subprocess.Popen:
-    client, peer = ETCD_PORTS
+def _start_etcd(d: Path, host: str) -> tuple[subprocess.Popen, str]:
+    client, peer = free_port(host), free_port()
     url, peer_url = f"http://{host}:{client}", f"http://127.0.0.1:{peer}"
     out = open(d / "etcd.log", "ab")  # noqa: SIM115 - the child's output
     proc = subprocess.Popen(
@@ -68,7 +68,7 @@ def _start_etcd(d: Path, host: str) -> subprocess.Popen:
          "--initial-advertise-peer-urls", peer_url, "--initial-cluster", f"p={peer_url}"],
         stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
     out.close()
-    return proc
+    return proc, url
 
 
 def _cluster(d: Path, hosts: netns.SimHosts, etcd_url: str) -> config.Cluster:
@@ -131,10 +131,10 @@ async def _leader(meta: MetaClient, exclude: int | None = None) -> int:
 
 def test_a_leader_cut_off_from_the_majority_stops_acknowledging(tmp_path):
     with netns.SimHosts(COPIES) as hosts:
-        etcd = _start_etcd(tmp_path, hosts.hosts[0].outer)
+        etcd, url = _start_etcd(tmp_path, hosts.hosts[0].outer)
         procs: list[subprocess.Popen] = []
         try:
-            cluster = _cluster(tmp_path, hosts, f"http://{hosts.hosts[0].outer}:{ETCD_PORTS[0]}")
+            cluster = _cluster(tmp_path, hosts, url)
             procs = _start_copies(tmp_path, hosts)
             trio.run(_scenario, tmp_path, hosts, cluster)
         finally:
