@@ -179,6 +179,14 @@ def test_drain_while_reading_ends_removed_and_no_chunk_names_the_node(cluster_di
         assert cli(["--cluster", path, "node", "list"]) == 0
         out = capsys.readouterr().out
         assert "storage-2" in out and "removed" in out
+        # what an operator is told when a change would be wrong
+        assert cli(["--cluster", path, "node", "drain", "9"]) == 1
+        assert "no storage node 9" in capsys.readouterr().err
+        assert cli(["--cluster", path, "node", "remove", "2"]) == 1
+        assert "removed already" in capsys.readouterr().err
+        assert cli(["--cluster", path, "node", "remove", "0"]) == 1  # 1 left for replicas 2
+        assert "add a node first" in capsys.readouterr().err
+        assert config.load(path).storage[0].state == "active"
     finally:
         reader_client.close()
         c.close()
