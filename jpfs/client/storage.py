@@ -511,4 +511,10 @@ def _read_error(chunk: Chunk, failures: list[str], corrupt: bool, all_down: bool
             return Unavailable(f"chunk {chunk.index}: {why}, and no other replica holds it "
                                f"{blob}")
         return Unavailable(f"chunk {chunk.index}: no replica reachable: {why} {blob}")
+    if failures and all(f.endswith(": ENOENT") for f in failures):
+        # every recorded node answered that it has no such blob: the healer moved the copies
+        # since this layout was read (or gc took a blob a crashed write left unnamed)
+        return error(errno.EIO, f"chunk {chunk.index}: no recorded node holds it any more "
+                                f"({why}): the copies moved since the file's layout was read; "
+                                f"open the file again {blob}")
     return error(errno.EIO, f"chunk {chunk.index}: no replica could serve it: {why} {blob}")
