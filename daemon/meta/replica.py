@@ -44,6 +44,8 @@ RENEW = 0.5
 SNAPSHOT_BYTES = 1 << 20
 PIPELINE = 4
 """Appends in flight per follower."""
+STALL = 10.0
+"""Seconds a write waits for a majority before it is answered with an error."""
 
 
 class Replication:
@@ -245,6 +247,7 @@ class Replication:
             async with trio.open_nursery() as nursery:
                 self._lead_scope = nursery.cancel_scope
                 nursery.start_soon(self._guard, self._keepalive, etcd, lease)
+                nursery.start_soon(self._guard, self._stalls)
                 for j in range(self.n):
                     if j != self.replica:
                         nursery.start_soon(self._guard, self._ship, j)
@@ -279,6 +282,26 @@ class Replication:
             log.exception("shard %d replica %d: leader task %s failed; stepping down",
                           self.shard, self.replica, fn.__name__)
             self._stop_leading()
+
+    async def _stalls(self) -> None:
+        """Answer writes that a majority has not confirmed within ``STALL`` seconds with an
+        error that says so (rather than leave clients to their 60 s deadline): the copies
+        are down or cut off while this leader still holds its lease."""
+        seen: tuple[int, float] | None = None  # the oldest waiting group, first seen when
+        while True:
+            await trio.sleep(1.0)
+            seq, now = self.store.waiting_since_seq(), trio.current_time()
+            if seq is None or seen is None or seen[0] != seq:
+                seen = (seq, now) if seq is not None else None
+                continue
+            if now - seen[1] < STALL:
+                continue
+            seen = None
+            reachable = 1 + len(self.match)
+            self.store.fail_waiting(error(errno.ETIMEDOUT, (
+                f"metadata shard {self.shard}: a majority of its {self.n} copies did not "
+                f"confirm the change within {STALL:.0f} s ({reachable} reachable); it may "
+                "still apply once they are back: run `jpfs cluster status`")))
 
     async def _keepalive(self, etcd: Etcd, lease: int) -> None:
         while True:

@@ -324,14 +324,23 @@ class Store:
             _, group, slot = wait.popleft()
             self._settle(group, slot)
 
-    def step_down(self, exc: JPFSError) -> None:
-        """This copy stopped leading: fail what waits for replication, and wake the waiters of
-        cross-shard transactions (the next leader finishes those)."""
-        self.leading = False
+    def waiting_since_seq(self) -> int | None:
+        """The oldest group a write waits to see on a majority (None: nothing waits)."""
+        return self._repl_wait[0][0] if self._repl_wait else None
+
+    def fail_waiting(self, exc: JPFSError) -> None:
+        """Answer every write waiting for a majority with ``exc`` (they stay committed here
+        and replicate once the copies are back: ``exc`` says they may still apply)."""
         wait, self._repl_wait = self._repl_wait, deque()
         for _, _, slot in wait:
             slot.result, slot.exc = None, exc
             self._answer(slot)
+
+    def step_down(self, exc: JPFSError) -> None:
+        """This copy stopped leading: fail what waits for replication, and wake the waiters of
+        cross-shard transactions (the next leader finishes those)."""
+        self.leading = False
+        self.fail_waiting(exc)
         done, self._tx_done = self._tx_done, {}
         for ev in done.values():
             ev.set()
