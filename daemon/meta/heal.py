@@ -118,6 +118,8 @@ class Healer:
         self._etcd: Any = None
         self.state = "idle" if self.rate > 0 else "off"
         self.scanned = 0
+        self._current: P.Round | None = None
+        """The round under way: its running counts show while it is."""
         self.pending = 0
         self.error: str | None = None
         self.last: dict[str, Any] = {}
@@ -139,14 +141,18 @@ class Healer:
 
     async def heal_status(self) -> dict:
         last = self.last
+        under, under_bytes = last.get("under", 0), last.get("under_bytes", 0)
+        cur = self._current
+        if cur is not None and cur.under > 0:  # found so far in this round, less those fixed
+            under, under_bytes = max(0, cur.under), max(0, cur.under_bytes)
         return {
             "shard": self.shard, "leader": self.leading, "enabled": self.rate > 0,
             "state": self.state if self.leading or self.rate <= 0 else "follower",
             "rounds": self.totals["rounds"], "round_started": self.round_started,
             "round_epoch": last.get("epoch", -1), "last_round": last.get("finished"),
             "scanned": self.scanned, "chunks": last.get("chunks", 0),
-            "bytes": last.get("bytes", 0), "under_replicated": last.get("under", 0),
-            "under_bytes": last.get("under_bytes", 0),
+            "bytes": last.get("bytes", 0), "under_replicated": under,
+            "under_bytes": under_bytes,
             "unrepairable": last.get("unrepairable", 0),
             "bad_copies": last.get("bad_copies", 0),
             "node_chunks": dict(last.get("node_chunks", {})),
@@ -226,6 +232,7 @@ class Healer:
                 log.exception("shard %d: healing round failed", self.shard)
                 self.error, worked = f"{type(e).__name__}: {e}", True
             self.state = "idle"
+            self._current = None
             took = time.time() - (self.round_started or time.time())
             pause = BUSY_PAUSE if worked or self._deletes else \
                 max(self.interval, took * (1 / IDLE_SHARE - 1))
@@ -241,8 +248,9 @@ class Healer:
         states = states_of(cluster)
         writable = [i for i, s in enumerate(states) if s == ACTIVE]
         up, used, bad = await self._nodes(cluster)
-        r = P.Round(cluster.epoch, self.round_started, states,
-                   min(cluster.replicas, max(1, len(writable))), up, bad, cluster.replicas)
+        r = self._current = P.Round(
+            cluster.epoch, self.round_started, states,
+            min(cluster.replicas, max(1, len(writable))), up, bad, cluster.replicas)
         if not getattr(cluster, "etcd", ()):
             self.rebalance = {"off": "a static cluster file never grows"}
         elif not self._deletes:
@@ -271,6 +279,7 @@ class Healer:
             after = nxt
             await trio.sleep(0)  # a big shard's scan must not hold the event loop
         self._finish(r)
+        self._current = None
         if self.shard == 0 and self._etcd is not None:
             try:
                 if await self.finish_drains():
