@@ -530,7 +530,20 @@ class MetaShard:
                 "syncs": self.store.syncs,
                 "transactions_committed": self.coord.committed,
                 "transactions_aborted": self.coord.aborted, **counts,
-                "db_bytes": os.path.getsize(self.store.path / "data.mdb"), "pid": os.getpid()}
+                "db_bytes": os.path.getsize(self.store.path / "data.mdb"), "pid": os.getpid(),
+                **(self._replication_info() if self.repl is not None else {})}
+
+    def _replication_info(self) -> dict:
+        """The copies as `jpfs cluster status` shows them (a line) and in full."""
+        assert self.repl is not None
+        st = self.repl.status()
+        behind = [f"copy {j} {'at' if seq == st['seq'] else 'behind, at'} seq {seq:,}"
+                  for j, seq in sorted(st["followers"].items())]
+        missing = [f"copy {j} not in contact" for j in range(self.repl.n)
+                   if j != st["replica"] and j not in st["followers"]]
+        line = (f"copy {st['replica']} of {self.repl.n} leads (term {st['term']:,}, seq "
+                f"{st['seq']:,}): " + ", ".join(behind + missing))
+        return {"replication": line, "replication_status": st}
 
 
 def _merge(*parts: tuple[int, list]) -> dict[int, list[list]]:
