@@ -196,8 +196,13 @@ class Replication:
         kv = await etcd.get(key)
         if kv is None or kv.value != value:
             return
+        term = kv.create_revision
+        named = json.dumps({"replica": self.replica, "address": self.addresses[self.replica],
+                            "term": term}).encode()  # what tools read: the term too
+        if not await etcd.put_if(key, named, mod_revision=kv.mod_revision, lease=lease):
+            return
         self.valid_until = t0 + self.ttl * 0.75
-        await self._lead(etcd, lease, kv.create_revision)
+        await self._lead(etcd, lease, term)
 
     async def _may_campaign(self) -> bool:
         """Ask every other copy where it is: campaign only with a majority and nobody ahead."""
