@@ -15,6 +15,16 @@ counted apart. For every (S, C):
          ``--meta-inflight`` in flight, stat one at a time, stat in flight, batched stat, list,
          remove) in a private directory of its own; aggregate ops/s per phase.
 
+Before them, two measurements without namespaces:
+
+  etcd         a local etcd (as ``jpfs cluster up`` starts one): lease renewals and reads of a
+               cluster map of ``--map-shards`` x 3 copies and ``--map-nodes`` storage nodes,
+               through the JSON gateway JPFS speaks, then ``--watchers`` watch streams on the map
+               and ``--map-changes`` changes fanned out to all: etcd's CPU per renewal, per read
+               and per notification, and its memory per stream.
+  connections  ``--connections`` idle authenticated connections to one shard and one storage
+               daemon: the daemon's memory per connection and CPU per handshake.
+
 Beside each figure: the whole machine's busy CPU over the phase (from /proc/stat, in cores: other
 processes on a shared machine included) and the daemons', relays' and clients' CPU seconds, which
 says when the run stopped measuring JPFS and started measuring this machine's two cores.
@@ -609,9 +619,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         work = Path(tempfile.mkdtemp(prefix="jpfs-scale-"))
     try:
-        ds = _dataset(args, work)
-        print(f"scale_check: {ds.files} files in {len(ds.units)} episodes, {ds.bytes / 1e9:.2f}"
-              f" GB; servers {args.servers}, client hosts {args.clients}; load "
+        print(f"scale_check: servers {args.servers}, client hosts {args.clients}; load "
               f"{os.getloadavg()[0]:.2f}", flush=True)
         etcd = None
         if not args.no_etcd:
@@ -621,12 +629,17 @@ def run(args: argparse.Namespace) -> dict:
         if args.connections > 0:
             conns = measure_connections(args.connections, work)
             print(f"connections: {conns}", flush=True)
-        rows = []
+        rows: list[dict] = []
+        dataset = None
         if not (args.no_read and args.no_meta):
+            ds = _dataset(args, work)
+            dataset = {"files": ds.files, "bytes": ds.bytes, "episodes": len(ds.units)}
+            print(f"dataset: {ds.files} files in {len(ds.units)} episodes, "
+                  f"{ds.bytes / 1e9:.2f} GB", flush=True)
             for s in args.servers:
                 rows += measure_servers(s, args, ds, work)
         return {"benchmark": "scale_check", "etcd": etcd, "connections": conns,
-                "dataset": {"files": ds.files, "bytes": ds.bytes, "episodes": len(ds.units)},
+                "dataset": dataset,
                 "files_per_meta_client": args.files, "inflight": args.inflight,
                 "meta_inflight": args.meta_inflight, "rate_bit_s": args.rate,
                 "cores": os.cpu_count(), "rows": rows,
@@ -637,10 +650,17 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m jpfs_bench.scale_check``."""
-    from .entry import standalone
+    """``python -m jpfs_bench.scale_check`` (not a ``jpfs bench`` subcommand: a check for one
+    document, root only)."""
+    from .entry import run as run_one
 
-    return standalone(sys.modules[__name__], "scale_check", argv)
+    p = argparse.ArgumentParser(prog="python -m jpfs_bench.scale_check",
+                                description=__doc__.replace("``", ""),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.add_argument("--json", action="store_true",
+                   help="print the figures as one JSON object on the last line")
+    return run_one(sys.modules[__name__], p.parse_args(argv))
 
 
 if __name__ == "__main__":
