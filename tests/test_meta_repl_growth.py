@@ -4,15 +4,19 @@ shard and cross-shard changes reach it, with no restart."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 
 import pytest
+from jpfs_bench.harness import free_port
 
 import jpfs
-from jpfs import localcluster
+from jpfs import config, localcluster
 from jpfs.client.fsck import fsck
+from jpfs.coord import clustermap
 from jpfs.placement import shard_of
+from jpfs.proto import replica as R
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
 
@@ -47,6 +51,47 @@ def test_a_new_shard_takes_new_directories(tmp_path):
             assert report.clean, report.problems
         finally:
             fresh.close()
+    finally:
+        client.close()
+        localcluster.down(tmp_path)
+
+
+def test_copies_added_to_a_shard_with_data_fill_from_it(tmp_path):
+    """New copies start marked as needing a snapshot, so the copy that holds the data leads
+    even though every copy's log is empty (a shard that had no copies before)."""
+    c = localcluster.up(tmp_path, meta_shards=1, storage_nodes=1, etcd=True)
+    client = jpfs.connect(c)
+    try:
+        client.mkdir("/kept")
+        client.write_bytes("/kept/f", b"data")
+        client.close()
+        localcluster.stop(tmp_path, "meta", 0)
+
+        def more_copies(current):
+            host = current.meta[0].address.rsplit(":", 1)[0]
+            copies = (current.meta[0],) + tuple(
+                config.Server(f"{host}:{free_port()}", f"meta-0-r{j}") for j in (1, 2))
+            return dataclasses.replace(current, meta_replicas=(copies,))
+
+        clustermap.update_map_sync(c, more_copies)
+        for j in (1, 2):  # the new copies first: empty, they must not elect one of them
+            localcluster.start(tmp_path, "meta", 0, replica=j)
+        client = jpfs.connect(localcluster.cluster_file(tmp_path))
+        time.sleep(3 * 2.0)  # longer than a lease and an election
+        for j in (1, 2):
+            st = client.run(lambda ac, j=j: ac.meta.pool.pools[0].call(j, R.REPL_STATUS, [0]))
+            assert st["role"] == "follower" and st["resyncing"], st
+        localcluster.up(tmp_path)  # copy 0 (and the rest) back
+        assert client.read_bytes("/kept/f") == b"data"
+        deadline = time.monotonic() + 30
+        while True:
+            got = [client.run(lambda ac, j=j: ac.meta.pool.pools[0].call(
+                j, R.REPL_DIGEST, [0])) for j in range(3)]
+            if len({(g["seq"], g["digest"]) for g in got}) == 1:
+                break
+            assert time.monotonic() < deadline, got
+            time.sleep(0.2)
+        assert got[0]["records"] > 5
     finally:
         client.close()
         localcluster.down(tmp_path)

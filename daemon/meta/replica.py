@@ -132,9 +132,11 @@ class Replication:
 
     def status(self) -> dict:
         term, seq = self.store.pos
+        floor = self.store.resync_floor
         return {"shard": self.shard, "replica": self.replica, "term": term, "seq": seq,
                 "known_term": self.known_term, "role": self.role, "leader": self.leader,
-                "leader_address": self.leader_address, "resyncing": self.store.resyncing,
+                "leader_address": self.leader_address, "resyncing": floor is not None,
+                "floor": list(floor) if floor is not None else None,
                 "elections": self.elections, "snapshots_sent": self.snapshots_sent,
                 "followers": dict(self.match) if self.role == "leader" else {}}
 
@@ -228,7 +230,10 @@ class Replication:
         # may be unable to reach etcd)
         ties_count = trio.current_time() - (self._vacant_since or 0.0) < 3 * self.ttl
         for a in answers:
-            if a.get("resyncing"):
+            if a.get("resyncing"):  # it cannot lead, but what it held still counts
+                floor = tuple(a.get("floor") or (0, 0))
+                if floor > mine:
+                    return False
                 continue
             theirs = (a["term"], a["seq"])
             if theirs > mine or (ties_count and theirs == mine and a["replica"] < self.replica):

@@ -599,6 +599,8 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
                 await nursery.start(shard.coord.resolver)
                 nursery.start_soon(shard.coord.orphan_checker)
             else:
+                if store.created and replica != 0:
+                    store.mark_new_copy()
                 stored = store.read(_stored_chunk_size)
                 shard = MetaShard(store, peers, stored or cluster.chunk_size)
                 shard.repl = Replication(

@@ -197,6 +197,8 @@ class Store:
         """Refuse to serve another shard's data (a wrong --index would corrupt placement)."""
         with self.env.begin(write=True) as t:
             stored = t.get(b"shard", db=self.dbs["state"])
+            self.created = stored is None
+            """Whether this environment was made just now (a brand-new copy)."""
             if stored is None:
                 t.put(b"shard", str(self.shard).encode(), db=self.dbs["state"])
                 t.put(b"next", (1).to_bytes(8, "big"), db=self.dbs["state"])
@@ -447,11 +449,14 @@ class Store:
 
     def snapshot_begin(self) -> None:
         """Drop everything before a snapshot is installed; the copy is marked incomplete
-        (``resyncing``) until ``snapshot_end``, so it never campaigns with half a shard."""
+        (``resyncing``) until ``snapshot_end``, so it never campaigns with half a shard. The
+        mark keeps the position the copy had (its *floor*): what it acknowledged before is
+        gone from it until the snapshot ends, so an election must not pick a copy behind it."""
+        floor = self.resync_floor or self.pos
         with self.env.begin(write=True) as t:
             for handle in self.dbs.values():
                 t.drop(handle, delete=False)
-            t.put(replog.RESYNC_KEY, b"1", db=self.dbs["state"])
+            t.put(replog.RESYNC_KEY, replog.pack_pos(*floor), db=self.dbs["state"])
             t.put(b"shard", str(self.shard).encode(), db=self.dbs["state"])
         self.pos = (0, 0)
         self._mark_committed()
@@ -472,7 +477,19 @@ class Store:
 
     @property
     def resyncing(self) -> bool:
-        return self.read(lambda t: t.t.get(replog.RESYNC_KEY, db=t.db["state"])) is not None
+        return self.resync_floor is not None
+
+    @property
+    def resync_floor(self) -> tuple[int, int] | None:
+        """The position this copy had before an unfinished snapshot (None: not resyncing)."""
+        raw = self.read(lambda t: t.t.get(replog.RESYNC_KEY, db=t.db["state"]))
+        return replog.unpack_pos(raw) if raw is not None else None
+
+    def mark_new_copy(self) -> None:
+        """A brand-new copy (not copy 0) must be filled by a leader before it may lead: were
+        it elected, an existing shard's data would be replaced by its empty one."""
+        with self.env.begin(write=True) as t:
+            t.put(replog.RESYNC_KEY, replog.pack_pos(0, 0), db=self.dbs["state"])
 
     # ---- cross-shard transaction resolution
     def tx_begun(self, txid: bytes) -> None:
