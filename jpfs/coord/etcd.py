@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import errno
 import json
+import random
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -84,7 +85,8 @@ class Etcd:
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.timeout = timeout
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout), trust_env=False)
-        self._first = 0  # the endpoint that answered last
+        # the endpoint that answered last; a random start spreads clients over etcd's members
+        self._first = random.randrange(len(self.endpoints))
 
     async def aclose(self) -> None:
         await self._http.aclose()
