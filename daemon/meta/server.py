@@ -5,6 +5,10 @@ changes that may span shards (mkdir placed elsewhere, link, unlink, rmdir, renam
 here as ops (reads of the current state, possibly on other shards) and run by the Coordinator,
 which applies them in one local transaction or by two-phase commit. A plan whose expectations
 went stale by the time it runs is planned again.
+
+A shard with several copies runs one daemon per copy (``--replica J``): only the leader
+answers clients (the others say "not leader", naming it); see ``replica.py``. Namespace
+changes that carry a request id run once (``once.py``).
 """
 
 from __future__ import annotations

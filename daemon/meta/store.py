@@ -19,6 +19,12 @@ it is. A killed shard process loses nothing committed (the pages are in the kern
 power failure in that window could. With ``ack_after_sync`` every write waits (the old, slower
 policy, for comparison).
 
+A replicated shard (``repl`` set, see ``replica.py``) records each group's changes as a log
+entry while it commits (``replog.Recorder``), writes its position in the same transaction, and
+answers the group's writes once a majority of the copies holds it (``replicated``); on a
+follower ``write``/``write_later`` raise "not leader" and the leader's entries are applied
+with ``apply_entries`` or a snapshot. With one copy none of this runs.
+
 Keys held by a prepared cross-shard transaction are recorded in the ``lock`` database. An
 operation that touches one raises ``Locked``; the caller waits for that transaction to resolve and
 runs again, so readers never see half of a cross-shard change.
