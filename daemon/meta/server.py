@@ -24,17 +24,16 @@ from typing import Any
 import trio
 
 from jpfs import config
-from jpfs.coord.clustermap import MapFollower
 from jpfs.errors import JPFSError, error
 from jpfs.placement import new_dir_shard, shard_of
 from jpfs.proto import meta as P
-from jpfs.proto import replica as R
 from jpfs.proto.meta import RENAME_EXCHANGE, RENAME_NOREPLACE, check_name
 from jpfs.proto.replica import ShardPool
 from jpfs.rpc import Defer, Handler, Method, Pool, Service, serve
 from jpfs.types import ROOT_INO, Attr
 
-from . import heal, once, replog
+from . import copies as C
+from . import heal, once
 from . import layout as L
 from . import maintenance as M
 from . import namespace as ns
@@ -158,56 +157,6 @@ class MetaShard:
 
         return Handler(run, now)
 
-    def _guarded(self, table: dict) -> dict:
-        """Every client method answers "not leader" on a copy that does not lead."""
-        repl = self.repl
-        if repl is None:
-            return table
-        check = repl.check
-        out = {}
-        for m, h in table.items():
-            now, run = h.now, h.run
-
-            def g_now(*a, _now=now):
-                check()
-                return _now(*a)
-
-            async def g_run(*a, _run=run, **kw):
-                check()
-                return await _run(*a, **kw)
-
-            out[m] = Handler(g_run if run is not None else None, g_now if now else None)
-        return out
-
-    def _replica_handlers(self) -> dict:
-        repl = self.repl
-        store = self.store
-
-        async def digest(shard: int) -> dict:
-            return await trio.to_thread.run_sync(replog.digest, store.env, store.dbs)
-
-        if repl is not None:
-            return {R.REPL_STATUS: Handler(repl.repl_status),
-                    R.REPL_APPEND: Handler(None, repl.repl_append),
-                    R.REPL_SNAPSHOT: Handler(repl.repl_snapshot),
-                    R.REPL_DIGEST: Handler(digest)}
-
-        async def single(shard: int) -> dict:
-            term, seq = self.store.pos
-            return {"shard": self.shard, "replica": 0, "term": term, "seq": seq,
-                    "role": "single", "leader": 0, "resyncing": False}
-
-        async def refuse(*args) -> None:
-            raise error(errno.EINVAL, f"metadata shard {self.shard} has one copy: nothing "
-                                      "replicates to it")
-
-        def refuse_now(*args) -> None:
-            raise error(errno.EINVAL, f"metadata shard {self.shard} has one copy: nothing "
-                                      "replicates to it")
-
-        return {R.REPL_STATUS: Handler(single), R.REPL_APPEND: Handler(None, refuse_now),
-                R.REPL_SNAPSHOT: Handler(refuse), R.REPL_DIGEST: Handler(digest)}
-
     async def lead(self, nursery: trio.Nursery) -> None:
         """This copy became the shard's leader: the first entry of its term, then what a
         shard does at start for 2PC (intents and prepared records replicated with the rest)."""
@@ -229,7 +178,7 @@ class MetaShard:
 
     def handlers(self) -> dict:
         """Every method of ``jpfs.proto.meta`` bound to its handler."""
-        return {**self._guarded(self._client_handlers()), **self._replica_handlers()}
+        return {**C.guarded(self._client_handlers(), self.repl), **C.replica_handlers(self)}
 
     def _client_handlers(self) -> dict:
         cs = self.chunk_size
@@ -535,19 +484,8 @@ class MetaShard:
                 "transactions_committed": self.coord.committed,
                 "transactions_aborted": self.coord.aborted, **counts,
                 "db_bytes": os.path.getsize(self.store.path / "data.mdb"), "pid": os.getpid(),
-                **(self._replication_info() if self.repl is not None else {})}
+                **(C.replication_info(self.repl) if self.repl is not None else {})}
 
-    def _replication_info(self) -> dict:
-        """The copies as `jpfs cluster status` shows them (a line) and in full."""
-        assert self.repl is not None
-        st = self.repl.status()
-        behind = [f"copy {j} {'at' if seq == st['seq'] else 'behind, at'} seq {seq:,}"
-                  for j, seq in sorted(st["followers"].items())]
-        missing = [f"copy {j} not in contact" for j in range(self.repl.n)
-                   if j != st["replica"] and j not in st["followers"]]
-        line = (f"copy {st['replica']} of {self.repl.n} leads (term {st['term']:,}, seq "
-                f"{st['seq']:,}): " + ", ".join(behind + missing))
-        return {"replication": line, "replication_status": st}
 
 
 def _merge(*parts: tuple[int, list]) -> dict[int, list[list]]:
@@ -561,22 +499,6 @@ COUNTERS = frozenset({"commits", "ops", "transactions_committed", "transactions_
 """shard_info keys that only grow (Prometheus counters); the rest are gauges."""
 
 
-def meta_replicas(cluster: config.Cluster) -> tuple[tuple[config.Server, ...], ...]:
-    """Every copy of each shard."""
-    return cluster.meta_replicas
-
-
-def shard_peers(nursery: trio.Nursery, cluster: config.Cluster) -> Pool | ShardPool:
-    """How a shard calls the others: their leaders when any is replicated, else (as before)
-    one Pool over the shards' addresses."""
-    reps = meta_replicas(cluster)
-    if all(len(r) == 1 for r in reps):
-        return Pool(nursery, [s.address for s in cluster.meta], cluster.secret, role="meta",
-                    retry_for=5.0)
-    return ShardPool(nursery, [[s.address for s in r] for r in reps], cluster.secret,
-                     peer_timeout=cluster.peer_timeout)
-
-
 async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: int, *,
                     replica: int = 0, sync: bool = True, ack_after_sync: bool = False,
                     metrics: str | None = None, heal_options: dict | None = None,
@@ -585,7 +507,7 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
     """Open shard ``index`` (copy ``replica``) and serve it until cancelled;
     ``task_status.started(port)``. ``metrics``: HOST:PORT for Prometheus. A shard with
     several copies elects a leader on etcd (lease ``ttl``, renewed every ``renew`` s)."""
-    copies = meta_replicas(cluster)[index]
+    copies = cluster.meta_replicas[index]
     replicated = len(copies) > 1
     etcd = tuple(cluster.etcd)
     if replicated and not etcd:
@@ -596,7 +518,7 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(store.committer)
-            peers = shard_peers(nursery, cluster)
+            peers = C.shard_peers(nursery, cluster)
             if not replicated:
                 chunk_size = await store.write(_init_shard, cluster.chunk_size)
                 shard = MetaShard(store, peers, chunk_size)
@@ -618,7 +540,7 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
             if shard.repl is not None:
                 await nursery.start(shard.repl.run)
             if etcd:
-                nursery.start_soon(follow_map, cluster, shard)
+                nursery.start_soon(C.follow_map, cluster, shard)
             if metrics:
                 from ..metrics import serve_metrics
 
@@ -628,30 +550,6 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
             task_status.started(bound)
     finally:
         store.close()
-
-
-async def follow_map(cluster: config.Cluster, shard: MetaShard) -> None:
-    """Follow the cluster map: new shards join the peers and take their share of new
-    directories (``n_shards`` is what directory placement hashes over)."""
-    def changed(new: config.Cluster) -> None:
-        reps = meta_replicas(new)
-        if isinstance(shard.peers, ShardPool):
-            shard.peers.set_replicas([[s.address for s in r] for r in reps])
-        else:
-            set_addresses = getattr(shard.peers, "set_addresses", None)
-            if set_addresses is not None:
-                set_addresses([s.address for s in new.meta])
-        if new.n_shards != shard.n_shards:
-            log.info("the map has %d metadata shards (was %d)", new.n_shards, shard.n_shards)
-        shard.n_shards = shard.store.n_shards = new.n_shards
-
-    try:
-        async with trio.open_nursery() as nursery:
-            follower = MapFollower(cluster)
-            follower.subscribe(changed)
-            await follower.start(nursery)
-    except Exception:  # the shard serves on with the map it has
-        log.exception("following the cluster map failed; serving with the map at start")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -675,7 +573,7 @@ def main(argv: list[str] | None = None) -> None:
     common.setup_logging(args.log_level, args.log_file)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per etcd request otherwise
     cluster, data, host, port = common.resolve(args, "meta")
-    copies = meta_replicas(cluster)[args.index]
+    copies = cluster.meta_replicas[args.index]
     if not 0 <= args.replica < len(copies):
         raise SystemExit(f"jpfs-meta: --replica {args.replica} but shard {args.index} has "
                          f"{len(copies)} copies")
