@@ -28,9 +28,9 @@ pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is no
 COPIES = 3
 
 
-def _up(d: Path, shards: int = 2):
+def _up(d: Path, shards: int = 2, extra: list[str] | None = None):
     return localcluster.up(d, meta_shards=shards, storage_nodes=1, etcd=True,
-                           meta_replicas=COPIES)
+                           meta_replicas=COPIES, extra_args={"meta": extra or []})
 
 
 def _statuses(client, shard: int) -> list[dict | None]:
@@ -141,7 +141,7 @@ def test_killing_shard_leaders_loses_nothing(tmp_path):
             t.start()
         try:
             for kill in range(5):
-                time.sleep(1.0)
+                time.sleep(0.5)
                 shard = kill % 2
                 victim = _leader(client, shard)
                 localcluster.stop(tmp_path, "meta", shard, sig=signal.SIGKILL, replica=victim)
@@ -171,7 +171,7 @@ def test_killing_shard_leaders_loses_nothing(tmp_path):
 
 
 def test_old_leader_with_an_unacknowledged_entry_resyncs(tmp_path):
-    c = _up(tmp_path, shards=1)
+    c = _up(tmp_path, shards=1, extra=["--stall-timeout", "3"])
     client = jpfs.connect(c)
     try:
         client.mkdir("/d")
@@ -190,7 +190,7 @@ def test_old_leader_with_an_unacknowledged_entry_resyncs(tmp_path):
                     return e.strerror
             return "acknowledged"
 
-        # no majority: never acknowledged; after 10 s an error says why
+        # no majority: never acknowledged; after --stall-timeout an error says why
         assert "did not confirm" in client.run(create_unacknowledged)
         localcluster.stop(tmp_path, "meta", 0, sig=signal.SIGKILL, replica=old)
         for j in followers:

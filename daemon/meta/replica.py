@@ -58,7 +58,7 @@ class Replication:
     def __init__(self, store: Store, replica: int, addresses: list[str], secret: bytes,
                  etcd_endpoints: tuple[str, ...], cluster_name: str, nursery: trio.Nursery, *,
                  on_lead: Callable[[trio.Nursery], Awaitable[None]], ttl: float = TTL,
-                 renew: float = RENEW, peer_timeout: float = 1.0):
+                 renew: float = RENEW, peer_timeout: float = 1.0, stall: float = STALL):
         self.store = store
         self.shard = store.shard
         self.replica = replica
@@ -70,6 +70,7 @@ class Replication:
         self.on_lead = on_lead
         self.ttl = ttl
         self.renew = renew
+        self.stall = stall
         self.peers = Pool(nursery, self.addresses, secret, role="meta", retry_for=0.0,
                           peer_timeout=peer_timeout, timeout=10.0)
         self.role = "follower"
@@ -294,7 +295,7 @@ class Replication:
             self._stop_leading()
 
     async def _stalls(self) -> None:
-        """Answer writes that a majority has not confirmed within ``STALL`` seconds with an
+        """Answer writes that a majority has not confirmed within ``stall`` seconds with an
         error that says so (rather than leave clients to their 60 s deadline): the copies
         are down or cut off while this leader still holds its lease."""
         seen: tuple[int, float] | None = None  # the oldest waiting group, first seen when
@@ -304,13 +305,13 @@ class Replication:
             if seq is None or seen is None or seen[0] != seq:
                 seen = (seq, now) if seq is not None else None
                 continue
-            if now - seen[1] < STALL:
+            if now - seen[1] < self.stall:
                 continue
             seen = None
             reachable = 1 + len(self.match)
             self.store.fail_waiting(error(errno.ETIMEDOUT, (
                 f"metadata shard {self.shard}: a majority of its {self.n} copies did not "
-                f"confirm the change within {STALL:.0f} s ({reachable} reachable); it may "
+                f"confirm the change within {self.stall:.3g} s ({reachable} reachable); it may "
                 "still apply once they are back: run `jpfs cluster status`")))
 
     async def _keepalive(self, etcd: Etcd, lease: int) -> None:

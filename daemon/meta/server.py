@@ -40,7 +40,7 @@ from . import namespace as ns
 from .coordinator import Coordinator
 from .keys import Inode
 from .ops import NEW, apply_local
-from .replica import RENEW, TTL, Replication
+from .replica import RENEW, STALL, TTL, Replication
 from .store import Locked, Store, Txn
 
 log = logging.getLogger(__name__)
@@ -502,7 +502,7 @@ COUNTERS = frozenset({"commits", "ops", "transactions_committed", "transactions_
 async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: int, *,
                     replica: int = 0, sync: bool = True, ack_after_sync: bool = False,
                     metrics: str | None = None, heal_options: dict | None = None,
-                    ttl: float = TTL, renew: float = RENEW,
+                    ttl: float = TTL, renew: float = RENEW, stall: float = STALL,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Open shard ``index`` (copy ``replica``) and serve it until cancelled;
     ``task_status.started(port)``. ``metrics``: HOST:PORT for Prometheus. A shard with
@@ -531,7 +531,7 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
                 shard = MetaShard(store, peers, stored or cluster.chunk_size)
                 shard.repl = Replication(
                     store, replica, [s.address for s in copies], cluster.secret, etcd,
-                    cluster.name, nursery, on_lead=shard.lead, ttl=ttl, renew=renew,
+                    cluster.name, nursery, on_lead=shard.lead, ttl=ttl, renew=renew, stall=stall,
                     peer_timeout=min(cluster.peer_timeout, ttl / 2))
             healer = heal.Healer(store, cluster, **(heal_options or {}))  # leads only: heal.py
             await nursery.start(healer.run)
@@ -568,6 +568,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds of the leader's etcd lease (default %(default)s)")
     p.add_argument("--lease-renew", type=float, default=RENEW,
                    help="seconds between lease renewals (default %(default)s)")
+    p.add_argument("--stall-timeout", type=float, default=STALL,
+                   help="seconds a write waits for a majority of the copies before it is "
+                   "answered with an error (default %(default)s)")
     heal.add_arguments(p)
     args = p.parse_args(argv)
     common.setup_logging(args.log_level, args.log_file)
@@ -587,7 +590,7 @@ def main(argv: list[str] | None = None) -> None:
                         sync=not args.no_sync, ack_after_sync=args.ack_after_sync,
                         metrics=common.metrics_address(args, cluster, "meta"),
                         heal_options=heal.options(args), ttl=args.lease_ttl,
-                        renew=args.lease_renew)
+                        renew=args.lease_renew, stall=args.stall_timeout)
 
     common.run(args, serve_shard)
 
