@@ -59,36 +59,55 @@ def test_read_opens_send_no_flush_and_closes_still_commit(cluster, tmp_path):
 
 @requires_fuse
 def test_names_of_a_directory_being_written_are_answered_and_stay_right(cluster, tmp_path):
-    with mounted(cluster, tmp_path / "m") as m, jpfs.connect(cluster) as c:
+    # a long entry timeout: every lookup below falls in the window, however slow the machine
+    with mounted(cluster, tmp_path / "m", "--entry-timeout", "120") as m, \
+            jpfs.connect(cluster) as c:
         d = m / "w"
         d.mkdir()
         absent = m.stats()["names"]["absent"]
         for i in range(30):
             os.close(os.open(d / f"f{i:02d}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        # each create's LOOKUP of the new name was answered from memory (renewed by a getattr
-        # of the directory if the machine is slow: only this mount changed it)
+        # each create's LOOKUP of the new name was answered from memory
         assert m.stats()["names"]["absent"] - absent >= 30
         os.rename(d / "f00", d / "g00")
         os.unlink(d / "f01")
         os.mkdir(d / "sub")
         os.close(os.open(d / "sub" / "x", os.O_CREAT | os.O_WRONLY, 0o644))
+        os.symlink("g00", d / "link")
+        os.link(d / "g00", d / "hard")
         for gone in ("f00", "f01", "nothing"):
             with pytest.raises(FileNotFoundError):
                 os.stat(d / gone)
         assert (d / "g00").exists() and (d / "sub" / "x").exists()
-        assert sorted(os.listdir(d)) == sorted([f"f{i:02d}" for i in range(2, 30)]
-                                               + ["g00", "sub"])
-        assert sorted(c.listdir("/w")) == sorted(os.listdir(d))
-        # another client's new names: O_EXCL fails as it must at once, and the name shows
-        # within the entry timeout
+        assert os.readlink(d / "link") == "g00" and os.stat(d / "hard").st_nlink == 2
+        want = sorted([f"f{i:02d}" for i in range(2, 30)] + ["g00", "sub", "link", "hard"])
+        assert sorted(os.listdir(d)) == want and sorted(c.listdir("/w")) == want
+        # a name another client made: O_EXCL still fails as it must, at once
         c.write_bytes("/w/theirs", b"hi")
         with pytest.raises(FileExistsError):
             os.open(d / "theirs", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        c.write_bytes("/w/later", b"ho")
+        with pytest.raises(FileExistsError):
+            os.mkdir(d / "theirs")
+
+
+@requires_fuse
+def test_other_clients_names_show_within_the_entry_timeout(cluster, tmp_path):
+    with mounted(cluster, tmp_path / "m") as m, jpfs.connect(cluster) as c:
+        d = m / "v"
+        d.mkdir()
+        os.close(os.open(d / "mine", os.O_CREAT | os.O_WRONLY, 0o644))
+        c.write_bytes("/v/later", b"ho")
         _eventually(lambda: (d / "later").exists(), "another client's new name is seen")
         assert (d / "later").read_bytes() == b"ho"
-        c.remove("/w/f02")
-        _eventually(lambda: not (d / "f02").exists(), "another client's removal is seen")
+        c.remove("/v/later")
+        _eventually(lambda: not (d / "later").exists(), "another client's removal is seen")
+        # once the set has aged, lookups that keep missing list the directory again
+        time.sleep(1.2)
+        for i in range(40):
+            os.close(os.open(d / f"n{i:02d}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        names = m.stats()["names"]
+        assert names["aged"] >= 1 and names["listed"] >= 1, names
+        assert sorted(os.listdir(d)) == sorted(["mine"] + [f"n{i:02d}" for i in range(40)])
 
 
 @requires_fuse

@@ -11,8 +11,7 @@ missing is listed once (names only). Every change this VFS makes updates the set
 LOOKUP before each create, mkdir or rename target is answered "no such entry" from memory, which
 was one metadata call of the two per create. Other nodes' new names are seen within the entry
 timeout, as with the kernel's own caches: a set is trusted for ``max_age`` after it was known
-complete, then renewed by one getattr of the directory when its mtime and ctime are still the
-ones this VFS's own last change left (so nobody else changed it), else dropped.
+complete, then dropped (and listed again if lookups keep missing).
 """
 
 from __future__ import annotations
@@ -131,30 +130,28 @@ class Listings:
             ev.set()
 
 
-def dir_key(attr: Attr) -> tuple[int, int]:
-    """What changes whenever a directory's entries change (POSIX: mtime and ctime)."""
-    return attr.mtime_ns, attr.ctime_ns
-
-
 class Names:
-    """A directory's complete set of names as of ``since`` (time.monotonic()), and ``key``, the
-    directory's ``dir_key`` after this VFS's last change to it (None: not known exactly, so the
-    set cannot be renewed, only dropped when it ages)."""
+    """A directory's complete set of names as of ``since`` (time.monotonic())."""
 
-    __slots__ = ("names", "since", "key", "changes")
+    __slots__ = ("names", "since")
 
-    def __init__(self, names: set[bytes], since: float, key: tuple[int, int] | None):
+    def __init__(self, names: set[bytes], since: float):
         self.names = names
         self.since = since
-        self.key = key
-        self.changes = 0
 
 
 class KnownDirs:
     """Complete name sets of directories being written (see the module docstring).
 
+    A set is trusted for ``max_age`` from when it was known complete and then dropped; it is
+    not renewed, since nothing the metadata service answers proves that no other node changed
+    the directory in between (its mtime after this VFS's own change is the same whatever came
+    before it). After a set ages out, lookups ask the shard again, and once enough of them miss
+    the directory is listed again: ``misses`` lookups, plus one per 500 names the last set held,
+    so a large directory is listed only when that costs less than the lookups it saves.
+
     Args:
-        meta: for the getattr that renews a set and the listing that builds one.
+        meta: for the listing that builds a set.
         max_age: how long a set is trusted after it was known complete (the entry timeout).
         max_names: names kept over all directories (least recently used directories go first);
             a directory with more than ``max_names // 4`` names is not listed.
@@ -170,11 +167,12 @@ class KnownDirs:
         self.misses_to_list = misses
         self._dirs: OrderedDict[int, Names] = OrderedDict()
         self._count = 0
-        self._misses: dict[int, int] = {}
+        self._misses: dict[int, list[int]] = {}
+        """Directory -> [lookups that missed since its set went, misses wanted to list it]."""
         self._listing: dict[int, bool] = {}
         """Directories being listed -> whether this VFS changed them meanwhile."""
         self._too_big: dict[int, float] = {}
-        self.stats = {"absent": 0, "renewed": 0, "listed": 0, "dropped": 0}
+        self.stats = {"absent": 0, "listed": 0, "aged": 0, "dropped": 0}
 
     def __len__(self) -> int:
         return len(self._dirs)
@@ -182,59 +180,40 @@ class KnownDirs:
     def as_dict(self) -> dict:
         return {**self.stats, "dirs": len(self._dirs), "names": self._count}
 
-    async def absent(self, ino: int, name: bytes) -> bool:
-        """True when ``name`` is known not to be in directory ``ino`` (fresh, or renewed now)."""
+    def absent(self, ino: int, name: bytes) -> bool:
+        """True when ``name`` is known not to be in directory ``ino`` (and the set is fresh)."""
         k = self._dirs.get(ino)
         if k is None or name in k.names:
             return False
-        now = time.monotonic()
-        if now - k.since >= self.max_age:
-            if k.key is None:
-                self.drop(ino)  # aged and cannot be renewed: lookups (then a listing) again
-                return False
-            if not await self._renew(ino, k, now):
-                return False
-            if name in k.names:
-                return False
+        if time.monotonic() - k.since >= self.max_age:
+            self._forget(ino)
+            self.stats["aged"] += 1
+            self._misses[ino] = [0, self.misses_to_list + len(k.names) // 500]
+            return False
         self._dirs.move_to_end(ino)
         self.stats["absent"] += 1
         return True
 
-    async def _renew(self, ino: int, k: Names, now: float) -> bool:
-        changes = k.changes
-        try:
-            attr = await self.meta.getattr(ino)
-        except JPFSError:
-            self.drop(ino)
-            return False
-        if self._dirs.get(ino) is not k or k.changes != changes:
-            return False  # changed here meanwhile: decide next time
-        if k.key != dir_key(attr):
-            self.drop(ino)  # changed elsewhere
-            return False
-        k.since = now
-        self.stats["renewed"] += 1
-        return True
-
     async def missed(self, ino: int) -> None:
-        """A lookup in ``ino`` found nothing (asked the shard): after a few, list it."""
+        """A lookup in ``ino`` found nothing (asked the shard): after enough, list it."""
         if ino in self._dirs or ino in self._listing:
             return
-        n = self._misses.get(ino, 0) + 1
-        if n < self.misses_to_list:
+        m = self._misses.get(ino)
+        if m is None:
             if len(self._misses) > 4096:
                 self._misses.clear()
-            self._misses[ino] = n
+            m = self._misses[ino] = [0, self.misses_to_list]
+        m[0] += 1
+        if m[0] < m[1]:
             return
-        self._misses.pop(ino, None)
+        del self._misses[ino]
         big = self._too_big.get(ino)
         if big is not None and time.monotonic() - big < 30 * self.max_age:
             return
         self._listing[ino] = False
         try:
-            since = time.monotonic()
-            key = dir_key(await self.meta.getattr(ino))  # before the listing: a change made
-            names: set[bytes] = set()                     # while listing fails the renewal
+            since = time.monotonic()  # names made elsewhere after this show once the set ages
+            names: set[bytes] = set()
             async with aclosing(self.meta.readdir(ino, plus=False, page=1000)) as it:
                 async for e in it:
                     names.add(e.name)
@@ -244,22 +223,20 @@ class KnownDirs:
                             self._too_big.clear()
                         return
             if not self._listing.get(ino, True):
-                self._add(ino, Names(names, since, key))
+                self._add(ino, Names(names, since))
                 self.stats["listed"] += 1
         except JPFSError:
             return
         finally:
             self._listing.pop(ino, None)
 
-    def made(self, ino: int, attr: Attr, since: float) -> None:
-        """This VFS made directory ``ino`` (``attr`` its attributes then; ``since`` the time the
-        request left): it is empty."""
-        self._add(ino, Names(set(), since, dir_key(attr)))
+    def made(self, ino: int, since: float) -> None:
+        """This VFS made directory ``ino`` (``since``: the time the request left): empty."""
+        self._add(ino, Names(set(), since))
 
-    def changed(self, ino: int, added: bytes | None = None, removed: bytes | None = None,
-                key: tuple[int, int] | None = None) -> None:
-        """This VFS changed directory ``ino``'s names; ``key`` is its ``dir_key`` right after the
-        change when exactly known."""
+    def changed(self, ino: int, added: bytes | None = None, removed: bytes | None = None
+                ) -> None:
+        """This VFS changed directory ``ino``'s names."""
         if ino in self._listing:
             self._listing[ino] = True
         k = self._dirs.get(ino)
@@ -271,21 +248,24 @@ class KnownDirs:
         if added is not None and added not in k.names:
             k.names.add(added)
             self._count += 1
-        k.key = key
-        k.changes += 1
-        self._trim()
+            self._trim()
 
     def drop(self, ino: int) -> None:
         """Nothing is known of ``ino``'s names any more (removed, or a surprise)."""
         if ino in self._listing:
             self._listing[ino] = True
-        k = self._dirs.pop(ino, None)
-        if k is not None:
-            self._count -= len(k.names)
+        if self._forget(ino):
             self.stats["dropped"] += 1
 
+    def _forget(self, ino: int) -> bool:
+        k = self._dirs.pop(ino, None)
+        if k is None:
+            return False
+        self._count -= len(k.names)
+        return True
+
     def _add(self, ino: int, k: Names) -> None:
-        self.drop(ino)
+        self._forget(ino)
         self._dirs[ino] = k
         self._count += len(k.names)
         self._trim()
@@ -296,4 +276,4 @@ class KnownDirs:
             self._count -= len(old.names)
 
 
-__all__ = ["KnownDirs", "Listing", "Listings", "Names", "dir_key"]
+__all__ = ["KnownDirs", "Listing", "Listings", "Names"]

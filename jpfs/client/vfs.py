@@ -254,8 +254,7 @@ class VFS:
         self.prefetcher.forget_dir(parent)
         here = shard_of(child.ino) == shard_of(parent)
         if self.known is not None:
-            self.known.changed(parent, added=name,
-                               key=(child.ctime_ns, child.ctime_ns) if here else None)
+            self.known.changed(parent, added=name)
         node = self.inodes.get(parent)
         if node is None:
             return
@@ -300,7 +299,7 @@ class VFS:
             if lst.complete:
                 raise error(errno.ENOENT, "no such entry")
         known = self.known
-        if known is not None and await known.absent(parent, check_name(name)):
+        if known is not None and known.absent(parent, check_name(name)):
             raise error(errno.ENOENT, "no such entry")
         try:
             attr = await self.meta.lookup(parent, name)
@@ -379,7 +378,7 @@ class VFS:
             attr = await self.meta.mkdir(parent, name, mode & 0o7777, uid, gid)
         self._made_in(parent, name, attr, subdir=True)
         if self.known is not None:
-            self.known.made(attr.ino, attr, sent)
+            self.known.made(attr.ino, sent)
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int
@@ -405,12 +404,8 @@ class VFS:
         with self._names_of(parent):
             after = await self.meta.unlink(parent, name)
         gone = self.inodes.unname(parent, name)
-        if self.known is not None:  # answered from the unlink's own transaction when the
-            # file's inode is on the directory's shard (see daemon/meta/server.py)
-            exact = after is not None and gone is not None \
-                and shard_of(gone.ino) == shard_of(parent)
-            self.known.changed(parent, removed=name,
-                               key=(after.mtime_ns, after.ctime_ns) if exact and after else None)
+        if self.known is not None:
+            self.known.changed(parent, removed=name)
         self._post_op(parent, after)
         if gone is not None:
             self.inodes.stale(gone.ino)  # nlink and ctime changed
@@ -436,7 +431,7 @@ class VFS:
         with self._names_of(parent_old, parent_new):
             src_after, dst_after = await self.meta.rename(parent_old, name_old, parent_new,
                                                           name_new, flags)
-        if self.known is not None:  # post-op attributes read after the change: not exact
+        if self.known is not None:
             exchange = bool(flags & 2)
             self.known.changed(parent_old, removed=None if exchange else name_old)
             self.known.changed(parent_new, added=name_new)
