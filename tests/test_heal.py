@@ -37,10 +37,10 @@ def cluster_dir(tmp_path):
     localcluster.down(d)
 
 
-def up(d: Path, nodes: int = 3, replicas: int = 2, storage_args: list[str] | None = None
-       ) -> config.Cluster:
+def up(d: Path, nodes: int = 3, replicas: int = 2, storage_args: list[str] | None = None,
+       meta_replicas: int = 1) -> config.Cluster:
     return localcluster.up(d, etcd=True, meta_shards=2, storage_nodes=nodes, replicas=replicas,
-                           chunk_size=CHUNK, sync=False,
+                           chunk_size=CHUNK, sync=False, meta_replicas=meta_replicas,
                            extra_args={"meta": HEAL, "storage": storage_args or []})
 
 
@@ -95,6 +95,26 @@ def wait_healed(c: jpfs.Client, epoch: int, *, gone: int | None = None,
         time.sleep(0.25)
 
 
+def copies_status(cl: config.Cluster) -> list[list[dict]]:
+    """``heal_status`` of every copy of every shard, asked of each copy itself."""
+    import trio
+
+    from jpfs.proto import heal as H
+    from jpfs.rpc import Pool
+
+    async def ask() -> list[list[dict]]:
+        out = []
+        async with trio.open_nursery() as nursery:
+            for copies in cl.meta_replicas:
+                pool = Pool(nursery, [s.address for s in copies], cl.secret, role="meta")
+                out.append([await pool.call(j, H.HEAL_STATUS, H.HealNoArgs())
+                            for j in range(len(copies))])
+                pool.close()
+        return out
+
+    return trio.run(ask)
+
+
 def epoch_of(d: Path) -> int:
     return config.load(localcluster.cluster_file(d)).epoch
 
@@ -136,7 +156,7 @@ class Loop(threading.Thread):
 
 def test_remove_a_lost_node_restores_copies_then_another_loss_loses_nothing(cluster_dir):
     d = cluster_dir
-    cl = up(d)
+    cl = up(d, meta_replicas=3)  # each shard's leader heals; its two followers do not
     path = str(localcluster.cluster_file(d))
     c = jpfs.connect(cl)
     try:
@@ -147,6 +167,13 @@ def test_remove_a_lost_node_restores_copies_then_another_loss_loses_nothing(clus
         assert cli(["--cluster", path, "node", "remove", "1"]) == 0
         assert config.load(path).storage[1].state == "removed"
         status = wait_healed(c, epoch_of(d), gone=1)
+        assert all(x["leader"] for x in status)
+        copies = copies_status(config.load(path))
+        for shard, answers in enumerate(copies):  # one copy heals, the others only follow
+            leaders = [a for a in answers if a["leader"]]
+            assert len(answers) == 3 and len(leaders) == 1, (shard, answers)
+            assert all(a["state"] == "follower" and a["repaired_chunks"] == 0
+                       for a in answers if not a["leader"]), answers
         assert sum(x["repaired_chunks"] for x in status) >= sum(1 in r[3] for r in records)
         after = chunk_records(c)
         assert all(1 not in r[3] and len(set(r[3])) == 2 for r in after)
