@@ -86,7 +86,7 @@ def options(args: argparse.Namespace) -> dict:
 
 
 def states_of(cluster: Cluster) -> tuple[str, ...]:
-    return tuple(getattr(s, "state", ACTIVE) or ACTIVE for s in cluster.storage)
+    return tuple(s.state for s in cluster.storage)
 
 
 class Healer:
@@ -137,7 +137,7 @@ class Healer:
 
     @property
     def leading(self) -> bool:
-        return bool(getattr(self.store, "leading", True))
+        return self.store.leading
 
     async def heal_status(self) -> dict:
         last = self.last
@@ -189,7 +189,7 @@ class Healer:
                                  peer_timeout=c.peer_timeout)
             self._shards = Pool(nursery, _meta_addresses(c), c.secret, role="meta",
                                 retry_for=0.5, timeout=10.0, peer_timeout=c.peer_timeout)
-            if getattr(c, "etcd", ()):
+            if c.etcd:
                 from jpfs.coord.clustermap import follow_map
                 from jpfs.coord.etcd import Etcd
 
@@ -251,7 +251,7 @@ class Healer:
         r = self._current = P.Round(
             cluster.epoch, self.round_started, states,
             min(cluster.replicas, max(1, len(writable))), up, bad, cluster.replicas)
-        if not getattr(cluster, "etcd", ()):
+        if not cluster.etcd:
             self.rebalance = {"off": "a static cluster file never grows"}
         elif not self._deletes:
             r.moves = self._rebalance_plan(cluster, writable, up, used)
@@ -537,7 +537,7 @@ class Healer:
 
 
 def _replicas(cluster: Cluster, shard: int) -> tuple:
-    copies = getattr(cluster, "meta_replicas", ())
+    copies = cluster.meta_replicas
     return copies[shard] if shard < len(copies) and copies[shard] else (cluster.meta[shard],)
 
 

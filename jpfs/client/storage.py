@@ -485,13 +485,13 @@ class StorageClient:
 
 
 def node_states(cluster: Cluster) -> tuple[str, ...]:
-    """Each storage node's state in ``cluster``'s map (``active`` where the map has none)."""
-    return tuple(getattr(s, "state", ACTIVE) or ACTIVE for s in cluster.storage)
+    """Each storage node's state in ``cluster``'s map."""
+    return tuple(s.state for s in cluster.storage)
 
 
 def writable_nodes(cluster: Cluster) -> tuple[int, ...]:
     """The indices of ``cluster``'s active storage nodes, where new writes go."""
-    return tuple(i for i, st in enumerate(node_states(cluster)) if st == ACTIVE)
+    return tuple(cluster.writable_nodes)
 
 
 def _hash_all(views: Sequence[memoryview]) -> list[int]:
