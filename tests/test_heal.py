@@ -14,6 +14,7 @@ import shutil
 import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -38,9 +39,10 @@ def cluster_dir(tmp_path):
 
 
 def up(d: Path, nodes: int = 3, replicas: int = 2, storage_args: list[str] | None = None,
-       meta_replicas: int = 1) -> config.Cluster:
+       meta_replicas: int = 1, metrics: bool = False) -> config.Cluster:
     return localcluster.up(d, etcd=True, meta_shards=2, storage_nodes=nodes, replicas=replicas,
                            chunk_size=CHUNK, sync=False, meta_replicas=meta_replicas,
+                           metrics=metrics,
                            extra_args={"meta": HEAL, "storage": storage_args or []})
 
 
@@ -327,7 +329,7 @@ def test_grow_from_two_to_three_nodes_while_reading_and_writing(cluster_dir, cap
 
 def test_a_read_that_fails_its_checksum_is_reported_and_the_copy_healed(cluster_dir):
     d = cluster_dir
-    cl = up(d, storage_args=["--scrub-rate", "0"])  # no scrubber: only the reader can tell
+    cl = up(d, storage_args=["--scrub-rate", "0"], metrics=True)  # no scrubber: a reader tells
     c = jpfs.connect(cl)
     try:
         needle = os.urandom(70_000)
@@ -352,5 +354,13 @@ def test_a_read_that_fails_its_checksum_is_reported_and_the_copy_healed(cluster_
             time.sleep(0.25)
         localcluster.kill(d, "storage", nodes[1])
         assert c.read_bytes("/y/victim") == needle
+        # Prometheus sees the healer's figures (summed over the shards)
+        repaired = 0.0
+        for shard in cl.meta:
+            text = urllib.request.urlopen(f"http://{shard.metrics}/metrics", timeout=10).read()
+            for line in text.decode().splitlines():
+                if line.startswith("jpfs_meta_heal_repaired_chunks_total{"):
+                    repaired += float(line.rsplit(" ", 1)[1])
+        assert repaired >= 1
     finally:
         c.close()

@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -162,6 +163,16 @@ class Healer:
             "pending": self.pending, "rate_limit": self.rate, "bytes_per_s": self.bytes_per_s,
             "rebalance": self.rebalance, "error": self.error,
         }
+
+    def with_metrics(self, snapshot: Callable[[], Awaitable[dict]]
+                     ) -> Callable[[], Awaitable[dict]]:
+        """``snapshot`` (the shard's ``shard_info``) plus the healer's figures as ``heal_*``
+        keys, for the Prometheus export (``COUNTERS`` are the ones that only grow)."""
+        async def both() -> dict:
+            s = heal_status_numbers(await self.heal_status())
+            return {**await snapshot(), **s}
+
+        return both
 
     async def heal_kick(self) -> dict:
         self._kick.set()
@@ -534,6 +545,19 @@ class Healer:
             if isinstance(s, dict) and s.get("leader"):
                 return s
         return None
+
+
+COUNTERS = frozenset({"heal_rounds", "heal_repaired_chunks", "heal_repaired_bytes",
+                      "heal_moved_chunks", "heal_moved_bytes", "heal_copy_failures"})
+"""Prometheus counters among the ``heal_*`` figures (the rest are gauges)."""
+
+
+def heal_status_numbers(status: dict) -> dict:
+    """The numeric figures of a ``heal_status`` answer, as ``heal_<key>``."""
+    out = {f"heal_{k}": v for k, v in status.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "shard"}
+    out["heal_leader"] = int(bool(status.get("leader")))
+    return out
 
 
 def _replicas(cluster: Cluster, shard: int) -> tuple:

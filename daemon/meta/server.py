@@ -544,7 +544,8 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
             if metrics:
                 from ..metrics import serve_metrics
 
-                serve_metrics(metrics, "meta", index, service, shard.shard_info, COUNTERS)
+                serve_metrics(metrics, "meta", index, service,
+                              healer.with_metrics(shard.shard_info), COUNTERS | heal.COUNTERS)
             log.info("meta shard %d of %d (copy %d of %d) serving %s on port %d", index,
                      cluster.n_shards, replica, len(copies), data, bound)
             task_status.started(bound)
