@@ -324,11 +324,40 @@ def _wait_listening(d: Path, name: str, proc: subprocess.Popen, server: config.S
                                + _tail(d, name))
         try:
             with socket.create_connection((host, port), timeout=0.5):
-                return True
+                pass
         except OSError:
             time.sleep(0.05)
+            continue
+        if _listens(proc.pid, port) is not False:
+            return True
+        time.sleep(0.05)  # someone else holds the port: ours will exit with status 98
     raise RuntimeError(f"{name} did not start listening on {server.address} within "
                        f"{START_TIMEOUT:.0f}s:\n" + _tail(d, name))
+
+
+def _listens(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds the listening socket on TCP ``port`` (Linux: the socket
+    inodes of /proc/net/tcp* against the process's fds); None if /proc cannot tell. A port
+    that answers is not proof: another process may have taken it while the daemon was down."""
+    inodes = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(fields[9])
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except (OSError, IndexError, ValueError):
+        return None
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
 
 
 # ---- the local etcd of a cluster with a map

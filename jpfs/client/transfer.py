@@ -35,7 +35,6 @@ import trio
 
 from .. import uri
 from ..errors import JPFSError, error
-from ..placement import chunk_nodes
 from ..types import Chunk
 from .client import AsyncClient, Entry, _path
 from .data import new_blob_id
@@ -322,8 +321,7 @@ async def import_tree(client: AsyncClient, src: str | os.PathLike, dst: str, *,
         if not kept:
             return
         # one batch = one run of neighbours packed on one node; the runs spread over the nodes
-        nodes = chunk_nodes(0, parent, 0, 1, data.cluster.n_nodes, data.cluster.replicas,
-                            group=run)
+        nodes = data.placement(0, parent, 0, 1, group=run)
         blobs = [(new_blob_id(), nodes, c) for c in contents if len(c)]
         try:
             stored = iter(await data.storage.put(blobs)) if blobs else iter(())
