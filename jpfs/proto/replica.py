@@ -170,6 +170,9 @@ class ShardPool:
             kw["timeout"] = min(kw.get("timeout") or pool.timeout, self.attempt_timeout)
         while True:
             try:
+                pool = self.pools[shard]  # a new map may have replaced it meanwhile
+                n = len(pool)
+                j %= n
                 result = await pool.call(j, method, args, payload, **kw)
             except JPFSError as e:
                 hint = None
