@@ -100,6 +100,14 @@ class Server:
     state: str = "active"
     """Storage nodes: ``active`` (takes new writes), ``draining`` (read, being emptied) or
     ``removed`` (gone: its copies no longer count)."""
+    domain: str | None = None
+    """Storage nodes: the failure domain (a host, a rack) whose loss takes the node with it;
+    copies of a chunk go to distinct domains where there are enough. Default: the host of
+    ``address``, so several daemons on one machine never hold every copy of a chunk."""
+
+    @property
+    def failure_domain(self) -> str:
+        return self.domain or self.host_port[0]
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -141,6 +149,11 @@ class Cluster:
         return max((len(r) for r in self.meta_replicas), default=1)
 
     @property
+    def node_domains(self) -> tuple[str, ...]:
+        """Each storage node's failure domain, by index (``Server.failure_domain``)."""
+        return tuple(s.failure_domain for s in self.storage)
+
+    @property
     def writable_nodes(self) -> tuple[int, ...]:
         """Indices of the storage nodes that take new writes (state ``active``)."""
         return tuple(i for i, s in enumerate(self.storage) if s.state == "active")
@@ -178,7 +191,8 @@ class Cluster:
 
 def _server_table(s: Server) -> dict:
     return {"address": s.address, **({"data": s.data} if s.data else {}),
-            **({"metrics": s.metrics} if s.metrics else {})}
+            **({"metrics": s.metrics} if s.metrics else {}),
+            **({"domain": s.domain} if s.domain else {})}
 
 
 # ---- the cluster map: the shape of a cluster kept in etcd (jpfs.coord.clustermap writes it)
@@ -245,7 +259,7 @@ def from_map(doc: dict, base: Cluster, epoch: int) -> Cluster:
 def _map_server(t: dict) -> Server:
     parse_address(t["address"])
     return Server(address=t["address"], data=t.get("data"), metrics=t.get("metrics"),
-                  state=t.get("state", "active"))
+                  state=t.get("state", "active"), domain=t.get("domain"))
 
 
 def fetch_map(cluster: Cluster, timeout: float = 5.0) -> Cluster:
@@ -347,7 +361,7 @@ _CLUSTER_KEYS: dict[str, tuple[type, ...]] = {
     "name": (str,), "secret_file": (str,), "replicas": (int,), "chunk_size": (int, str),
     "peer_timeout": (float, int), "etcd": (list,),
 }
-_SERVER_KEYS = ("address", "data", "metrics")
+_SERVER_KEYS = ("address", "data", "metrics", "domain")
 _KIND = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
          list: "an array", dict: "a table"}
 
@@ -403,7 +417,8 @@ def _server(path: Path, role: str, i: int, t: dict) -> Server:
                 parse_address(t[key])
             except ValueError as e:
                 raise ValueError(f"{path}: {role}[{i}].{key}: {e}") from None
-    return Server(address=t["address"], data=t.get("data"), metrics=t.get("metrics"))
+    return Server(address=t["address"], data=t.get("data"), metrics=t.get("metrics"),
+                  domain=t.get("domain"))
 
 
 def find_cluster_file(path: str | os.PathLike | None = None) -> Path:

@@ -54,17 +54,38 @@ def new_dir_shard(parent: int, name: bytes, n_shards: int) -> int:
     return _h64(parent, name) % n_shards if n_shards > 1 else 0
 
 
-def _ring(start: int, nodes: Sequence[int], replicas: int) -> tuple[int, ...]:
+def _ring(start: int, nodes: Sequence[int], replicas: int,
+          domains: Sequence[str] | None = None, taken: Sequence[str] = ()) -> tuple[int, ...]:
+    """``replicas`` of ``nodes`` round the ring from ``start``; with ``domains`` (each node's
+    failure domain, by node index), nodes of domains not yet holding a copy (nor in ``taken``)
+    come first, so the copies of a chunk survive the loss of any one host while there are as
+    many hosts as copies. With one domain this is the plain ring."""
     n = len(nodes)
     if n <= 0:
         raise ValueError("the cluster has no writable storage nodes (all draining or removed?)")
     r = min(replicas, n)
-    return tuple(nodes[(start + k) % n] for k in range(r))
+    order = [nodes[(start + k) % n] for k in range(n)]
+    if domains is None:
+        return tuple(order[:r])
+    groups: dict[str, list[int]] = {}  # domains in the order the ring meets them
+    for x in order:
+        groups.setdefault(domains[x] if 0 <= x < len(domains) else f"#{x}", []).append(x)
+    first: list[int] = []
+    for d, members in groups.items():
+        if d in taken:
+            continue
+        # the first copy is the ring's own; later ones take a node of their domain by ``start``
+        # too, not its first, or the first node of every domain would hold most second copies
+        first.append(members[0] if not first else members[start % len(members)])
+        if len(first) == r:
+            return tuple(first)
+    rest = [x for x in order if x not in first]
+    return tuple(first + rest[:r - len(first)])
 
 
 def chunk_nodes(
     ino: int, parent: int, index: int, n_chunks: int, nodes: int | Sequence[int], replicas: int,
-    group: int = 0,
+    group: int = 0, domains: Sequence[str] | None = None,
 ) -> tuple[int, ...]:
     """The storage nodes (primary first) for chunk ``index`` of a file with ``n_chunks`` chunks.
 
@@ -72,7 +93,8 @@ def chunk_nodes(
     nodes ``0..n-1``. One-chunk files follow their parent directory and ``group``, a run of
     neighbouring files written together (an import batch): a run packs back to back on one
     node, and the runs of a big directory spread over all nodes. Chunks of larger files stripe
-    over the nodes starting at a per-file offset.
+    over the nodes starting at a per-file offset. ``domains`` (``Cluster.node_domains``) keeps
+    a chunk's copies on distinct failure domains where there are enough.
     """
     ring = range(nodes) if isinstance(nodes, int) else nodes
     n = len(ring)
@@ -82,18 +104,21 @@ def chunk_nodes(
         start = _h64(b"dir", parent, group) % n
     else:
         start = (_h64(b"file", ino) + index) % n
-    return _ring(start, ring, replicas)
+    return _ring(start, ring, replicas, domains)
 
 
-def spread(key: int, nodes: Sequence[int], count: int, exclude: Sequence[int] = ()
-           ) -> tuple[int, ...]:
+def spread(key: int, nodes: Sequence[int], count: int, exclude: Sequence[int] = (),
+           domains: Sequence[str] | None = None, keep: Sequence[int] = ()) -> tuple[int, ...]:
     """``count`` of ``nodes`` not in ``exclude``, round the ring from ``h(key)``: where a healer
-    puts the new copies of a chunk (deterministic, so a rescan proposes the same targets)."""
+    puts the new copies of a chunk (deterministic, so a rescan proposes the same targets).
+    With ``domains``, nodes outside the failure domains of the copies that stay (``keep``)
+    come first."""
     free = [x for x in nodes if x not in exclude]
     if not free or count <= 0:
         return ()
     start = _h64(b"heal", key) % len(free)
-    return tuple(free[(start + k) % len(free)] for k in range(min(count, len(free))))
+    taken = [domains[x] for x in keep if 0 <= x < len(domains)] if domains is not None else []
+    return _ring(start, free, count, domains, taken)
 
 
 def chunk_span(offset: int, length: int, chunk_size: int) -> range:

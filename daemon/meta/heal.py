@@ -261,7 +261,8 @@ class Healer:
         up, used, bad = await self._nodes(cluster)
         r = self._current = P.Round(
             cluster.epoch, self.round_started, states,
-            min(cluster.replicas, max(1, len(writable))), up, bad, cluster.replicas)
+            min(cluster.replicas, max(1, len(writable))), up, bad, cluster.replicas,
+            domains=cluster.node_domains)
         if not cluster.etcd:
             self.rebalance = {"off": "a static cluster file never grows"}
         elif not self._deletes:

@@ -59,6 +59,9 @@ class Round:
     up: set[int]
     bad: dict[int, set[bytes]]
     wanted: int = 0
+    domains: tuple[str, ...] | None = None
+    """Each node's failure domain (``Cluster.node_domains``): new copies avoid the domains of
+    the copies that stay."""
     """The map's replicas: a chunk with fewer live copies counts as under-replicated."""
     chunks: int = 0
     nbytes: int = 0
@@ -71,6 +74,16 @@ class Round:
     copied: int = 0
     copy_time: float = 0.0
     worked: bool = False
+
+
+def _same_or_new_domain(domains: tuple[str, ...] | None, src: int, dst: int,
+                        nodes: Sequence[int]) -> bool:
+    """A move keeps a chunk's failure domains apart: ``dst`` is in ``src``'s domain or in one
+    no other copy is in."""
+    if domains is None or not (0 <= dst < len(domains) and 0 <= src < len(domains)):
+        return True
+    others = {domains[n] for n in nodes if n != src and 0 <= n < len(domains)}
+    return domains[dst] == domains[src] or domains[dst] not in others
 
 
 def plan_chunk(ino: int, c: Chunk, r: Round, writable_up: Sequence[int]) -> Job | None:
@@ -94,8 +107,8 @@ def plan_chunk(ino: int, c: Chunk, r: Round, writable_up: Sequence[int]) -> Job 
     sources = [n for n in good_active + good_drain if n in r.up] + \
         [n for n in uniq if state(n) == REMOVED and n in r.up and not bad(n)]
     need = r.replicas - len(good_active) - len(repairs)
-    targets = list(spread(int.from_bytes(c.blob[:8], "little"), writable_up, need, uniq)) \
-        if need > 0 else []
+    targets = list(spread(int.from_bytes(c.blob[:8], "little"), writable_up, need, uniq,
+                          r.domains, good_active + good_drain)) if need > 0 else []
     if repairs or targets:
         if not sources:
             r.unrepairable += 1
@@ -107,7 +120,8 @@ def plan_chunk(ino: int, c: Chunk, r: Round, writable_up: Sequence[int]) -> Job 
         return Job(ino, c, "tidy")  # enough live copies: drop draining/removed ones
     for move in r.moves:
         src, dst, left = move
-        if left > 0 and src in good_active and src in r.up and dst not in uniq:
+        if left > 0 and src in good_active and src in r.up and dst not in uniq \
+                and _same_or_new_domain(r.domains, src, dst, uniq):
             move[2] -= c.blob_len
             job = Job(ino, c, "move", replace=(src, dst))
             job.copies = [Copy(dst, [src] + [n for n in sources if n != src], c.blob,

@@ -36,9 +36,10 @@ class DataPath:
     def placement(self, ino: int, parent: int, index: int, total: int,
                   group: int = 0) -> tuple[int, ...]:
         """The preferred nodes of a chunk: over the writable nodes of the map the storage
-        client follows (a drained or removed node takes no new bytes; a new one at once)."""
+        client follows (a drained or removed node takes no new bytes; a new one at once), the
+        copies on distinct failure domains where there are enough."""
         return chunk_nodes(ino, parent, index, total, self.storage.writable,
-                           self.storage.replicas, group)
+                           self.storage.replicas, group, self.storage.domains)
 
     async def store(self, ino: int, parent: int, pieces: Sequence[tuple[int, memoryview]],
                     total_chunks: int) -> list[Chunk]:

@@ -91,6 +91,8 @@ class StorageClient:
         self.states: tuple[str, ...] = node_states(cluster)
         self.writable: tuple[int, ...] = writable_nodes(cluster)
         """Active nodes, where new blobs go (``placement.chunk_nodes`` takes this list)."""
+        self.domains: tuple[str, ...] = cluster.node_domains
+        """Each node's failure domain (copies of a chunk go to distinct ones)."""
         self.replicas = cluster.replicas
         self._demoted = frozenset(i for i, st in enumerate(self.states) if st != ACTIVE)
         self._reported: set[tuple[int, bytes]] = set()
@@ -117,6 +119,7 @@ class StorageClient:
         self.n_nodes = cluster.n_nodes
         self.states = node_states(cluster)
         self.writable = writable_nodes(cluster)
+        self.domains = cluster.node_domains
         self.replicas = cluster.replicas
         self._demoted = frozenset(i for i, st in enumerate(self.states) if st != ACTIVE)
 
