@@ -48,6 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "it until usage is even.")
     add.add_argument("address", help="HOST:PORT the new node listens on")
     add.add_argument("--data", help="its data directory (relative: next to the cluster file)")
+    add.add_argument("--domain", help="its failure domain, e.g. a rack name (default: its host; "
+                     "a chunk's copies go to distinct domains)")
     add_json(add)
     add.set_defaults(func=cmd_add)
 
@@ -276,7 +278,8 @@ def cmd_add(args: argparse.Namespace) -> int:
     def fn(current: config.Cluster) -> config.Cluster:
         if any(s.address == args.address and s.state != REMOVED for s in current.storage):
             raise ValueError(f"{args.address} is a storage node of this cluster already")
-        new = config.Server(args.address, args.data or f"storage-{current.n_nodes}")
+        new = config.Server(args.address, args.data or f"storage-{current.n_nodes}",
+                            domain=args.domain)
         return dataclasses.replace(current, storage=current.storage + (new,))
 
     new = _change(cluster, fn)
