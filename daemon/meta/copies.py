@@ -15,10 +15,10 @@ import trio
 
 from jpfs import config
 from jpfs.coord.clustermap import MapFollower
-from jpfs.errors import error
+from jpfs.errors import JPFSError, error
 from jpfs.proto import replica as R
 from jpfs.proto.replica import ShardPool
-from jpfs.rpc import Handler, Pool
+from jpfs.rpc import Handler, Later, Pool
 
 from . import replog
 
@@ -30,25 +30,53 @@ log = logging.getLogger(__name__)
 
 
 def guarded(table: dict, repl: Replication | None) -> dict:
-    """Every client method answers "not leader" on a copy that does not lead (unchanged with
-    one copy)."""
+    """Every client method answers "not leader" on a copy that does not lead, and a leader's
+    answers wait until a majority holds what they saw (``Store.hold``); unchanged with one
+    copy."""
     if repl is None:
         return table
-    check = repl.check
+    check, hold = repl.check, repl.store.hold
     out = {}
     for m, h in table.items():
         now, run = h.now, h.run
 
         def g_now(*a, _now=now):
             check()
-            return _now(*a)
+            try:
+                result = _now(*a)
+            except JPFSError as e:
+                return hold(None, e)
+            return result if isinstance(result, Later) else hold(result)
 
         async def g_run(*a, _run=run, **kw):
             check()
-            return await _run(*a, **kw)
+            try:
+                result = await _run(*a, **kw)
+            except JPFSError as e:
+                return await _settled(hold(None, e))
+            return await _settled(hold(result))
 
         out[m] = Handler(g_run if run is not None else None, g_now if now else None)
     return out
+
+
+async def _settled(answer: object) -> object:
+    """``answer``, or what the ``Later`` it is settles with."""
+    if not isinstance(answer, Later):
+        return answer
+    done = trio.Event()
+    box: list = []
+
+    def settled(result: object, exc: BaseException | None) -> None:
+        box.append((result, exc))
+        done.set()
+
+    answer.on_settled(settled)
+    await done.wait()
+    result, exc = box[0]
+    if exc is not None:
+        raise exc
+    return result
 
 
 def replica_handlers(shard: MetaShard) -> dict:

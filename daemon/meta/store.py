@@ -159,6 +159,7 @@ class _Slot:
     later: Later | None = None  # ... or settled (write_later)
     result: object = None
     exc: BaseException | None = None
+    read: bool = False  # an answer held until a majority holds what it saw (``hold``)
 
 
 class Store:
@@ -198,6 +199,7 @@ class Store:
         """The term this copy writes entries in while it leads."""
         self._names = {h: name for name, h in self.dbs.items()}
         self._repl_wait: deque[tuple[int, int, _Slot]] = deque()  # (seq, group, slot)
+        self._acked = 0  # a majority holds every group up to this seq (while leading)
 
     def _check_identity(self) -> None:
         """Refuse to serve another shard's data (a wrong --index would corrupt placement)."""
@@ -317,7 +319,9 @@ class Store:
 
     def _settle(self, group: int, slot: _Slot) -> None:
         """Answer a committed slot now, or once its group is fsynced where that is asked."""
-        if self.durable and (slot.later is None or self.ack_after_sync):
+        if slot.read:
+            self._answer(slot)
+        elif self.durable and (slot.later is None or self.ack_after_sync):
             if self._synced >= group:
                 self._answer(slot)
             else:
@@ -325,8 +329,23 @@ class Store:
         else:
             self._answer(slot)
 
+    def hold(self, result: object, exc: BaseException | None = None) -> object:
+        """A replicated leader's answer (a read's, or an error it met), given only once a
+        majority holds every group it could have seen: a reader never sees a change that a
+        failover could still drop. At once when nothing is waiting for a majority."""
+        if self.repl is None or self._acked >= self.pos[1]:
+            if exc is not None:
+                raise exc
+            return result
+        later = Later()
+        self._repl_wait.append((self.pos[1], self._committed, _Slot(
+            self.hold, (), later=later, result=result, exc=exc, read=True)))
+        return later
+
     def replicated(self, seq: int) -> None:
         """A majority of the copies holds every group up to ``seq``: answer their writes."""
+        if seq > self._acked:
+            self._acked = seq
         wait = self._repl_wait
         while wait and wait[0][0] <= seq:
             _, group, slot = wait.popleft()
@@ -348,6 +367,7 @@ class Store:
         """This copy stopped leading: fail what waits for replication, and wake the waiters of
         cross-shard transactions (the next leader finishes those)."""
         self.leading = False
+        self._acked = 0
         self.fail_waiting(exc)
         done, self._tx_done = self._tx_done, {}
         for ev in done.values():
