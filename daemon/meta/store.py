@@ -337,6 +337,8 @@ class Store:
             if exc is not None:
                 raise exc
             return result
+        if not self.leading:  # stepped down meanwhile: nobody will confirm it here
+            raise self.repl.not_leader()
         later = Later()
         self._repl_wait.append((self.pos[1], self._committed, _Slot(
             self.hold, (), later=later, result=result, exc=exc, read=True)))
