@@ -20,6 +20,7 @@ from ..types import Layout
 from .data import DataPath
 from .prefetch import Prefetcher
 from .reader import Reader, chunk_map
+from .storage import Moved
 from .writer import FLUSH_BYTES, FileWriter
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class AsyncFile:
         self.ino = layout.attr.ino
         self.cs = layout.chunk_size
         self._layout = layout
+        self._data = data
         self._chunks = chunk_map(layout.chunks)
         self._size = layout.attr.size
         self.writer = FileWriter(data, reader, layout, parent, path, flush_bytes=flush_bytes) \
@@ -89,7 +91,15 @@ class AsyncFile:
         else:
             if self.prefetcher is not None and self._size > self.cs:
                 self.prefetcher.read(self, self._layout, off, n)
-            out = await self.reader.read(self._chunks, self._size, self.cs, off, n)
+            try:
+                out = await self.reader.read(self._chunks, self._size, self.cs, off, n)
+            except Moved:
+                # the healer moved a chunk's every copy since open: the same bytes elsewhere
+                fresh = await self._data.meta.get_layout(self.ino)
+                if fresh.attr.version != self._layout.attr.version:
+                    raise
+                self._layout, self._chunks = fresh, chunk_map(fresh.chunks)
+                out = await self.reader.read(self._chunks, self._size, self.cs, off, n)
         self.pos += len(out)
         return out
 

@@ -502,6 +502,11 @@ def _hash_all(views: Sequence[memoryview]) -> list[int]:
     return [h(v) for v in views]
 
 
+class Moved(JPFSError):
+    """Every node a chunk record named answered that it has no such blob: the healer moved the
+    copies after the caller read the layout. Reading the layout again finds them."""
+
+
 def _read_error(chunk: Chunk, failures: list[str], corrupt: bool, all_down: bool) -> JPFSError:
     """Why chunk ``chunk`` could not be read, naming each replica's node and its answer (the
     path is added by the layers that know it)."""
@@ -517,7 +522,7 @@ def _read_error(chunk: Chunk, failures: list[str], corrupt: bool, all_down: bool
     if failures and all(f.endswith(": ENOENT") for f in failures):
         # every recorded node answered that it has no such blob: the healer moved the copies
         # since this layout was read (or gc took a blob a crashed write left unnamed)
-        return error(errno.EIO, f"chunk {chunk.index}: no recorded node holds it any more "
+        return Moved(errno.EIO, f"chunk {chunk.index}: no recorded node holds it any more "
                                 f"({why}): the copies moved since the file's layout was read; "
                                 f"open the file again {blob}")
     return error(errno.EIO, f"chunk {chunk.index}: no replica could serve it: {why} {blob}")

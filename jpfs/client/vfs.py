@@ -51,6 +51,7 @@ from .inodes import Inodes, Node
 from .listings import KnownDirs
 from .prefetch import PrefetchConfig
 from .reader import chunk_map
+from .storage import Moved
 from .writer import FileWriter
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,8 @@ class VFSStats:
     commits: int = 0
     capability_checks: int = 0
     """security.capability lookups answered from memory (one per write(2) otherwise)."""
+    layouts_refreshed: int = 0
+    """Reads that found every copy of a chunk moved (by the healer) and read the layout again."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -605,6 +608,20 @@ class VFS:
         return out
 
     async def _read_layout(self, h: FileHandle, off: int, size: int):
+        try:
+            return await self._read_from_layout(h, off, size)
+        except Moved:
+            # the healer moved every copy of a chunk since this layout was read (a drain, a
+            # rebalance): the record names the new nodes, and the bytes are the same
+            stale = h.layout
+            fresh = await self.meta.get_layout(h.node.ino)
+            if stale is not None and fresh.attr.version != stale.attr.version:
+                raise  # rewritten meanwhile: not the bytes this open saw
+            h.layout, h.chunks, h.node.layout = fresh, None, fresh
+            self.stats.layouts_refreshed += 1
+            return await self._read_from_layout(h, off, size)
+
+    async def _read_from_layout(self, h: FileHandle, off: int, size: int):
         layout = h.layout
         if layout is None:
             layout = h.layout = h.node.layout or await self.meta.get_layout(h.node.ino)

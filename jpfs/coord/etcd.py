@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import errno
 import json
+import logging
 import random
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -24,6 +25,10 @@ import httpx
 import trio
 
 from ..errors import JPFSError
+
+# httpx logs every request at INFO: a leader renewing its lease twice a second would fill the
+# daemons' logs (and a mount's) with them
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 class EtcdError(JPFSError):

@@ -44,6 +44,7 @@ class MountStats:
             "notify_store_bytes": vfs["notify_store_bytes"],
             "commits": vfs["commits"],
             "capability_checks": vfs["capability_checks"],
+            "layouts_refreshed": vfs["layouts_refreshed"],
             "uptime": round(time.time() - self.started, 3),
         }
 
@@ -78,7 +79,7 @@ def families(snap: dict) -> list:
         c.add_metric([name], n)
     out.append(c)
     for key in ("read_bytes", "write_bytes", "notify_store_bytes", "commits",
-                "capability_checks"):
+                "capability_checks", "layouts_refreshed"):
         out.append(CounterMetricFamily(f"jpfs_fuse_{key}", key.replace("_", " "),
                                        value=fuse[key]))
     for section in ("cache", "prefetch", "names"):
