@@ -33,8 +33,9 @@ from .coord import clustermap
 MODULES = {"meta": "jpfs_daemon.meta.server", "storage": "jpfs_daemon.storage.server"}
 DEFAULT_META_SHARDS = 2
 DEFAULT_STORAGE_NODES = 2
-DEFAULT_META_REPLICAS = 1
-"""Copies per shard ``jpfs cluster up`` makes (a cluster map in etcd is needed for more)."""
+DEFAULT_META_REPLICAS = 3
+"""Copies per shard ``jpfs cluster up`` makes (a leader and two followers: any one daemon can
+die); ``localcluster.up`` itself defaults to 1 (tests that need no replication)."""
 START_TIMEOUT = 30.0
 EXIT_ADDRESS_IN_USE = 98  # what a daemon exits with when its port is taken
 

@@ -205,9 +205,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             detail = [f"cluster map epoch {cluster.epoch}"]
         elif row["role"] == "meta":
             state = f"up, pid {row['pid']}"
-            detail = ([row["replication"]] if row.get("replication") else []) + [
-                f"inodes {row.get('inodes', 0):,}", f"entries {row.get('dentries', 0):,}",
-                f"commits {row.get('commits', 0):,}"]
+            detail = [row["copy_state"]] if row.get("copy_state") else []
+            if "inodes" in row:  # the copy that answered for the shard
+                detail += [f"inodes {row.get('inodes', 0):,}",
+                           f"entries {row.get('dentries', 0):,}",
+                           f"commits {row.get('commits', 0):,}"]
         else:
             state = f"up, pid {row['pid']}"
             if row.get("state", "active") != "active":
@@ -279,18 +281,15 @@ def _daemon_info(cluster: config.Cluster, daemons: list) -> list[dict]:
 
     client = connect(cluster)
     try:
+        for shard in range(cluster.n_shards):
+            copies = [r for r in rows if r["role"] == "meta" and r["index"] == shard]
+            if any(r["alive"] for r in copies):
+                _place_shard_info(client, shard, copies)
         for r in rows:
-            if not r["alive"] or r["role"] == "etcd":
+            if not r["alive"] or r["role"] != "storage":
                 continue
             try:
-                if r["role"] == "meta" and r["replica"] == 0:
-                    # the shard answers (its leader, when it has copies); the other copies
-                    # show as running or not
-                    r.update(client.run(_shard_info, r["index"]))
-                elif r["role"] == "meta":
-                    continue
-                else:
-                    r.update(client.run(_storage_stats, r["index"]))
+                r.update(client.run(_storage_stats, r["index"]))
             except OSError as e:
                 r["error"] = e.strerror or str(e)
         rows.append({"name": "heal", "role": "heal", "alive": True,
@@ -298,6 +297,30 @@ def _daemon_info(cluster: config.Cluster, daemons: list) -> list[dict]:
     finally:
         client.close()
     return rows
+
+
+def _place_shard_info(client, shard: int, copies: list[dict]) -> None:
+    """Ask the shard (its leader answers) once; its figures go on the leading copy's row, and
+    each other copy's row says how far it has followed."""
+    try:
+        info = client.run(_shard_info, shard)
+    except OSError as e:
+        for r in copies:
+            if r["alive"]:
+                r["error"] = e.strerror or str(e)
+        return
+    repl = info.get("replication_status") or {}
+    leader = repl.get("leader", 0) if repl else 0
+    followers = {int(k): v for k, v in (repl.get("followers") or {}).items()}
+    for r in copies:
+        if r["replica"] == leader:
+            r.update(info)
+            if repl:
+                r["copy_state"] = f"leader (term {repl.get('term')}, seq {repl.get('seq')})"
+        elif r["alive"]:
+            at = followers.get(r["replica"])
+            r["copy_state"] = (f"follower at seq {at}" if at is not None
+                               else "follower (not reached by the leader)")
 
 
 def _heal_status(client) -> list[str]:
