@@ -79,7 +79,11 @@ class Replication:
         self.leader: int | None = None
         self.leader_address: str | None = None
         self.valid_until = -math.inf
+        self.log = replog.Ring(store.pos)
+        """Recent entries, kept by followers too (what they applied), so a new leader can
+        catch up a follower a few entries behind from memory instead of a snapshot."""
         self.ring: replog.Ring | None = None
+        """``log`` while leading (shippers read it), else None."""
         self.match: dict[int, int] = {}
         self._wake = trio.Event()
         self._lead_scope: trio.CancelScope | None = None
@@ -116,8 +120,7 @@ class Replication:
 
     def append(self, entry: replog.Entry) -> None:
         """A group commit of this leader (``Store._commit``): keep it and wake the shippers."""
-        if self.ring is not None:
-            self.ring.append(entry)
+        self.log.append(entry)
         self._wake.set()
         self._wake = trio.Event()
 
@@ -251,7 +254,9 @@ class Replication:
         self.role, self.known_term, self.leader = "leader", term, self.replica
         self.leader_address = self.addresses[self.replica]
         self.store.term = term
-        self.ring = replog.Ring(self.store.pos)
+        if self.log.last != self.store.pos:  # (cannot happen: every change passes here)
+            self.log = replog.Ring(self.store.pos)
+        self.ring = self.log
         self.match = {}
         self.store.leading = True
         try:
@@ -471,6 +476,9 @@ class Replication:
         ok = not resyncing and store.pos == (prev_term, prev_seq)
         if ok and entries:
             store.apply_entries(entries)
+            for term, seq, mutations in entries:
+                self.log.append(replog.Entry(term, seq, mutations,
+                                             replog.entry_size(mutations)))
         term_now, seq_now = store.pos
         return {"ok": ok, "term": term_now, "seq": seq_now, "resyncing": resyncing}
 
@@ -490,12 +498,14 @@ class Replication:
         store = self.store
         if step == "begin":
             store.snapshot_begin()
+            self.log = replog.Ring(store.pos)
         elif step == "data":
             if db not in store.dbs:
                 raise error(errno.EINVAL, f"no database {db!r}")
             store.snapshot_data(db, items)
         elif step == "end":
             store.snapshot_end((pos[0], pos[1]))
+            self.log = replog.Ring(store.pos)
             await store.sync()
             log.info("shard %d replica %d installed a snapshot at seq %d", self.shard,
                      self.replica, pos[1])
