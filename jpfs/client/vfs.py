@@ -34,8 +34,6 @@ import stat
 import time
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing, contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Protocol
 
 import trio
 
@@ -52,95 +50,22 @@ from .listings import KnownDirs
 from .prefetch import PrefetchConfig
 from .reader import chunk_map
 from .storage import Moved
+from .vfs_types import (
+    OPEN_OUTCOMES,
+    Notifier,
+    NullNotifier,
+    OpenFile,
+    VFSConfig,
+    VFSStats,
+    outcome_of,
+)
 from .writer import FileWriter
+from .xattrs import Xattrs
 
 log = logging.getLogger(__name__)
 
 FALLOC_FL_KEEP_SIZE = 0x01
-_ACL = b"system.posix_acl_"
-_CAPS = b"security.capability"
-"""Asked by the kernel before every write(2) (to drop file capabilities), so before each 4 KiB
-write: answered from memory while known absent (the attribute timeout; a new file has none)."""
 _DEVICES = (stat.S_IFBLK, stat.S_IFCHR)
-
-
-class Notifier(Protocol):
-    """How the VFS reaches the kernel's caches (the FUSE mount passes its own)."""
-
-    def store(self, ino: int, data: memoryview) -> bool:
-        """Put a file's whole contents into the kernel's page cache; False if it cannot."""
-        ...
-
-    def invalidate_attr(self, ino: int) -> None:
-        """Make the kernel ask for the inode's attributes again."""
-        ...
-
-
-class NullNotifier:
-    """For a VFS that no kernel caches (tests, tools)."""
-
-    def store(self, ino: int, data: memoryview) -> bool:
-        return False
-
-    def invalidate_attr(self, ino: int) -> None:
-        return None
-
-
-@dataclass
-class VFSConfig:
-    """How the VFS answers (times in seconds, sizes in bytes)."""
-
-    read_only: bool = False
-    """Files do not change while mounted: listings and layouts are trusted forever."""
-    attr_timeout: float = 1.0
-    entry_timeout: float = 1.0
-    open_cache: float = 0.0
-    """Read-write: trust a file's layout this long at open instead of revalidating."""
-    small_file: int = 4 << 20
-    """Files up to this size are fetched whole at open."""
-    notify_store: bool = True
-    readdir_page: int = 1000
-
-
-@dataclass
-class OpenFile:
-    """What ``open`` and ``create`` answer."""
-
-    fh: int
-    keep_cache: bool
-    """The kernel may keep the pages it holds of this file (they are of this version)."""
-
-
-OPEN_OUTCOMES = ("kernel", "prefetched", "memory", "disk", "fetched", "joined", "deferred",
-                 "empty", "write")
-"""How an open was served: the kernel keeps its cached pages; the bytes were prefetched, in the
-memory or disk cache, fetched on demand, joined a fetch in flight, left for the reads (a large
-file); an empty file; a write open."""
-
-
-@dataclass
-class VFSStats:
-    """What the VFS counts: opens by how they were served, bytes, commits."""
-
-    opens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPEN_OUTCOMES, 0))
-    read_bytes: int = 0
-    write_bytes: int = 0
-    notify_store_bytes: int = 0
-    commits: int = 0
-    capability_checks: int = 0
-    """security.capability lookups answered from memory (one per write(2) otherwise)."""
-    layouts_refreshed: int = 0
-    """Reads that found every copy of a chunk moved (by the healer) and read the layout again."""
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def _outcome(sources: set[str]) -> str:
-    for s in ("fetched", "joined", "disk", "prefetched"):
-        if s in sources:
-            return s
-    return "memory"
 
 
 class VFS:
@@ -168,9 +93,7 @@ class VFS:
         self.known: KnownDirs | None = None if self.ro or config.entry_timeout <= 0 else \
             KnownDirs(self.meta, config.entry_timeout)
         """Names of directories being written (None on read-only mounts: listings do it)."""
-        self._no_caps: dict[int, float] = {}
-        """Inodes known to have no security.capability, and since when (time.monotonic())."""
-        self._xattr_changes = 0
+        self.xattrs = Xattrs(self.meta, inodes, self.stats, self._attr_age, self._writable)
 
     @classmethod
     async def connect(cls, nursery: trio.Nursery, cluster: Cluster, cache: BlobCache,
@@ -515,7 +438,7 @@ class VFS:
                 except JPFSError as e:
                     log.warning("cannot read %s: %s", self.name_of(node), e.strerror)
                     raise
-                outcome = _outcome(sources)
+                outcome = outcome_of(sources)
                 # Only when no other handle is open: then no READ of this inode can hold page
                 # locks that the store would wait for while we cannot answer.
                 if not stale and node.opens == 1 and cfg.notify_store \
@@ -579,7 +502,7 @@ class VFS:
                                                    exclusive=bool(flags & os.O_EXCL))
         if created:
             self._made_in(parent, name, attr)
-            self._none_since(attr.ino, sent)  # a new file has no extended attributes
+            self.xattrs.none_since(attr.ino, sent)  # a new file has no extended attributes
         elif self.known is not None:
             self.known.drop(parent)  # it was there (made elsewhere) after all
         node = self.inodes.remember(attr, parent, name)
@@ -841,52 +764,16 @@ class VFS:
         return s
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
-        if name.startswith(_ACL):  # asked by ls and cp for every file; never stored
-            raise error(errno.ENODATA, "no such attribute")
-        if name != _CAPS:
-            return await self.meta.getxattr(ino, name)
-        since = self._no_caps.get(ino)
-        sent = time.monotonic()
-        if since is not None and sent - since < self._attr_age:
-            self.stats.capability_checks += 1
-            raise error(errno.ENODATA, "no such attribute")
-        changes = self._xattr_changes
-        try:
-            return await self.meta.getxattr(ino, name)
-        except JPFSError as e:
-            if e.errno == errno.ENODATA and changes == self._xattr_changes:
-                self._none_since(ino, sent)
-            raise
-
-    def _none_since(self, ino: int, t: float) -> None:
-        """Inode ``ino`` had no security.capability at ``t``."""
-        if len(self._no_caps) > 65536:
-            self._no_caps.clear()
-        self._no_caps[ino] = t
+        return await self.xattrs.get(ino, name)
 
     async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
-        self._writable()
-        if name.startswith(_ACL):
-            raise error(errno.EOPNOTSUPP, "JPFS has no POSIX ACLs (mode bits only)")
-        self._xattr_changes += 1
-        self._no_caps.pop(ino, None)
-        try:
-            await self.meta.setxattr(ino, name, value, flags)
-        finally:
-            self._xattr_changes += 1
-        self.inodes.stale(ino)
+        await self.xattrs.set(ino, name, value, flags)
 
     async def listxattr(self, ino: int) -> list[bytes]:
-        return await self.meta.listxattr(ino)
+        return await self.xattrs.list(ino)
 
     async def removexattr(self, ino: int, name: bytes) -> None:
-        self._writable()
-        self._xattr_changes += 1
-        try:
-            await self.meta.removexattr(ino, name)
-        finally:
-            self._xattr_changes += 1
-        self.inodes.stale(ino)
+        await self.xattrs.remove(ino, name)
 
 
 __all__ = ["FALLOC_FL_KEEP_SIZE", "OPEN_OUTCOMES", "VFS", "Notifier", "NullNotifier",

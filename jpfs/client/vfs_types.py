@@ -1,0 +1,90 @@
+"""What the VFS answers and is configured with: its config, open results, counters, and the
+``Notifier`` through which it reaches the kernel's caches (the FUSE mount passes its own)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+
+class Notifier(Protocol):
+    """How the VFS reaches the kernel's caches (the FUSE mount passes its own)."""
+
+    def store(self, ino: int, data: memoryview) -> bool:
+        """Put a file's whole contents into the kernel's page cache; False if it cannot."""
+        ...
+
+    def invalidate_attr(self, ino: int) -> None:
+        """Make the kernel ask for the inode's attributes again."""
+        ...
+
+
+class NullNotifier:
+    """For a VFS that no kernel caches (tests, tools)."""
+
+    def store(self, ino: int, data: memoryview) -> bool:
+        return False
+
+    def invalidate_attr(self, ino: int) -> None:
+        return None
+
+
+@dataclass
+class VFSConfig:
+    """How the VFS answers (times in seconds, sizes in bytes)."""
+
+    read_only: bool = False
+    """Files do not change while mounted: listings and layouts are trusted forever."""
+    attr_timeout: float = 1.0
+    entry_timeout: float = 1.0
+    open_cache: float = 0.0
+    """Read-write: trust a file's layout this long at open instead of revalidating."""
+    small_file: int = 4 << 20
+    """Files up to this size are fetched whole at open."""
+    notify_store: bool = True
+    readdir_page: int = 1000
+
+
+@dataclass
+class OpenFile:
+    """What ``open`` and ``create`` answer."""
+
+    fh: int
+    keep_cache: bool
+    """The kernel may keep the pages it holds of this file (they are of this version)."""
+
+
+OPEN_OUTCOMES = ("kernel", "prefetched", "memory", "disk", "fetched", "joined", "deferred",
+                 "empty", "write")
+"""How an open was served: the kernel keeps its cached pages; the bytes were prefetched, in the
+memory or disk cache, fetched on demand, joined a fetch in flight, left for the reads (a large
+file); an empty file; a write open."""
+
+
+@dataclass
+class VFSStats:
+    """What the VFS counts: opens by how they were served, bytes, commits."""
+
+    opens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPEN_OUTCOMES, 0))
+    read_bytes: int = 0
+    write_bytes: int = 0
+    notify_store_bytes: int = 0
+    commits: int = 0
+    capability_checks: int = 0
+    """security.capability lookups answered from memory (one per write(2) otherwise)."""
+    layouts_refreshed: int = 0
+    """Reads that found every copy of a chunk moved (by the healer) and read the layout again."""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def outcome_of(sources: set[str]) -> str:
+    """The ``OPEN_OUTCOMES`` entry of an open whose bytes came from ``sources``."""
+    for s in ("fetched", "joined", "disk", "prefetched"):
+        if s in sources:
+            return s
+    return "memory"
+
+
+__all__ = ["OPEN_OUTCOMES", "Notifier", "NullNotifier", "OpenFile", "VFSConfig", "VFSStats"]
