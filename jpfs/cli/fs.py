@@ -250,6 +250,8 @@ def cmd_fsck(args: argparse.Namespace) -> int:
             print(f"  {line}")
         if len(report.problems) > 50:
             print(f"  ... and {len(report.problems) - 50} more")
+        for line in report.notes:  # not problems: what could not be checked, and why
+            print(f"  note: {line}")
         if report.clean:
             print("clean")
         elif args.repair:
