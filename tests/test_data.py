@@ -199,7 +199,34 @@ def test_corrupt_replica_is_served_from_the_other(make_cluster):
         raw = bytearray(vol.read_bytes())
         raw[raw.index(payload) + 10] ^= 1
         vol.write_bytes(bytes(raw))
+    with jpfs.connect(d, first_copy=0) as c:  # asks the corrupt copy first
         assert c.read_bytes("/two") == payload
+
+
+def test_readers_spread_over_the_copies(make_cluster):
+    """Each client reads one copy of every chunk first (its ``first_copy``), so clients
+    together use every copy instead of leaving all but the first idle; a directory's files
+    still come from one node per client (one batch)."""
+    d = make_cluster(meta_shards=1, storage_nodes=2, replicas=2)
+    with jpfs.connect(d) as c:
+        for k in range(6):
+            c.makedirs(f"/spread/d{k}")
+            for i in range(10):
+                c.write_bytes(f"/spread/d{k}/f{i}", os.urandom(2000 + i))
+        paths = [f"/spread/d{k}/f{i}" for k in range(6) for i in range(10)]
+        firsts = [c.layout(p).chunks[0].nodes for p in paths]
+
+    def sent() -> list[int]:
+        with jpfs.connect(d) as c:
+            return [c.run(lambda ac, n=n: ac.storage.stats(n))["blobs_sent"] for n in (0, 1)]
+
+    for copy in (0, 1):
+        before = sent()
+        with jpfs.connect(d, first_copy=copy) as c:
+            assert len(c.read_many(paths)) == len(paths)
+        after = sent()
+        want = [sum(nodes[copy] == n for nodes in firsts) for n in (0, 1)]
+        assert [a - b for a, b in zip(after, before, strict=True)] == want
 
 
 def test_kill_a_storage_node_with_two_replicas(make_cluster):

@@ -340,7 +340,8 @@ def test_a_read_that_fails_its_checksum_is_reported_and_the_copy_healed(cluster_
         vol = next(v for v in sorted((d / f"storage-{first}" / "volumes").iterdir())
                    if needle in v.read_bytes())
         _flip(vol, vol.read_bytes().find(needle) + 999)
-        fresh = jpfs.connect(localcluster.cluster_file(d))  # nothing cached
+        # nothing cached; reads the first recorded copy first
+        fresh = jpfs.connect(localcluster.cluster_file(d), first_copy=0)
         try:
             assert fresh.read_bytes("/y/victim") == needle  # from the other replica
         finally:

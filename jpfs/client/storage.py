@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import random
 from collections.abc import Sequence
 
 import trio
@@ -68,6 +69,11 @@ class StorageClient:
         timeout: the deadline of one call, retries included.
         peer_timeout: how long a node that does not answer at all is given (default: the
             cluster file's ``cluster.peer_timeout``).
+        first_copy: which of a chunk's live copies this client reads first, counted round the
+            copies (default: chosen at random per client). Every client reading from the first
+            copy would leave the others idle; a per-client choice spreads readers over all
+            copies, and because the one-chunk files of a directory run share their nodes, a
+            client's reads of them still go to one node in one batch.
     """
 
     def __init__(
@@ -84,8 +90,10 @@ class StorageClient:
         retry_for: float | None = None,
         timeout: float = 60.0,
         peer_timeout: float | None = None,
+        first_copy: int | None = None,
     ):
         self.cluster = cluster
+        self.first_copy = random.randrange(1 << 16) if first_copy is None else first_copy
         self.nursery = nursery
         self.n_nodes = cluster.n_nodes
         self.states: tuple[str, ...] = node_states(cluster)
@@ -147,13 +155,17 @@ class StorageClient:
         return frozenset(n for n in list(self._down_until) if self.is_down(n))
 
     def _order(self, nodes: Sequence[int], down: frozenset[int]) -> Sequence[int]:
-        """Replicas to try: active ones that are up first (in recorded order), then draining
-        ones, then those known to be down, and removed nodes last of all."""
+        """Replicas to try: active ones that are up first (from this client's ``first_copy``
+        round the recorded order), then draining ones, then those known to be down, and
+        removed nodes last of all."""
         demoted = self._demoted
-        if len(nodes) == 1 or (not down and not demoted and len(nodes) == 2
-                               and nodes[0] != nodes[1]):
+        if len(nodes) == 1:
             return nodes
+        if not down and not demoted and len(nodes) == 2 and nodes[0] != nodes[1]:
+            return nodes if not self.first_copy & 1 else (nodes[1], nodes[0])
         seen = list(dict.fromkeys(nodes))
+        k = self.first_copy % len(seen)
+        seen = seen[k:] + seen[:k]
         if not down and not demoted:
             return seen
         states = self.states
