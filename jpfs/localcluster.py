@@ -441,7 +441,10 @@ def stop(directory: str | os.PathLike, role: str, index: int, *, sig: int = sign
          timeout: float = 15.0, replica: int = 0) -> bool:
     """Stop one daemon (SIGKILL after ``timeout``); False if it was not running."""
     d = Path(directory).resolve()
-    pid_file = d / f"{daemon_name(role, index, replica)}.pid"
+    return _stop_pid_file(d / f"{daemon_name(role, index, replica)}.pid", sig, timeout)
+
+
+def _stop_pid_file(pid_file: Path, sig: int, timeout: float) -> bool:
     pid = _read_pid(pid_file)
     if pid is None:
         pid_file.unlink(missing_ok=True)
@@ -485,12 +488,22 @@ def kill(directory: str | os.PathLike, role: str, index: int, replica: int = 0) 
 
 
 def down(directory: str | os.PathLike, timeout: float = 15.0) -> list[str]:
-    """Stop every daemon of the cluster (etcd last); returns the names of those that ran."""
+    """Stop every daemon of the cluster (etcd last); returns the names of those that ran.
+
+    Every daemon with a pid file in the directory is stopped, not only those the map names:
+    a node that was drained and removed may still run, and without etcd the map names none."""
+    d = Path(directory).resolve()
     stopped = []
-    daemons = status(directory)
-    for dmn in [x for x in daemons if x.role != "etcd"] + [x for x in daemons if x.role == "etcd"]:
-        if stop(directory, dmn.role, dmn.index, timeout=timeout, replica=dmn.replica):
+    try:
+        daemons = [x for x in status(d) if x.role != "etcd"]
+    except (OSError, ValueError):  # no map to read (etcd gone, a broken file): pid files only
+        daemons = []
+    for dmn in daemons:
+        if stop(d, dmn.role, dmn.index, timeout=timeout, replica=dmn.replica):
             stopped.append(dmn.name)
+    for pid_file in sorted(d.glob("*.pid"), key=lambda p: p.stem == "etcd"):  # etcd last
+        if _stop_pid_file(pid_file, signal.SIGTERM, timeout):
+            stopped.append(pid_file.stem)
     return stopped
 
 

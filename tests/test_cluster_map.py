@@ -113,3 +113,14 @@ def test_cluster_init_writes_the_map_of_a_real_cluster(tmp_path):
         assert again.returncode != 0 and "already holds a different map" in again.stderr
     finally:
         localcluster.stop(tmp_path / "etcd", "etcd", 0)
+
+
+def test_down_stops_every_daemon_even_with_etcd_gone(tmp_path):
+    d = tmp_path / "gone"
+    localcluster.up(d, etcd=True, meta_shards=1, storage_nodes=1)
+    pids = [int(p.read_text()) for p in d.glob("*.pid")]
+    assert len(pids) == 3
+    localcluster.kill(d, "etcd", 0)  # the map can no longer be read
+    stopped = localcluster.down(d, timeout=5)
+    assert sorted(stopped) == ["meta-0", "storage-0"]
+    assert not any(localcluster.pid_alive(p) for p in pids)
