@@ -100,6 +100,35 @@ def test_a_retried_change_with_the_same_request_id_answers_once(tmp_path):
         client = jpfs.connect(c)
         assert client.listdir("/a") == ["sub"]
         assert client.listdir("/b") == ["g"]
+        # an unlink whose inode lives on another shard goes the planned (2PC) way; its retry
+        # reaches the inline handler first, which must hand it back to the planned one
+        dirs = {}
+        for i in range(40):
+            client.mkdir(f"/x{i}")
+            dirs.setdefault(shard_of(client.stat(f"/x{i}").ino), f"/x{i}")
+            if len(dirs) == 2:
+                break
+        (_, here), (s1, there) = sorted(dirs.items())
+        client.create(f"{here}/f")
+        client.link(f"{here}/f", f"{there}/hard")
+        there_ino = client.stat(there).ino
+        client.close()
+
+        async def unlink_twice() -> None:
+            async with trio.open_nursery() as nursery:
+                pool = Pool(nursery, [s.address for s in c.meta], c.secret, role="meta")
+                rid = time.time_ns().to_bytes(8, "big") + os.urandom(8)
+                req = P.RemoveReq(there_ino, b"hard", rid)
+                first = P.UNLINK.decode(await pool.call(s1, P.UNLINK, req))
+                again = P.UNLINK.decode(await pool.call(s1, P.UNLINK, req))  # not ENOENT
+                assert first.parent is not None and again.parent is not None
+                assert again.parent.ino == first.parent.ino == there_ino
+                pool.close()
+                nursery.cancel_scope.cancel()
+
+        trio.run(unlink_twice)
+        client = jpfs.connect(c)
+        assert client.listdir(there) == [] and client.stat(f"{here}/f").nlink == 1
         client.close()
     finally:
         localcluster.down(tmp_path)

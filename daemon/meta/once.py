@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from jpfs.rpc.service import Defer
+
 from . import keys as K
 from .store import Txn
 
@@ -34,6 +36,10 @@ def once(t: Txn, rid: bytes, fn: Callable, *args: object) -> object:
     """``fn(t, *args)`` unless request ``rid`` ran already (then its recorded result)."""
     got = recorded(t, rid)
     if got is not MISSING:
+        if isinstance(got, dict) and "created" in got:
+            # recorded by the planned path (``fn`` deferred to it the first time): that
+            # handler rebuilds its answer from the record; the raw record is no answer
+            raise Defer
         return got
     result = fn(t, *args)
     record(t, rid, result)
