@@ -229,6 +229,33 @@ def test_readers_spread_over_the_copies(make_cluster):
         assert [a - b for a, b in zip(after, before, strict=True)] == want
 
 
+def test_a_copy_replacing_a_down_node_keeps_out_of_the_other_copys_domain(make_cluster):
+    """Four nodes in two failure domains; a blob preferring nodes 2 (down) and 0 gets its
+    second copy on node 3, the other domain, not on node 1 next round the ring."""
+    import dataclasses
+
+    from jpfs.client.storage import StorageClient
+
+    d = make_cluster(meta_shards=1, storage_nodes=4, replicas=2)
+    path = localcluster.cluster_file(d)
+    c = config.load(path)
+    nodes = tuple(dataclasses.replace(s, domain="ab"[i // 2]) for i, s in enumerate(c.storage))
+    c = dataclasses.replace(c, storage=nodes)
+    assert c.node_domains == ("a", "a", "b", "b")
+    localcluster.kill(d, "storage", 2)
+
+    async def main() -> tuple[int, ...]:
+        async with trio.open_nursery() as nursery:
+            client = StorageClient(nursery, c)
+            try:
+                ((stored, _),) = await client.put([(os.urandom(16), (2, 0), b"x" * 1000)])
+            finally:
+                client.close()
+            return stored
+
+    assert sorted(trio.run(main)) == [0, 3]
+
+
 def test_kill_a_storage_node_with_two_replicas(make_cluster):
     d = make_cluster(meta_shards=2, storage_nodes=3, replicas=2, chunk_size=CHUNK)
     files = {f"/k/f{i}": os.urandom(random.randrange(1, 3 * CHUNK)) for i in range(40)}

@@ -396,7 +396,7 @@ class StorageClient:
                     raise Unavailable(
                         f"cannot store {want[i]} copies of blob {P.blob_name(blobs[i][0])}: "
                         f"stored on {stored[i] or 'no node'}; " + "; ".join(failures[i]))
-                picks = [x for x in fresh if not self.is_down(x)][:need]
+                picks = self._apart([x for x in fresh if not self.is_down(x)], need, stored[i])
                 if len(picks) < need:
                     picks += [x for x in fresh if x not in picks][:need - len(picks)]
                 for x in picks:
@@ -416,6 +416,25 @@ class StorageClient:
             rank = {x: k for k, x in enumerate(cands[i])}
             result.append((tuple(sorted(stored[i], key=rank.__getitem__)), xxhs[i]))
         return result
+
+    def _apart(self, cands: list[int], need: int, stored: list[int]) -> list[int]:
+        """``need`` of ``cands`` (in order), those of failure domains no copy is on yet first:
+        a replacement for a preferred node that is down stays out of the other copies'
+        domains where it can."""
+        doms = self.domains
+
+        def dom(x: int) -> str:
+            return doms[x] if 0 <= x < len(doms) else f"#{x}"
+
+        taken = {dom(x) for x in stored}
+        picks: list[int] = []
+        for x in cands:
+            if len(picks) == need:
+                return picks
+            if dom(x) not in taken:
+                taken.add(dom(x))
+                picks.append(x)
+        return picks + [x for x in cands if x not in picks][:need - len(picks)]
 
     def _ring(self, nodes: Sequence[int]) -> list[int]:
         """The preferred writable nodes, then the other writable ones round the ring after
