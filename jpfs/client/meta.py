@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any
 
 import trio
 
@@ -49,7 +48,7 @@ class MetaClient:
         self._nursery = nursery
         self._pool_options = pool_options
 
-    def set_cluster(self, cluster: Cluster) -> None:
+    def follow(self, cluster: Cluster) -> None:
         """Follow a new cluster map (``MapFollower``): more shards, or copies elsewhere."""
         self.cluster = cluster
         self.n_shards = cluster.n_shards
@@ -57,13 +56,7 @@ class MetaClient:
         if isinstance(self.pool, ShardPool):
             self.pool.set_replicas(reps)
         elif all(len(r) == 1 for r in reps):
-            set_addresses: Any = getattr(self.pool, "set_addresses", None)
-            if set_addresses is not None:
-                set_addresses([r[0] for r in reps])
-            else:  # an older Pool: a new one (connections reopen on use)
-                self.pool.close()
-                self.pool = Pool(self._nursery, [r[0] for r in reps], cluster.secret,
-                                 role="meta", **self._pool_options)
+            self.pool.set_addresses([r[0] for r in reps])
         else:  # copies were added to a cluster that had none
             self.pool.close()
             self.pool = ShardPool(self._nursery, reps, cluster.secret, **self._pool_options)
@@ -76,9 +69,6 @@ class MetaClient:
             return None
         return time.time_ns().to_bytes(8, "big") + os.urandom(8)
 
-    def follow(self, cluster: Cluster) -> None:
-        """A newer cluster map (``jpfs.coord.clustermap``): shards added or moved."""
-        self.set_cluster(cluster)
 
     async def call(self, shard: int, method: str, *args, **kw):
         """Call any method by name and get its answer in wire form (for tools: fsck, gc,
