@@ -191,6 +191,12 @@ class Mount:
         shutil.rmtree(self.cache, ignore_errors=True)
 
 
+def _counted(before: dict, after: dict) -> dict:
+    """The counters that moved between two snapshots of one stats section."""
+    return {k: v - before.get(k, 0) for k, v in after.items()
+            if isinstance(v, int) and not isinstance(v, bool) and v != before.get(k, 0)}
+
+
 def _fuse_delta(before: dict, after: dict, files: int, cpu: float) -> dict:
     fb, fa = before["fuse"], after["fuse"]
     opens = {k: fa["opens"][k] - fb["opens"][k] for k in fa["opens"]}
@@ -202,6 +208,7 @@ def _fuse_delta(before: dict, after: dict, files: int, cpu: float) -> dict:
         "opens": {k: v for k, v in opens.items() if v},
         "prefetch_hit_rate": opens.get("prefetched", 0) / needed if needed else None,
         "mount_cpu_us_per_file": cpu / files * 1e6,
+        "prefetch": _counted(before.get("prefetch", {}), after.get("prefetch", {})),
     }
 
 

@@ -19,6 +19,7 @@ pytestmark = [requires_fuse, pytest.mark.fuse]
 CHUNK = 1 << 20
 N_SCAN = 500
 EPISODES = 24
+EPISODES_2 = 48
 CAMERAS = ("observation.images.top", "observation.images.wrist_1")
 
 
@@ -39,6 +40,14 @@ def cluster(tmp_path_factory):
         p.write_bytes(rng.randbytes(30000))
         for cam in CAMERAS:
             v = src / "ds" / "videos" / "chunk-000" / cam / f"episode_{i:06d}.mp4"
+            v.parent.mkdir(parents=True, exist_ok=True)
+            v.write_bytes(rng.randbytes(60000))
+    for i in range(EPISODES_2):  # a second tree, for an epoch that must sweep every directory
+        p = src / "ds2" / "data" / f"episode_{i:06d}.parquet"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(rng.randbytes(20000))
+        for cam in CAMERAS:
+            v = src / "ds2" / "videos" / cam / f"episode_{i:06d}.mp4"
             v.parent.mkdir(parents=True, exist_ok=True)
             v.write_bytes(rng.randbytes(60000))
     (src / "big.bin").write_bytes(rng.randbytes(24 * CHUNK))
@@ -152,6 +161,29 @@ def test_coaccess_is_learned_then_hits(cluster, tmp_path):
         rules = m.stats()["prefetch"]["rules"]
         assert any(r["from"].startswith("/ds/data/chunk-#/episode_#") and r["hits"] > 0
                    for r in rules), rules
+
+
+def test_a_shuffled_epoch_sweeps_the_directories_coaccess_predicts(cluster, tmp_path):
+    """Co-access predicts each video at its parquet's open, just before the reader wants it;
+    in a shuffled epoch the video directories are swept as well (each fits within the cache
+    share on its own, not beside the other), so most opens find their bytes already there,
+    and every swept byte is read."""
+    c, src = cluster
+    order = list(range(EPISODES_2))
+    random.Random(4).shuffle(order)
+    video_dir = 60000 * EPISODES_2
+    memory = 3 * video_dir  # the share (half) holds one video directory, not two
+    with mounted(c, tmp_path / "m", "--read-only", "--memory-cache", str(memory)) as m:
+        base = m / "ds2"
+        for i in order:
+            assert _read(base / f"data/episode_{i:06d}.parquet") == \
+                (src / "ds2" / "data" / f"episode_{i:06d}.parquet").read_bytes()
+            for cam in CAMERAS:
+                _read(base / f"videos/{cam}/episode_{i:06d}.mp4")
+        s = m.stats()
+        assert s["prefetch"]["sweeps"] == 1 + len(CAMERAS), s["prefetch"]
+        cache = s["cache"]
+        assert cache["prefetched_bytes"] - cache["prefetch_hit_bytes"] <= 16 * 60000, cache
 
 
 def test_hinted_paths_are_fetched_before_they_are_opened(cluster, tmp_path):

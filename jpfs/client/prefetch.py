@@ -75,9 +75,9 @@ class PrefetchConfig:
     """Fetch the layouts of a listed directory's files with its listing (one batch call per
     shard): opens then need no metadata call. For mounts whose files do not change."""
     sweep_after: int = 12
-    """A directory with this many distinct files opened that nothing predicted, mostly out of
-    name order (an epoch in shuffled order), is fetched whole if it fits within the cache
-    share."""
+    """A directory with this many distinct files opened that nothing fetched ahead (no scan, no
+    hint; a co-access prediction made at the partner's open is not ahead), mostly out of name
+    order (an epoch in shuffled order), is fetched whole if it fits within the cache share."""
     sweep_disorder: float = 0.25
     """Share of those opens that went backwards in name order, for a sweep."""
     batch_files: int = 256
@@ -244,7 +244,10 @@ class Prefetcher:
             rule.hits += 1
             self.stats.coaccess_hits += 1
         self._scan(stream, parent, name)
-        if not ready:  # what other predictions already cover needs no sweep
+        # What scans and hints fetched ahead needs no sweep. A co-access prediction is made at
+        # the partner's open, just before this one: the reader mostly waits for it, so in a
+        # shuffled epoch such opens count as unpredicted.
+        if not ready or rule is not None:
             self._sweep(parent, name)
         self._coaccess(stream, path)
         self._notify()
@@ -406,8 +409,9 @@ class Prefetcher:
         todo = [a for i, a in enumerate(lst.attrs) if a.is_reg and 0 < a.size <= small
                 and lst.names[i] not in sw.opened and not self.kernel_has(a.ino, a.version)]
         total = sum(a.size for a in todo)
-        share = self.cache.memory_bytes * cfg.cache_share
-        if not todo or total > share - self.cache.prefetched_unused_bytes - self._inflight:
+        # The directory must fit in the share on its own; it need not fit beside what other
+        # sweeps hold now (the sweep waits for room, which reading them makes).
+        if not todo or total > self.cache.memory_bytes * cfg.cache_share:
             return
         self.stats.sweeps += 1
         self.stats.sweep_files += len(todo)
