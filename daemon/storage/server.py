@@ -1,8 +1,10 @@
 """The storage server: blobs in append-only volumes, served with ``sendfile``.
 
 Writes (fsync policy). ``--fsync always`` (the default): a ``put_blobs`` is answered only after its
-bytes are appended to the active volume, ``fdatasync``-ed, and the index transaction naming them is
-committed (LMDB synced); an acknowledged blob survives a power cut. Concurrent requests share one
+bytes (and the record naming them) are appended to the active volume, ``fdatasync``-ed, and the
+index transaction naming them is committed (LMDB's pages synced; its meta page is not waited
+for, and a restart re-indexes from the records what a power cut undid: ``store.py``); an
+acknowledged blob survives a power cut. Concurrent requests share one
 group commit: while one commit is in a worker thread, the next requests queue and then go to disk
 together with one ``fdatasync`` and one transaction, so many writers cost few syncs.
 ``--fsync never`` skips both syncs: an acknowledged blob survives the server process dying (the

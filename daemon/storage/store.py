@@ -10,7 +10,8 @@ LMDB databases:
 - ``blobs``:   id (16 bytes) -> ``ENTRY`` (volume, offset, length, xxh3-64, created time)
 - ``byvol``:   volume u32 | offset u64 | id (big-endian, so a cursor walks a volume in disk order)
                -> (length, xxh); what compaction copies, in order
-- ``volumes``: volume u32 -> ``VOLREC`` (committed end, live bytes, live blobs, flags)
+- ``volumes``: volume u32 -> ``VOLREC`` (committed end, live bytes, live blobs, flags, record
+               bytes; indexes written before records existed lack the last)
 - ``meta``:    ``next_volume`` (ids are never reused), ``active`` (the volume appends go to),
                ``scrub`` (the scrubber's progress, JSON), ``repaired`` (bad copies replaced)
 - ``bad``:     id -> ``BAD_VAL`` (length, xxh, found time) + reason: blobs the scrubber found
@@ -18,13 +19,22 @@ LMDB databases:
                (``EIO``, so clients fail over at once); a put of the same id and checksum writes
                a fresh copy, points the index at it and clears the record (the repair).
 
-Crash safety rests on one rule: **bytes are durable before the index names them.** A write appends
-to the active volume past its committed end, fsyncs, and only then commits the index transaction
-that records the blobs and moves the committed end. A crash before the commit leaves tail bytes
-past the committed end: nothing names them, the next append overwrites them and a restart
-truncates them. Volume files that the index does not list (a compaction target that was never
-switched in, an old volume whose switch committed but whose unlink did not happen) are deleted
-on restart. Compaction copies live blobs to a fresh volume, fsyncs it, then switches every moved
+Crash safety rests on one rule: **bytes are durable before the index names them.** A put appends
+to the active volume past its committed end a record (REC_HEAD: the ids, lengths and checksums
+of its blobs, itself checksummed) and then the blobs, fdatasyncs, and only then commits the
+index transaction that records the blobs and moves the committed end. That commit syncs LMDB's
+pages but not its meta page (``metasync`` off: one sync fewer per put), so a power failure may
+undo the last transaction (never corrupt the index; the next commit's sync covers the one
+before it); the restart then indexes the records past the committed end again (``_replay``), so
+an answered put is never lost. Commits of anything but appends to the active volume (deletes,
+compaction, seals, a new volume, repairs) sync the meta page too: they have no record. A put cut
+short leaves a record or bytes that fail their checksums, never answered: a restart truncates
+them, with the zeros laid ahead of the appends (``_lay_ahead``: appends that overwrite blocks the
+file already has sync without a journal commit).
+
+Volume files that the index does not list (a compaction target that was never switched in, an
+old volume whose switch committed but whose unlink did not happen) are deleted on restart.
+Compaction copies live blobs to a fresh volume, fsyncs it, then switches every moved
 entry and drops the old volume's record in one transaction; only after that is the old file
 unlinked. ``kill -9`` between any two steps therefore never loses a live blob.
 
@@ -60,16 +70,30 @@ ENTRY = struct.Struct("<IQQQd")
 BYVOL_KEY = struct.Struct(">IQ16s")
 BYVOL_VAL = struct.Struct("<QQ")
 VOL_KEY = struct.Struct(">I")
-VOLREC = struct.Struct("<QQQI")
-"""volumes value: committed end, live bytes, live blobs, flags."""
+VOLREC = struct.Struct("<QQQIQ")
+"""volumes value: committed end, live bytes, live blobs, flags, bytes of put records."""
+_VOLREC_V1 = struct.Struct("<QQQI")
 U64 = struct.Struct("<Q")
 BAD_VAL = struct.Struct("<QQd")
 """bad value: length, xxh, found (seconds since the epoch); the reason follows, UTF-8."""
+REC_HEAD = struct.Struct("<4sI")
+"""A put's record in its volume, ahead of its blobs: magic, blob count; then REC_ENTRY per blob
+and REC_SUM, the xxh3-64 of all before it."""
+REC_ENTRY = struct.Struct("<16sQQ")
+"""id, length, xxh of one blob of a put record."""
+REC_SUM = struct.Struct("<Q")
+REC_MAGIC = b"JPV1"
+_REPLAY_MAX = 64 << 20
+"""A record naming more bytes than this is not a record (puts are at most MAX_PUT_BYTES)."""
 
 SEALED = 1
 """Volume flag: no more appends (rolled over, or a compaction target)."""
 
 _COPY_BUFFER = 8 << 20
+
+PREFILL = 8 << 20
+"""Zeros laid ahead of the appends of the active volume (see ``Store._lay_ahead``)."""
+_ZEROS = memoryview(bytes(1 << 20))
 
 
 def crash_point(step: str) -> None:
@@ -104,17 +128,23 @@ class VolRec:
     live_bytes: int = 0
     live_blobs: int = 0
     flags: int = 0
+    record_bytes: int = 0
+    """Bytes of the put records among the blobs (neither live nor garbage: compaction, which
+    copies blobs alone, drops them)."""
 
     @classmethod
     def unpack(cls, raw: bytes) -> VolRec:
+        if len(raw) == _VOLREC_V1.size:
+            return cls(*_VOLREC_V1.unpack(raw))
         return cls(*VOLREC.unpack(raw))
 
     def pack(self) -> bytes:
-        return VOLREC.pack(self.end, self.live_bytes, self.live_blobs, self.flags)
+        return VOLREC.pack(self.end, self.live_bytes, self.live_blobs, self.flags,
+                           self.record_bytes)
 
     @property
     def dead_bytes(self) -> int:
-        return self.end - self.live_bytes
+        return self.end - self.live_bytes - self.record_bytes
 
 
 # ------------------------------------------------------------------------------ write operations
@@ -184,6 +214,9 @@ class _WriterState:
     end: int = 0
     fd: int | None = None
     next_volume: int = 1
+    filled: int = 0
+    """Bytes of the active volume already written (data or the zeros laid ahead of it): an
+    append below this is an overwrite, whose fdatasync needs no journal commit."""
 
 
 @dataclass
@@ -220,7 +253,7 @@ class Store:
         self.fsync = fsync
         self.env = lmdb.open(
             str(self.dir / "index.lmdb"), map_size=map_size, max_dbs=8, max_readers=1024,
-            sync=fsync, metasync=fsync,
+            sync=fsync, metasync=False,  # see commit(): a put's record makes it durable
         )
         self.blobs = self.env.open_db(b"blobs")
         self.byvol = self.env.open_db(b"byvol")
@@ -264,6 +297,10 @@ class Store:
                 log.info("removing orphan volume %s (never committed, or already compacted)",
                          path.name)
                 path.unlink()
+        active = U64.unpack(raw_active)[0] if raw_active else None
+        if active is not None and active in recs and active in on_disk \
+                and not recs[active].flags & SEALED:
+            recs[active] = self._replay(active, recs[active])
         for vol, rec in sorted(recs.items()):
             path = self.vol_path(vol)
             size = path.stat().st_size if vol in on_disk else -1
@@ -281,14 +318,80 @@ class Store:
         top = max([*recs, *on_disk], default=0)
         w = self._w
         w.next_volume = max(U64.unpack(raw_next)[0] if raw_next else 1, top + 1)
-        active = U64.unpack(raw_active)[0] if raw_active else None
         if active is not None and active in recs and not recs[active].flags & SEALED \
                 and active not in self.short:
             w.active, w.end = active, recs[active].end
+            w.filled = w.end  # the tail past the end was truncated above
             w.fd = os.open(self.vol_path(active), os.O_RDWR)
         log.info("index has %d volumes, %d blobs; appending to %s", len(recs),
                  sum(r.live_blobs for r in recs.values()),
                  self.vol_path(w.active).name if w.active is not None else "a new volume")
+
+    def _replay(self, vol: int, rec: VolRec) -> VolRec:
+        """Index the puts whose records lie past the committed end of active volume ``vol``.
+
+        A put is answered once its bytes and record are fdatasync-ed and its index transaction
+        is committed, but that commit does not wait for LMDB's meta page to reach the disk
+        (``metasync`` off: a power failure can undo the last transaction, never break the
+        index). The next commit's sync, or the record, makes up for it: here every record
+        whose checksum and blobs' checksums match is indexed again, in order, up to the first
+        that does not (a put cut short by the failure, never answered). A record can also be
+        a put whose process died between its data sync and its commit (never answered
+        either): its blobs are indexed, as they are intact.
+        """
+        path = self.vol_path(vol)
+        found: list[tuple[bytes, int, int, int]] = []  # id, offset, length, xxh
+        end = rec.end
+        records = 0
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            while end + REC_HEAD.size + REC_SUM.size <= size:
+                f.seek(end)
+                head = f.read(REC_HEAD.size)
+                magic, n = REC_HEAD.unpack(head)
+                hlen = REC_HEAD.size + n * REC_ENTRY.size + REC_SUM.size
+                if magic != REC_MAGIC or not 0 < n <= 4096 or end + hlen > size:
+                    break
+                body = head + f.read(hlen - REC_HEAD.size)
+                (want,) = REC_SUM.unpack_from(body, hlen - REC_SUM.size)
+                if xxhash.xxh3_64_intdigest(body[:-REC_SUM.size]) != want:
+                    break
+                entries = [REC_ENTRY.unpack_from(body, REC_HEAD.size + k * REC_ENTRY.size)
+                           for k in range(n)]
+                total = sum(e[1] for e in entries)
+                if total > _REPLAY_MAX or end + hlen + total > size:
+                    break
+                data = f.read(total)
+                pos, ok, blobs = 0, True, []
+                for bid, length, xxh in entries:
+                    if xxhash.xxh3_64_intdigest(data[pos:pos + length]) != xxh:
+                        ok = False
+                        break
+                    blobs.append((bid, end + hlen + pos, length, xxh))
+                    pos += length
+                if not ok:
+                    break
+                found += blobs
+                end += hlen + total
+                records += hlen
+        if not found:
+            return rec
+        now = time.time()
+        new = replace(rec, end=end, record_bytes=rec.record_bytes + records)
+        with self.env.begin(write=True) as txn:
+            for bid, off, length, xxh in found:
+                if txn.get(bid, db=self.blobs) is not None:
+                    continue  # cannot happen (a re-put of a stored id writes nothing); keep it
+                txn.put(bid, ENTRY.pack(vol, off, length, xxh, now), db=self.blobs)
+                txn.put(BYVOL_KEY.pack(vol, off, bid), BYVOL_VAL.pack(length, xxh),
+                        db=self.byvol)
+                new.live_bytes += length
+                new.live_blobs += 1
+            txn.put(VOL_KEY.pack(vol), new.pack(), db=self.vols)
+        self.env.sync(True)
+        log.info("volume %s: %d blobs of puts past the index's end indexed again from their "
+                 "records", path.name, len(found))
+        return new
 
     def _fsync_dir(self) -> None:
         if not self.fsync:
@@ -505,11 +608,20 @@ class Store:
                     raw = txn.get(b"repaired", db=self.meta)
                     before = U64.unpack(raw)[0] if raw else 0
                     txn.put(b"repaired", U64.pack(before + c.repaired), db=self.meta)
+            if self.fsync and (c.opened or c.meta_changed or c.repaired or c.bad_removed
+                               or any(type(op) is not PutOp for op in ops)):
+                needs_meta = True
+            else:
+                needs_meta = False
         except BaseException:
             for vol, fd in c.opened:
                 os.close(fd)
                 _unlink_quietly(self.vol_path(vol))
             raise
+        if needs_meta:
+            # Only appends to the active volume carry records (_replay); anything else must be
+            # durable at once, LMDB's meta page included.
+            self.env.sync(True)
         old_fd = self._w.fd
         if old_fd is not None and old_fd != c.state.fd:
             os.close(old_fd)
@@ -600,7 +712,10 @@ class Store:
         if not new:
             return [0, present]
         total = sum(n[1] for n in new)
-        vol, fd, start = self._room(txn, c, total)
+        record = _record([(n[0], n[1], n[2]) for n in new])
+        vol, fd, at = self._room(txn, c, len(record) + total)
+        _pwrite_all(fd, memoryview(record), at)
+        start = at + len(record)
         # Write the new blobs back to back: runs that are contiguous in the payload in one go.
         off = start
         i = 0
@@ -634,6 +749,7 @@ class Store:
         rec = self._rec(txn, c, vol)
         rec.end = c.state.end = start + total
         rec.live_bytes += total
+        rec.record_bytes += len(record)
         rec.live_blobs += len(new)
         c.dirty[vol] = fd
         return [len(new), present]
@@ -648,11 +764,29 @@ class Store:
             s.next_volume += 1
             fd = os.open(self.vol_path(vol), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             c.opened.append((vol, fd))
-            s.active, s.end, s.fd = vol, 0, fd
+            s.active, s.end, s.fd, s.filled = vol, 0, fd, 0
             c.recs[vol] = VolRec()
             c.meta_changed = True
         assert s.fd is not None  # an active volume is open for appending
+        if self.fsync and s.end + size > s.filled:
+            self._lay_ahead(s, s.end + size)
         return s.active, s.fd, s.end
+
+    def _lay_ahead(self, s: _WriterState, need: int) -> None:
+        """Write zeros past ``need`` (up to PREFILL bytes, not past the volume size), so that
+        the next appends overwrite blocks the file already has. An append that grows the file
+        makes its ``fdatasync`` commit the filesystem's journal (the new size and blocks), the
+        slow part of a sync when other writers share the disk; an overwrite's flushes the data
+        alone. This commit's own fdatasync makes the zeros durable with its data. Bytes past
+        the committed end are never read (the index names none) and a restart truncates
+        them, as any unindexed tail."""
+        assert s.fd is not None
+        start = max(need, s.filled)
+        stop = max(need, min(need + PREFILL, self.volume_size))
+        off = start
+        while off < stop:
+            off += os.pwrite(s.fd, _ZEROS[:min(len(_ZEROS), stop - off)], off)
+        s.filled = stop
 
     def _delete(self, txn, c: _Commit, op: DeleteOp) -> int:
         n = 0
@@ -794,6 +928,18 @@ class Store:
     def unlink_volume(self, vol: int) -> None:
         _unlink_quietly(self.vol_path(vol))
         self._fsync_dir()
+
+
+def record_size(n: int) -> int:
+    """Bytes of the record of a put of ``n`` new blobs."""
+    return REC_HEAD.size + n * REC_ENTRY.size + REC_SUM.size
+
+
+def _record(entries: list[tuple[bytes, int, int]]) -> bytes:
+    """A put's record (see REC_HEAD), written ahead of its blobs."""
+    body = REC_HEAD.pack(REC_MAGIC, len(entries)) + b"".join(
+        REC_ENTRY.pack(bid, length, xxh) for bid, length, xxh in entries)
+    return body + REC_SUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
