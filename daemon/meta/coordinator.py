@@ -2,16 +2,35 @@
 
 The shard that owns the directory being changed coordinates. For a cross-shard change it
 
-1. writes an *intent* (state ``preparing``, the participant shards) durably;
-2. asks every participant to *prepare*: check the ops, allocate new inodes, hold locks, record
-   the ops durably (shards creating inodes go first, so others can name the new inode);
-3. on success records the decision (state ``committing``) — the commit point — and tells every
-   participant to *commit*; on failure tells the prepared ones to *abort*;
-4. deletes the intent once every participant has answered.
+1. commits an *intent* (state ``preparing``, the participant shards) without waiting for its
+   fsync (it only makes recovery prompt; presumed abort below does without it);
+2. asks every *other* participant to *prepare*: check the ops, allocate new inodes, hold
+   locks, record the ops durably (shards creating inodes go first, so others can name the new
+   inode);
+3. on success applies its own ops and records the decision (state ``committing``) in one
+   transaction, answered once durable: the commit point. Its own shard is the last agent and
+   never holds prepared locks. On failure it tells the prepared ones to *abort*;
+4. tells the participants to *commit* (a participant lets its readers in once committed and
+   answers once that is durable) and then deletes the intent (not waited for on disk: a lost
+   deletion replays a commit that does nothing). The intent outlives every participant's
+   unsynced commit, so one that loses its commit in a power failure finds the decision again.
+   When every remote op changes only inodes its prepare locked (``_LOCKED_ONLY``: a mkdir's new
+   inode, an rmdir's, a link count, a ctime), whoever reads or writes those there waits for the
+   commit: the caller is answered at once and step 4 runs in the background (a nursery this
+   object owns, at most ``BACKGROUND`` at once). Otherwise (an entry, whose directory's times
+   and link count change unlocked) after step 4, so the caller reads its own change.
 
-Presumed abort: a participant with a prepared record whose coordinator has no intent aborts.
-A ``kill -9`` anywhere is finished on restart: the coordinator replays its intents (``recover``)
-and participants keep their locks (so readers wait rather than see half a change) until told.
+Critical path: the remote prepares (their fsync) and the decision (ours), plus the commits
+where 4 says so; before, the intent, every prepare, the decision, the commits and the intent's
+deletion each waited for an fsync in turn.
+
+Presumed abort: a participant with a prepared record whose coordinator neither has an intent
+nor runs the transaction (``tx_status`` "unknown") aborts it. Participants ask at start and
+then every ``ORPHAN_EVERY`` s about records older than ``ORPHAN_AGE`` s, so an intent lost to a
+crash before it was committed (or to a power failure before its fsync) costs seconds, not locks
+held for good. A ``kill -9`` anywhere is finished on restart: the coordinator replays its
+intents (``resolver``) and participants keep their locks (so readers wait rather than see half
+a change) until told.
 """
 
 from __future__ import annotations
@@ -19,6 +38,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,7 +52,7 @@ from jpfs.rpc import Method, Pool
 from ..common import fault_point
 from . import keys as K
 from . import once, ops
-from .store import Store, Txn
+from .store import Locked, Store, Txn
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +60,68 @@ FINISH_WAIT = 10.0
 """How long a caller waits for participants to apply a decided transaction before the rest is
 left to the background resolver (the decision is durable either way)."""
 
+BACKGROUND = 256
+"""Decided transactions finished (participants committed, intent dropped) in the background
+at once; past that a caller finishes its own before it is answered."""
+
+ORPHAN_AGE = 5.0
+"""A prepared record older than this (s) is checked against its coordinator."""
+ORPHAN_EVERY = 2.0
+
 RENAME_LEASE = 30.0
 
 _TRANSIENT = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.EAGAIN})
+
+
+class _Refused(JPFSError):
+    """The coordinator's own ops failed their checks in the decision transaction, which rolled
+    back: nothing was decided."""
+
+    def __init__(self, cause: JPFSError):
+        super().__init__(cause.errno or errno.EIO, cause.strerror)
+        self.cause = cause
+
+
+class _Busy(JPFSError):
+    """One of the coordinator's own keys is held by another prepared transaction. Not waited for
+    inside the decision: this transaction holds its remote locks meanwhile, and the holder may
+    be waiting for one of them (a deadlock); it aborts, waits, and plans again instead."""
+
+    def __init__(self, txid: bytes):
+        super().__init__(errno.EAGAIN, f"held by transaction {txid.hex()}")
+        self.txid = txid
+
+
+_LOCKED_ONLY = frozenset({"mkinode", "nlink", "setparent", "rmdir", "ctime"})
+"""Ops whose every effect is on an inode their prepare locked (``ops.lock_keys``)."""
+
+
+def _creates(plan_ops: list[list]) -> bool:
+    return any(op[0] == "mkinode" for op in plan_ops)
 
 
 def _put_intent(t: Txn, txid: bytes, state: str, shards: list[int]) -> None:
     t.t.put(txid, K.pack({"state": state, "shards": shards}), db=t.db["intent"])
 
 
-def _decide(t: Txn, txid: bytes, shards: list[int], rid: bytes | None,
-            created: list[int]) -> None:
-    """The commit point, with the request id's outcome in the same transaction."""
+def _decide(t: Txn, txid: bytes, shards: list[int], rid: bytes | None, created: list[int],
+            local_ops: list[list] | None, local_prepared: bool) -> list[int]:
+    """The commit point: this shard's own ops (checked and applied here, the last agent; or,
+    prepared earlier, committed here) and the decision, with the request id's outcome, in one
+    transaction. Returns every inode the transaction created."""
+    if local_ops is not None:
+        try:
+            created = created + ops.apply_local(t, local_ops)
+        except Locked as held:
+            raise _Busy(held.txid) from None
+        except JPFSError as e:
+            raise _Refused(e) from None
+    elif local_prepared:
+        ops.commit(t, txid)
     _put_intent(t, txid, "committing", shards)
     if rid is not None:
         once.record(t, rid, {"created": created})
+    return created
 
 
 def _apply_recorded(t: Txn, plan_ops: list[list]) -> dict:
@@ -84,7 +151,11 @@ class Coordinator:
         self.peers = peers
         self._unfinished = trio.Event()
         self._active: set[bytes] = set()
+        """Transactions a task of this copy is running (decided or not): ``tx_status`` says
+        "active" rather than "unknown" for them, and the resolver leaves them alone."""
         self._left: set[bytes] = set()
+        self._bg: trio.Nursery | None = None  # the resolver's: background finishes
+        self._in_bg = 0
         self._rename_owner: bytes | None = None
         self._rename_expiry = 0.0
         self._rename_freed = trio.Event()
@@ -110,45 +181,86 @@ class Coordinator:
         ``ops.Stale`` (ESTALE) when an expectation failed: the caller plans again.
         """
         if list(plan) == [self.shard]:
+            # one transaction, answered once committed like any single-shard change (durable
+            # within one fsync; fsync(2) and fsyncdir wait for it)
             if rid is not None:
-                got = await self.store.write(once.once, rid, _apply_recorded, plan[self.shard])
+                got = await self.store.write(once.once, rid, _apply_recorded, plan[self.shard],
+                                             durable=False)
                 return got["created"]
-            return await self.store.write(ops.apply_local, plan[self.shard])
-        shards = sorted(plan, key=lambda s: (not any(op[0] == "mkinode" for op in plan[s]), s))
+            return await self.store.write(ops.apply_local, plan[self.shard], durable=False)
         txid = os.urandom(16)
         self._active.add(txid)
+        handed_off = False
         try:
-            return await self._two_phase(txid, plan, shards, rid)
+            created, handed_off = await self._two_phase(txid, plan, rid)
+            return created
         finally:
-            self._active.discard(txid)
-            if txid in self._left:
-                self._left.discard(txid)
-                self._unfinished.set()
+            if not handed_off:
+                self._done(txid)
 
-    async def _two_phase(self, txid: bytes, plan: dict[int, list[list]], shards: list[int],
-                         rid: bytes | None = None):
+    def _done(self, txid: bytes) -> None:
+        self._active.discard(txid)
+        if txid in self._left:
+            self._left.discard(txid)
+            self._unfinished.set()
+
+    async def _two_phase(self, txid: bytes, plan: dict[int, list[list]],
+                         rid: bytes | None = None) -> tuple[list[int], bool]:
+        """Returns the created inodes, and whether a background task finishes the rest."""
+        shards = sorted(plan)
+        local = plan.get(self.shard)
+        order = sorted((s for s in plan if s != self.shard),
+                       key=lambda s: (not _creates(plan[s]), s))
+        # The last agent's ops run in the decision, after every prepare, so they cannot make
+        # an inode the others name; then this shard prepares in turn like the others.
+        last_agent = local is not None and not (
+            _creates(local) and any(ops.NEW in op for s in order for op in plan[s]))
+        if local is not None and not last_agent:
+            order = sorted(plan, key=lambda s: (not _creates(plan[s]), s))
         # A decided transaction must be finished even if our caller goes away.
         with trio.CancelScope(shield=True):
-            await self.store.write(_put_intent, txid, "preparing", shards)
+            await self.store.write(_put_intent, txid, "preparing", shards, durable=False)
             fault_point("coordinator.intent")
             created: list[int] = []
             try:
-                for s in shards:
+                for s in order:
                     new = created[0] if created else None
                     created.extend(await self._participant(s, "prepare", txid,
                                                            ops.substitute(plan[s], new)))
                     fault_point("coordinator.prepared_one")
             except JPFSError:
                 # Abort everywhere: a prepare whose answer was lost may still have happened.
-                self.aborted += 1
-                await self._finish(txid, shards, commit=False)
+                await self._abort(txid, order)
                 raise
-            await self.store.write(_decide, txid, shards, rid, created)
+            local_ops = None
+            if last_agent:
+                assert local is not None
+                local_ops = ops.substitute(local, created[0] if created else None)
+            try:
+                created = await self.store.write(_decide, txid, shards, rid, created, local_ops,
+                                                 local is not None and not last_agent)
+            except _Busy as busy:
+                await self._abort(txid, order)
+                await self.store.wait_resolved(busy.txid)
+                raise ops.Stale(f"held by transaction {busy.txid.hex()}; planning again") \
+                    from None
+            except _Refused as refused:
+                await self._abort(txid, order)
+                raise refused.cause from None
             fault_point("coordinator.decided")
             self.committed += 1
-            await self._finish(txid, shards, commit=True)
-            fault_point("coordinator.finished")
-        return created
+            remote = [s for s in shards if s != self.shard]
+            # Answered now if no reader can see the remote ops undone: each changes only
+            # inodes its prepare locked (a reader or writer there waits for the commit).
+            # Others (an entry's directory's times, subdirs) once committed, so the caller
+            # reads its own change.
+            if (self._bg is not None and self._in_bg < BACKGROUND
+                    and all(op[0] in _LOCKED_ONLY for s in remote for op in plan[s])):
+                self._in_bg += 1
+                self._bg.start_soon(self._finish_later, txid, remote)
+                return created, True
+            await self._finish(txid, remote)
+        return created, False
 
     async def _participant(self, shard: int, step: str, txid: bytes, plan_ops=None):
         steps: dict[str, tuple[Method, Callable[..., Awaitable[Any]]]] = {
@@ -161,9 +273,8 @@ class Coordinator:
             return await local(*args)
         return await self.peers.call(shard, method, args, timeout=60.0)
 
-    async def _finish(self, txid: bytes, shards: list[int], commit: bool) -> None:
-        """Tell participants the decision; leave what does not answer in time to the resolver."""
-        step = "commit" if commit else "abort"
+    async def _tell_all(self, txid: bytes, shards: list[int], step: str) -> bool:
+        """``step`` on every shard at once, retried; False if some did not answer in time."""
         with trio.move_on_after(FINISH_WAIT) as scope:
             async with trio.open_nursery() as nursery:
                 for s in shards:
@@ -171,9 +282,37 @@ class Coordinator:
         if scope.cancelled_caught:
             log.warning("transaction %s: participants unreachable; finishing in the background",
                         txid.hex())
-            self._left.add(txid)
+            return False
+        return True
+
+    async def _abort(self, txid: bytes, shards: list[int]) -> None:
+        self.aborted += 1
+        if await self._tell_all(txid, shards, "abort"):
+            await self.store.write(_drop_intent, txid, durable=False)
         else:
-            await self.store.write(_drop_intent, txid)
+            self._left.add(txid)
+
+    async def _finish(self, txid: bytes, shards: list[int]) -> None:
+        """Commit a decided transaction everywhere; the intent goes once every commit is
+        durable (each participant answers only then). Until then a participant that lost its
+        commit to a power failure still finds the decision (its prepared record was durable)."""
+        if await self._tell_all(txid, shards, "commit"):
+            fault_point("coordinator.committed")
+            await self.store.write(_drop_intent, txid, durable=False)
+            fault_point("coordinator.finished")
+        else:
+            self._left.add(txid)  # the resolver finishes it
+
+    async def _finish_later(self, txid: bytes, shards: list[int]) -> None:
+        try:
+            await self._finish(txid, shards)
+        except Exception as e:  # noqa: BLE001 - the resolver is the backstop; the nursery lives
+            log.warning("transaction %s: finishing failed (%s); left to the resolver",
+                        txid.hex(), e)
+            self._left.add(txid)
+        finally:
+            self._in_bg -= 1
+            self._done(txid)
 
     async def _tell(self, shard: int, step: str, txid: bytes) -> None:
         delay = 0.05
@@ -193,44 +332,61 @@ class Coordinator:
 
     async def resolver(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Finish this shard's undecided and unfinished transactions: at start, and whenever a
-        decision could not be delivered in time."""
-        task_status.started()
-        for txid, _ in self.store.read(_prepared):
-            self.store.tx_begun(txid)  # readers of its locked keys wait for it
-        while True:
-            for txid, intent in self.store.read(_intents):
-                if txid in self._active:
-                    continue
-                commit = intent["state"] == "committing"
-                log.info("recovering transaction %s: %s", txid.hex(),
-                         "commit" if commit else "abort")
-                async with trio.open_nursery() as nursery:
-                    for s in intent["shards"]:
-                        nursery.start_soon(self._tell, s, "commit" if commit else "abort", txid)
-                await self.store.write(_drop_intent, txid)
-            await self._unfinished.wait()
-            self._unfinished = trio.Event()
+        decision could not be delivered in time. Its nursery runs the background finishes."""
+        async with trio.open_nursery() as bg:
+            self._bg, self._in_bg = bg, 0
+            try:
+                task_status.started()
+                for txid, _ in self.store.read(_prepared):
+                    self.store.tx_begun(txid)  # readers of its locked keys wait for it
+                while True:
+                    for txid, intent in self.store.read(_intents):
+                        if txid in self._active:
+                            continue
+                        commit = intent["state"] == "committing"
+                        log.info("recovering transaction %s: %s", txid.hex(),
+                                 "commit" if commit else "abort")
+                        async with trio.open_nursery() as nursery:
+                            for s in intent["shards"]:
+                                nursery.start_soon(self._tell, s,
+                                                   "commit" if commit else "abort", txid)
+                        await self.store.write(_drop_intent, txid, durable=False)
+                    await self._unfinished.wait()
+                    self._unfinished = trio.Event()
+            finally:
+                if self._bg is bg:
+                    self._bg = None
 
     async def orphan_checker(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Ask coordinators about transactions this shard prepared before a restart: one whose
-        coordinator forgot it (no intent) was never decided, so it is aborted."""
+        """Ask coordinators about transactions this shard prepared: all of them at start, then
+        periodically those older than ``ORPHAN_AGE``. One its coordinator neither records nor
+        runs ("unknown") was never decided, so it is aborted."""
         task_status.started()
-        for txid, rec in self.store.read(_prepared):
-            coord = rec["coordinator"]
-            if coord == self.shard:
-                continue  # our own resolver handles it
-            delay = 0.1
-            while True:
-                try:
-                    state = await self.peers.call(coord, P.TX_STATUS, [txid])
-                    break
-                except JPFSError:
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-            if state == "unknown":
-                log.info("transaction %s: coordinator %d has no record; aborting", txid.hex(),
-                         coord)
-                await self.tx_abort(txid)
+        first = True
+        while True:
+            now = time.time_ns()
+            for txid, rec in self.store.read(_prepared):
+                if not first and now - rec.get("at", 0) < ORPHAN_AGE * 1e9:
+                    continue
+                coord = rec["coordinator"]
+                state: object
+                if coord == self.shard:
+                    state = await self.tx_status(txid)  # no await between the reads: exact
+                else:
+                    delay = 0.1
+                    while True:
+                        try:
+                            state = await self.peers.call(coord, P.TX_STATUS, [txid])
+                            break
+                        except JPFSError:
+                            await trio.sleep(delay)
+                            delay = min(delay * 2, 5.0)
+                if state == "unknown":
+                    log.info("transaction %s: coordinator %d has no record; aborting",
+                             txid.hex(), coord)
+                    await self.tx_abort(txid)
+            first = False
+            await trio.sleep(ORPHAN_EVERY)
 
     # ---- participant side ----------------------------------------------------------------------
 
@@ -245,19 +401,26 @@ class Coordinator:
         return created
 
     async def tx_commit(self, txid: bytes) -> bool:
-        applied = await self.store.write(ops.commit, txid)
+        """Readers and writers waiting for the transaction's locks go on once it is committed
+        (replicated: on a majority); the coordinator is answered once it is durable, since it
+        forgets the decision then."""
+        applied = await self.store.write(ops.commit, txid, durable=False)
         self.store.tx_resolved(txid)
         fault_point("participant.committed")
+        await self.store.sync()
         return applied
 
     async def tx_abort(self, txid: bytes) -> bool:
-        dropped = await self.store.write(ops.abort, txid)
+        """Answered once committed: an abort lost to a power failure is presumed again."""
+        dropped = await self.store.write(ops.abort, txid, durable=False)
         self.store.tx_resolved(txid)
         return dropped
 
     async def tx_status(self, txid: bytes) -> str:
         raw = self.store.read(lambda t: t.t.get(txid, db=t.db["intent"]))
-        return K.unpack(raw)["state"] if raw is not None else "unknown"
+        if raw is not None:
+            return K.unpack(raw)["state"]
+        return "active" if txid in self._active else "unknown"
 
     # ---- the directory-move lock (held on shard 0) ----------------------------------------------
 

@@ -6,7 +6,9 @@ those expectations under locks is what makes the change safe against concurrent 
 
 On one shard the ops are checked and applied in one LMDB transaction (``apply_local``). Across
 shards the same ops go through two-phase commit: ``prepare`` checks them, allocates new inodes
-and records locks plus the ops durably; ``commit`` applies them; ``abort`` forgets them.
+and records locks plus the ops durably; ``commit`` applies them; ``abort`` forgets them. The
+coordinator's own ops are not prepared: they are applied by ``apply_local`` in the transaction
+that records the decision (``coordinator.py``).
 
 Op forms (lists, so they travel over msgpack as they are)::
 
@@ -18,7 +20,8 @@ Op forms (lists, so they travel over msgpack as they are)::
                                                     come and go (commutes, so it takes no lock)
     ["setparent", ino, parent]                      a moved directory's new parent
     ["ctime", ino]                                  the inode changed (renamed): its ctime is
-                                                    now (commutes, so it takes no lock)
+                                                    now (locked, so a reader of the renamed
+                                                    inode waits for the commit)
     ["rmdir", ino]                                  delete an empty directory inode
     ["mkinode", mode, uid, gid, parent, target]     a new inode on this shard; "$new" in later ops
                                                     (on any shard) is replaced by its id
@@ -77,8 +80,13 @@ def lock_keys(op: list) -> list[bytes]:
     kind = op[0]
     if kind in ("mkdent", "rmdent"):
         return [K.lock_dentry(op[1], op[2])]
-    if kind in ("nlink", "setparent", "rmdir"):
+    if kind in ("nlink", "setparent", "rmdir", "ctime"):
         return [K.lock_inode(op[1])]
+    if kind == "mkinode" and len(op) == 7:
+        # the new inode (once allocated): a reader that finds its entry on the coordinator's
+        # shard (committed with the decision) waits for it here instead of missing it, and so
+        # does a create in a directory just made
+        return [K.lock_inode(op[6])]
     return []
 
 
@@ -214,7 +222,8 @@ def prepare(t: Txn, txid: bytes, coordinator: int, ops: list[list]) -> list[int]
     for op in ops:
         for key in lock_keys(op):
             t.t.put(key, txid, db=t.db["lock"])
-    t.t.put(txid, K.pack({"coordinator": coordinator, "ops": ops}), db=t.db["prepared"])
+    t.t.put(txid, K.pack({"coordinator": coordinator, "ops": ops, "at": t.now}),
+            db=t.db["prepared"])
     return new_inos(ops)
 
 

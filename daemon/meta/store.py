@@ -9,8 +9,10 @@ durable with one ``env.sync()`` in a worker thread, again and again while commit
 so one fsync covers many groups (durable metadata writes are fsync-bound, and sharing the fsync
 is the 10x lever: docs/perf.md).
 
-Who waits for the fsync: ``write`` (cross-shard steps, repairs: what another shard or a restart
-relies on) is answered once its group is durable. ``write_later`` (the single-shard changes a
+Who waits for the fsync: ``write`` (a 2PC vote and decision, repairs: what another shard or a
+restart relies on) is answered once its group is durable; ``write(durable=False)`` (planned
+single-shard changes, 2PC commits whose coordinator waits for a ``sync`` before it forgets the
+decision) once committed. ``write_later`` (the single-shard changes a
 client makes: create, setattr, write_chunks, ...) is answered once its group is committed, as a
 local filesystem answers before its journal commit: the change is visible to every client at
 once and durable within one fsync (milliseconds); a client that needs to know it is durable
@@ -160,6 +162,7 @@ class _Slot:
     result: object = None
     exc: BaseException | None = None
     read: bool = False  # an answer held until a majority holds what it saw (``hold``)
+    soon: bool = False  # a ``write(durable=False)``: answered once committed, as write_later
 
 
 class Store:
@@ -234,13 +237,14 @@ class Store:
         if not self.leading:
             raise self.repl.not_leader()
 
-    async def write(self, fn: Callable, *args):
+    async def write(self, fn: Callable, *args, durable: bool = True):
         """Run ``fn(txn, *args)`` in the next group commit; returns its result once durable
-        (and, replicated, once a majority of the copies holds it)."""
+        (and, replicated, once a majority of the copies holds it). ``durable=False``: once
+        committed (durable within one fsync, as ``write_later``; ``sync`` waits for it)."""
         while True:
             self._check_leading()
             done = trio.Event()
-            slot = _Slot(fn, args, done=done)
+            slot = _Slot(fn, args, done=done, soon=not durable)
             self._send.send_nowait(slot)
             await done.wait()
             if isinstance(slot.exc, Locked):
@@ -321,7 +325,7 @@ class Store:
         """Answer a committed slot now, or once its group is fsynced where that is asked."""
         if slot.read:
             self._answer(slot)
-        elif self.durable and (slot.later is None or self.ack_after_sync):
+        elif self.durable and ((slot.later is None and not slot.soon) or self.ack_after_sync):
             if self._synced >= group:
                 self._answer(slot)
             else:
