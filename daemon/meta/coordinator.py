@@ -104,11 +104,17 @@ def _put_intent(t: Txn, txid: bytes, state: str, shards: list[int]) -> None:
     t.t.put(txid, K.pack({"state": state, "shards": shards}), db=t.db["intent"])
 
 
-def _decide(t: Txn, txid: bytes, shards: list[int], rid: bytes | None, created: list[int],
-            local_ops: list[list] | None, local_prepared: bool) -> list[int]:
+def _decide(t: Txn, coord: Coordinator, gen: int, txid: bytes, shards: list[int],
+            rid: bytes | None, created: list[int], local_ops: list[list] | None,
+            local_prepared: bool) -> list[int]:
     """The commit point: this shard's own ops (checked and applied here, the last agent; or,
     prepared earlier, committed here) and the decision, with the request id's outcome, in one
-    transaction. Returns every inode the transaction created."""
+    transaction. Returns every inode the transaction created.
+
+    Refused when this copy stopped leading and led again since the transaction began
+    (``gen``): the new leadership's resolver may have aborted it already."""
+    if coord.gen != gen:
+        raise _Refused(error(errno.EAGAIN, "this shard's leader changed during the change"))
     if local_ops is not None:
         try:
             created = created + ops.apply_local(t, local_ops)
@@ -122,6 +128,10 @@ def _decide(t: Txn, txid: bytes, shards: list[int], rid: bytes | None, created: 
     if rid is not None:
         once.record(t, rid, {"created": created})
     return created
+
+
+def _nothing(t: Txn) -> None:
+    pass
 
 
 def _apply_recorded(t: Txn, plan_ops: list[list]) -> dict:
@@ -155,6 +165,8 @@ class Coordinator:
         "active" rather than "unknown" for them, and the resolver leaves them alone."""
         self._left: set[bytes] = set()
         self._bg: trio.Nursery | None = None  # the resolver's: background finishes
+        self.gen = 0
+        """Bumped by ``reset``: a transaction begun before may not decide after."""
         self._in_bg = 0
         self._rename_owner: bytes | None = None
         self._rename_expiry = 0.0
@@ -167,6 +179,7 @@ class Coordinator:
     def reset(self) -> None:
         """Forget in-memory state: this copy just became its shard's leader (what it knew of
         transactions when it last led is stale; the resolver reads the records)."""
+        self.gen += 1
         self._unfinished = trio.Event()
         self._active = set()
         self._left = set()
@@ -207,6 +220,7 @@ class Coordinator:
     async def _two_phase(self, txid: bytes, plan: dict[int, list[list]],
                          rid: bytes | None = None) -> tuple[list[int], bool]:
         """Returns the created inodes, and whether a background task finishes the rest."""
+        gen = self.gen
         shards = sorted(plan)
         local = plan.get(self.shard)
         order = sorted((s for s in plan if s != self.shard),
@@ -237,8 +251,8 @@ class Coordinator:
                 assert local is not None
                 local_ops = ops.substitute(local, created[0] if created else None)
             try:
-                created = await self.store.write(_decide, txid, shards, rid, created, local_ops,
-                                                 local is not None and not last_agent)
+                created = await self.store.write(_decide, self, gen, txid, shards, rid, created,
+                                                 local_ops, local is not None and not last_agent)
             except _Busy as busy:
                 await self._abort(txid, order)
                 await self.store.wait_resolved(busy.txid)
@@ -247,6 +261,12 @@ class Coordinator:
             except _Refused as refused:
                 await self._abort(txid, order)
                 raise refused.cause from None
+            except BaseException:
+                # committed or not (a write that failed after its commit: the fsync, the
+                # majority, the leadership): the resolver reads the intent and finishes it
+                self._left.add(txid)
+                raise
+            self.store.tx_resolved(txid)  # this shard's own prepared ops, if it had any
             fault_point("coordinator.decided")
             self.committed += 1
             remote = [s for s in shards if s != self.shard]
@@ -340,6 +360,10 @@ class Coordinator:
                 for txid, _ in self.store.read(_prepared):
                     self.store.tx_begun(txid)  # readers of its locked keys wait for it
                 while True:
+                    if self.store.repl is not None:
+                        # act only on what a majority holds: one empty write, answered once a
+                        # majority holds it and so everything before it
+                        await self.store.write(_nothing, durable=False)
                     for txid, intent in self.store.read(_intents):
                         if txid in self._active:
                             continue
