@@ -478,3 +478,29 @@ async def test_kill9_between_data_and_index_loses_nothing(storage_cluster,  # no
     assert nodes == (0,)
     st = await client.stats(0)
     assert st["bytes_used"] == end and st["dead_bytes"] == 0
+
+
+async def test_answered_puts_survive_kill9_before_the_index_has_them(storage_cluster,  # noqa: F811
+                                                                     client_for):
+    """A put is answered once its bytes and record are synced; its index entry reaches LMDB
+    up to a second later (or with the next delete). Until then reads and stats see it, and a
+    kill -9 loses nothing: the restart indexes it from its record."""
+    sc = storage_cluster(n=1, replicas=1)
+    client = client_for(sc, retry_for=5.0)
+    blobs, chunks = await _fill(client, 40)
+    st = await client.stats(0)
+    assert st["blobs"] == 40 and st["live_bytes"] == sum(len(d) for _, _, d in blobs)
+    await _check_all(client, blobs, chunks)
+    assert sc.kill(0) in (-9, 137)  # at once: the index has none of them yet
+    sc.start(0)
+    assert (await client.stats(0))["blobs"] == 40
+    await _check_all(client, blobs, chunks)
+    await client.delete([(blobs[0][0], (0,))])
+    more, more_chunks = await _fill(client, 10, seed=1)
+    assert sc.kill(0) in (-9, 137)
+    sc.start(0)
+    st = await client.stats(0)
+    assert st["blobs"] == 49 and st["dead_bytes"] == len(blobs[0][2])
+    await _check_all(client, blobs[1:] + more, chunks[1:] + more_chunks)
+    with pytest.raises(JPFSError):
+        await client.get(chunks[:1])

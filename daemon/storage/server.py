@@ -1,13 +1,13 @@
 """The storage server: blobs in append-only volumes, served with ``sendfile``.
 
 Writes (fsync policy). ``--fsync always`` (the default): a ``put_blobs`` is answered only after its
-bytes (and the record naming them) are appended to the active volume, ``fdatasync``-ed, and the
-index transaction naming them is committed (LMDB's pages synced; its meta page is not waited
-for, and a restart re-indexes from the records what a power cut undid: ``store.py``); an
-acknowledged blob survives a power cut. Concurrent requests share one
-group commit: while one commit is in a worker thread, the next requests queue and then go to disk
-together with one ``fdatasync`` and one transaction, so many writers cost few syncs.
-``--fsync never`` skips both syncs: an acknowledged blob survives the server process dying (the
+bytes (and the record naming them) are appended to the active volume and ``fdatasync``-ed; the
+index entries follow in memory and reach LMDB within a second (the writer writes them when idle
+or with the next other commit), and a restart indexes again from the records what the index did
+not have yet (``store.py``); an acknowledged blob survives a power cut. Concurrent requests
+share one group commit: while one commit is in a worker thread, the next requests queue and then
+go to disk together with one ``fdatasync``, so many writers cost few syncs.
+``--fsync never`` skips the syncs: an acknowledged blob survives the server process dying (the
 page cache keeps it) but not the machine crashing, when the index may even name bytes that never
 reached the disk (readers then see a checksum error and fail over). Use it for scratch clusters
 and benchmarks only.
@@ -59,6 +59,7 @@ from .. import common
 from .pull import Puller
 from .scrub import DEFAULT_PAUSE, DEFAULT_RATE, Scrubber
 from .store import (
+    PENDING_AGE,
     AllocOp,
     DeleteOp,
     Op,
@@ -108,6 +109,19 @@ class _Writer:
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
+            if self.store.pending.blobs:
+                # appends' index entries wait in memory (their records make them durable):
+                # write them to the index when the writer has been idle for a while
+                with trio.move_on_after(PENDING_AGE):
+                    await self._wake.wait()
+                if not self._wake.is_set():
+                    try:
+                        await trio.to_thread.run_sync(self.store.flush)
+                    except Exception:
+                        log.exception("writing pending index entries failed (the volume's "
+                                      "records keep them)")
+                        await trio.sleep(PENDING_AGE)
+                    continue
             await self._wake.wait()
             self._wake = trio.Event()
             batch, self._queue = self._queue, []

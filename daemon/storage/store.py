@@ -21,16 +21,17 @@ LMDB databases:
 
 Crash safety rests on one rule: **bytes are durable before the index names them.** A put appends
 to the active volume past its committed end a record (REC_HEAD: the ids, lengths and checksums
-of its blobs, itself checksummed) and then the blobs, fdatasyncs, and only then commits the
-index transaction that records the blobs and moves the committed end. That commit syncs LMDB's
-pages but not its meta page (``metasync`` off: one sync fewer per put), so a power failure may
-undo the last transaction (never corrupt the index; the next commit's sync covers the one
-before it); the restart then indexes the records past the committed end again (``_replay``), so
-an answered put is never lost. Commits of anything but appends to the active volume (deletes,
-compaction, seals, a new volume, repairs) sync the meta page too: they have no record. A put cut
-short leaves a record or bytes that fail their checksums, never answered: a restart truncates
-them, with the zeros laid ahead of the appends (``_lay_ahead``: appends that overwrite blocks the
-file already has sync without a journal commit).
+of its blobs, itself checksummed) and then the blobs, and fdatasyncs: from then on the put is
+durable, and it is answered. Its index entries wait in memory (``pending``; reads, stats and
+scrubs see them) and reach LMDB in one synced transaction with the next commit of anything else,
+at PENDING_MAX entries, or after PENDING_AGE seconds: one sync per put instead of three (volume,
+LMDB pages, LMDB meta page). A restart (after kill -9 or a power failure) indexes again every
+record past the active volume's committed end whose checksums (record and blobs) match, in
+order, up to the first that does not: a put cut short, never answered, which is truncated with
+the rest of the tail. Commits of anything but appends to the active volume (deletes,
+compaction, seals, a new volume, repairs, scrub marks) are one durable LMDB transaction, as
+before. Zeros are laid ahead of the appends (``_lay_ahead``), so a put's fdatasync overwrites
+blocks the file already has and needs no journal commit; a restart truncates them too.
 
 Volume files that the index does not list (a compaction target that was never switched in, an
 old volume whose switch committed but whose unlink did not happen) are deleted on restart.
@@ -253,7 +254,7 @@ class Store:
         self.fsync = fsync
         self.env = lmdb.open(
             str(self.dir / "index.lmdb"), map_size=map_size, max_dbs=8, max_readers=1024,
-            sync=fsync, metasync=False,  # see commit(): a put's record makes it durable
+            sync=fsync, metasync=fsync,
         )
         self.blobs = self.env.open_db(b"blobs")
         self.byvol = self.env.open_db(b"byvol")
@@ -265,6 +266,9 @@ class Store:
         """Ids in ``bad``, for reads to refuse; replaced whole (never mutated) by commits."""
         self.short: dict[int, int] = {}
         """Volumes whose file is shorter than the index says (lost writes): vol -> real size."""
+        self.pending: _Pending = _Pending()
+        """Index changes of appends that their records make durable, not yet in LMDB (see
+        ``commit``); replaced whole by the writer, never mutated, so readers need no lock."""
         self._w = _WriterState()
         self._recover()
 
@@ -403,6 +407,11 @@ class Store:
             os.close(fd)
 
     def close(self) -> None:
+        if self.pending.blobs:
+            try:
+                self.flush()
+            except (JPFSError, OSError, lmdb.Error) as e:  # the records make up for it
+                log.error("could not write the last puts to the index: %s", e)
         if self._w.fd is not None:
             os.close(self._w.fd)
             self._w.fd = None
@@ -414,28 +423,41 @@ class Store:
         """Index entries for ``ids`` as (volume, offset, length, xxh, created) tuples, None where
         unknown: one short read transaction (plain tuples: this is the per-blob hot path)."""
         unpack = ENTRY.unpack
+        pending = self.pending.blobs  # before the transaction: see commit()
         with self.env.begin(db=self.blobs) as txn:
             get = txn.get
+            if pending:
+                return [unpack(raw) if (raw := pending.get(b) or get(b)) is not None else None
+                        for b in ids]
             return [unpack(raw) if (raw := get(b)) is not None else None for b in ids]
 
     def list_blobs(self, after: bytes, limit: int) -> list[list]:
-        """Up to ``limit`` [id, created] with id > ``after``, in id order."""
+        """Up to ``limit`` [id, created] with id > ``after``, in id order (pending ones too)."""
         out: list[list] = []
+        pending = self.pending.blobs
         with self.env.begin(db=self.blobs) as txn:
             cur = txn.cursor()
-            if not cur.set_range(after):
-                return out
-            for key, raw in cur:
-                if key == after:
-                    continue
-                out.append([key, ENTRY.unpack(raw)[4]])
-                if len(out) >= limit:
-                    break
+            if cur.set_range(after):
+                for key, raw in cur:
+                    if key == after:
+                        continue
+                    out.append([key, ENTRY.unpack(raw)[4]])
+                    if len(out) >= limit:
+                        break
+        if pending:
+            seen = {e[0] for e in out}
+            out += [[k, ENTRY.unpack(v)[4]] for k, v in pending.items()
+                    if k > after and k not in seen]
+            out.sort()
+            del out[limit:]
         return out
 
     def volume_records(self) -> dict[int, VolRec]:
+        pending = self.pending.vols
         with self.env.begin(db=self.vols) as txn:
-            return {VOL_KEY.unpack(k)[0]: VolRec.unpack(v) for k, v in txn.cursor()}
+            recs = {VOL_KEY.unpack(k)[0]: VolRec.unpack(v) for k, v in txn.cursor()}
+        recs.update((VOL_KEY.unpack(k)[0], VolRec.unpack(v)) for k, v in pending.items())
+        return recs
 
     def usage(self) -> dict:
         recs = self.volume_records()
@@ -459,6 +481,7 @@ class Store:
         """Up to ``limit`` live blobs after byvol key ``after`` (b"" for the start), in disk
         order: (byvol key, volume, offset, length, xxh)."""
         out: list[tuple[bytes, int, int, int, int]] = []
+        pending = self.pending.byvol  # appends not yet in LMDB are scrubbed as well
         with self.env.begin(db=self.byvol) as txn:
             cur = txn.cursor()
             ok = cur.set_range(after) if after else cur.first()
@@ -474,6 +497,14 @@ class Store:
                 else:
                     out.append((key, vol, off, length, xxh))
                 ok = cur.next()
+        if pending:
+            seen = {e[0] for e in out}
+            for key, val in pending.items():
+                if key > after and key not in seen:
+                    vol, off, _ = BYVOL_KEY.unpack(key)
+                    out.append((key, vol, off, *BYVOL_VAL.unpack(val)))
+            out.sort()
+            del out[limit:]
         return out
 
     def verify(self, entries: Sequence[tuple[bytes, int, int, int, int]]
@@ -581,15 +612,25 @@ class Store:
     # ------------------------------------------------------------------ the group commit
 
     def commit(self, ops: Sequence[Op]) -> list:
-        """Apply ``ops`` in one durable index transaction; one result (or JPFSError) per op.
+        """Apply ``ops`` durably; one result (or JPFSError) per op.
 
-        Data appended by put ops is fsynced before the transaction commits. An op that fails its
-        own checks (EEXIST, ENOSPC) fails alone; a failure of the commit itself fails them all.
+        Puts that append to the active volume (no new volume, no repair) are durable once their
+        bytes and records are fdatasync-ed: their index entries wait in ``pending`` (read with
+        the index) and reach LMDB with the next other commit, at ``PENDING_MAX`` entries, or
+        after ``PENDING_AGE`` seconds (``flush``); a restart indexes them again from their
+        records (``_replay``). One sync per put instead of three. Anything else is one durable
+        LMDB transaction (the pending entries first), data appended by its puts fsynced before
+        it commits. An op that fails its own checks (EEXIST, ENOSPC) fails alone; a failure of
+        the commit itself fails them all.
         """
+        if ops and self._appends_only(ops):
+            return self._commit_appends(ops)
         c = _Commit(replace(self._w))
         results: list = []
+        pending = self.pending
         try:
             with self.env.begin(write=True) as txn:
+                pending.write_to(txn, self)
                 for op in ops:
                     results.append(self._apply_alone(txn, c, op))
                 if c.dirty and self.fsync:
@@ -608,20 +649,13 @@ class Store:
                     raw = txn.get(b"repaired", db=self.meta)
                     before = U64.unpack(raw)[0] if raw else 0
                     txn.put(b"repaired", U64.pack(before + c.repaired), db=self.meta)
-            if self.fsync and (c.opened or c.meta_changed or c.repaired or c.bad_removed
-                               or any(type(op) is not PutOp for op in ops)):
-                needs_meta = True
-            else:
-                needs_meta = False
         except BaseException:
             for vol, fd in c.opened:
                 os.close(fd)
                 _unlink_quietly(self.vol_path(vol))
             raise
-        if needs_meta:
-            # Only appends to the active volume carry records (_replay); anything else must be
-            # durable at once, LMDB's meta page included.
-            self.env.sync(True)
+        if pending is self.pending:  # now in LMDB (readers looked here first: see lookup)
+            self.pending = _Pending()
         old_fd = self._w.fd
         if old_fd is not None and old_fd != c.state.fd:
             os.close(old_fd)
@@ -631,6 +665,66 @@ class Store:
         self._w = c.state
         if c.bad_added or c.bad_removed:
             self.bad_ids = (self.bad_ids - c.bad_removed) | c.bad_added
+        return results
+
+    def flush(self) -> None:
+        """Write the pending index entries to LMDB (one durable transaction)."""
+        self.commit([])
+
+    @property
+    def pending_due(self) -> bool:
+        p = self.pending
+        return bool(p.blobs) and (len(p.blobs) >= PENDING_MAX
+                                  or time.monotonic() - p.since >= PENDING_AGE)
+
+    def _appends_only(self, ops: Sequence[Op]) -> bool:
+        """Whether ``ops`` are puts that fit the active volume and repair nothing."""
+        s = self._w
+        if s.active is None or s.fd is None:
+            return False
+        need = 0
+        bad = self.bad_ids
+        for op in ops:
+            if type(op) is not PutOp:
+                return False
+            if bad and any(e[0] in bad for e in op.entries):
+                return False
+            need += len(op.data) + record_size(len(op.entries))
+        return s.end == 0 or s.end + need <= self.volume_size
+
+    def _commit_appends(self, ops: Sequence[Op]) -> list:
+        """``commit`` of puts appended to the active volume: data and records synced, index
+        entries to ``pending``."""
+        c = _Commit(replace(self._w))
+        results: list = []
+        before = self.pending
+        with self.env.begin(db=self.blobs) as rtxn:
+            view = _PendingView(self, rtxn, before)
+            for op in ops:
+                saved = replace(c.state)
+                try:
+                    assert isinstance(op, PutOp)  # _appends_only
+                    results.append(self._put(view, c, op))
+                except (JPFSError, OSError) as e:  # before it wrote to the view: it fails alone
+                    c.state = saved
+                    if isinstance(e, JPFSError):
+                        results.append(e)
+                    else:
+                        results.append(error(e.errno or errno.EIO,
+                                             f"writing a volume failed: {e.strerror or e}"))
+        assert not c.opened and not c.meta_changed and not c.repaired
+        if c.dirty and self.fsync:
+            for fd in c.dirty.values():
+                os.fdatasync(fd)
+        if c.dirty:
+            crash_point("put_written")
+        if view.blobs:
+            for vol, rec in c.recs.items():
+                view.vols[VOL_KEY.pack(vol)] = rec.pack()
+            self.pending = before.plus(view)
+        self._w = c.state
+        if self.pending_due:
+            self.flush()
         return results
 
     def _apply_alone(self, txn, c: _Commit, op: Op):
@@ -928,6 +1022,75 @@ class Store:
     def unlink_volume(self, vol: int) -> None:
         _unlink_quietly(self.vol_path(vol))
         self._fsync_dir()
+
+
+PENDING_MAX = 4096
+"""Pending index entries (appends synced with their records) written to LMDB at once."""
+PENDING_AGE = 1.0
+"""Seconds after which pending index entries are written to LMDB (also by the server's writer
+when idle)."""
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """Index changes not yet in LMDB: raw values by key, for the blobs, byvol and volumes
+    databases. Immutable: the writer replaces it, so readers in other threads need no lock."""
+
+    blobs: dict[bytes, bytes] = field(default_factory=dict)
+    byvol: dict[bytes, bytes] = field(default_factory=dict)
+    vols: dict[bytes, bytes] = field(default_factory=dict)
+    since: float = 0.0
+
+    def plus(self, view: _PendingView) -> _Pending:
+        return _Pending({**self.blobs, **view.blobs}, {**self.byvol, **view.byvol},
+                        {**self.vols, **view.vols},
+                        self.since if self.blobs else time.monotonic())
+
+    def write_to(self, txn, store: Store) -> None:
+        for k, v in self.blobs.items():
+            txn.put(k, v, db=store.blobs)
+        for k, v in self.byvol.items():
+            txn.put(k, v, db=store.byvol)
+        for k, v in self.vols.items():
+            txn.put(k, v, db=store.vols)
+
+
+class _PendingView:
+    """What ``Store._put`` sees as its transaction in an append-only commit: LMDB (a read
+    transaction) under the pending entries; what it writes is collected here."""
+
+    def __init__(self, store: Store, rtxn, pending: _Pending):
+        self.store = store
+        self.rtxn = rtxn
+        self.pending = pending
+        self.blobs: dict[bytes, bytes] = {}
+        self.byvol: dict[bytes, bytes] = {}
+        self.vols: dict[bytes, bytes] = {}
+
+    def _sets(self, db) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
+        st, p = self.store, self.pending
+        if db is st.blobs:
+            return self.blobs, p.blobs
+        if db is st.byvol:
+            return self.byvol, p.byvol
+        if db is st.vols:
+            return self.vols, p.vols
+        raise AssertionError("an append-only commit touches blobs, byvol and volumes only")
+
+    def get(self, key: bytes, db=None):
+        if db is self.store.bad_db:
+            return self.rtxn.get(key, db=db)
+        mine, pend = self._sets(db)
+        v = mine.get(key)
+        if v is None:
+            v = pend.get(key)
+        return v if v is not None else self.rtxn.get(key, db=db)
+
+    def put(self, key: bytes, value: bytes, db=None) -> None:
+        self._sets(db)[0][key] = value
+
+    def delete(self, key: bytes, db=None) -> bool:
+        raise AssertionError("an append-only commit deletes nothing")
 
 
 def record_size(n: int) -> int:
