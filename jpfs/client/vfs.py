@@ -565,6 +565,11 @@ class VFS:
         w = h.writer
         if w is None:
             raise error(errno.EBADF, "not open for writing")
+        if not w.lock.locked():  # no commit or read in progress: write at once, no yield
+            now = w.write_now(off, buf)
+            if now is not None:
+                self.stats.write_bytes += now
+                return now
         commits = w.commits
         async with w.lock:
             n = await w.write(off, buf)
@@ -631,6 +636,8 @@ class VFS:
                     self.inodes.drop_if_unused(node)
 
     async def _commit(self, node: Node, w: FileWriter) -> None:
+        if not w.lock.locked() and (not w.dirty or w.discarded):
+            return  # nothing to commit and none in progress (the close of a clean handle)
         async with w.lock:
             if not w.dirty or w.discarded:
                 return

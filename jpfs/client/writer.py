@@ -87,8 +87,52 @@ class FileWriter:
         return buf
 
     # ---- changes
+    def write_now(self, off: int, data) -> int | None:
+        """``write`` when it needs no await: every chunk it touches is dirty already, is
+        overwritten whole, or has no stored bytes to read first, and the dirty bound is not
+        reached (no commit). The bytes written, or None when ``write`` must do it. As it never
+        yields, a caller that finds ``lock`` free may call it without taking the lock."""
+        src = memoryview(data).cast("B")
+        n = len(src)
+        if n == 0:
+            return 0
+        cs = self.cs
+        dirty = self.dirty_chunks
+        plan = []
+        done = added = 0
+        for i in chunk_span(off, n, cs):
+            start = max(off, i * cs) - i * cs
+            take = min(cs - start, n - done)
+            buf = dirty.get(i)
+            if buf is None:
+                whole = start == 0 and take == cs
+                end_here = min(cs, max(0, self.size - i * cs))
+                if not whole and end_here and self.chunks.get(i) is not None:
+                    return None  # stored bytes to read first
+                added += cs
+            plan.append((i, buf, start, take, done))
+            done += take
+        if self._dirty_bytes + added >= self.flush_bytes:
+            return None
+        for i, buf, start, take, at in plan:
+            if buf is None:
+                end_here = min(cs, max(0, self.size - i * cs))
+                buf = dirty[i] = bytearray(cs) if start == 0 and take == cs else \
+                    bytearray(end_here)  # zeros: bytes the file has that were never stored
+                self._dirty_bytes += cs
+            if len(buf) < start:
+                buf.extend(bytes(start - len(buf)))
+            buf[start:start + take] = src[at:at + take]
+        if off + n > self.size:
+            self.size = off + n
+            self._size_dirty = True
+        return n
+
     async def write(self, off: int, data) -> int:
         """Write ``data`` at ``off`` (the file grows as needed); returns the bytes written."""
+        now = self.write_now(off, data)
+        if now is not None:
+            return now
         src = memoryview(data).cast("B")
         n = len(src)
         if n == 0:

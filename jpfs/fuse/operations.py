@@ -48,6 +48,7 @@ _EXPECTED = frozenset({errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.ENODAT
                        errno.ENOTDIR, errno.EROFS, errno.ENOSYS, errno.EINVAL, errno.EPERM,
                        errno.EACCES, errno.EXDEV, errno.ENAMETOOLONG, errno.ERANGE,
                        errno.EOPNOTSUPP, errno.EBADF, errno.ELOOP})
+_NAMES = {e: errno_name(e) for e in _EXPECTED}
 _FH_OPS = frozenset({"read", "write", "flush", "fsync", "release", "readdir", "releasedir",
                      "fsyncdir", "fallocate"})
 
@@ -88,6 +89,13 @@ def fuse_op(name: str):
                 return await fn(self, *args)
             except pyfuse3.FUSEError:
                 raise
+            except OSError as e:
+                err = e.errno
+                if err in _EXPECTED:  # what _answer makes of it, without its checks (ENOENT of
+                    # lookups, ENODATA of the capability check before every write)
+                    self.stats.errors[_NAMES[err]] = self.stats.errors.get(_NAMES[err], 0) + 1
+                    raise pyfuse3.FUSEError(err) from None
+                raise self._answer(name, args, e) from None
             except BaseException as e:  # noqa: BLE001 - the boundary: nothing may end the mount
                 raise self._answer(name, args, e) from None
 
