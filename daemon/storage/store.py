@@ -446,7 +446,7 @@ class Store:
                         break
         if pending:
             seen = {e[0] for e in out}
-            out += [[k, ENTRY.unpack(v)[4]] for k, v in pending.items()
+            out += [[k, ENTRY.unpack(v)[4]] for k, v in list(pending.items())
                     if k > after and k not in seen]
             out.sort()
             del out[limit:]
@@ -456,7 +456,7 @@ class Store:
         pending = self.pending.vols
         with self.env.begin(db=self.vols) as txn:
             recs = {VOL_KEY.unpack(k)[0]: VolRec.unpack(v) for k, v in txn.cursor()}
-        recs.update((VOL_KEY.unpack(k)[0], VolRec.unpack(v)) for k, v in pending.items())
+        recs.update((VOL_KEY.unpack(k)[0], VolRec.unpack(v)) for k, v in list(pending.items()))
         return recs
 
     def usage(self) -> dict:
@@ -499,7 +499,7 @@ class Store:
                 ok = cur.next()
         if pending:
             seen = {e[0] for e in out}
-            for key, val in pending.items():
+            for key, val in list(pending.items()):
                 if key > after and key not in seen:
                     vol, off, _ = BYVOL_KEY.unpack(key)
                     out.append((key, vol, off, *BYVOL_VAL.unpack(val)))
@@ -721,7 +721,7 @@ class Store:
         if view.blobs:
             for vol, rec in c.recs.items():
                 view.vols[VOL_KEY.pack(vol)] = rec.pack()
-            self.pending = before.plus(view)
+            before.absorb(view)
         self._w = c.state
         if self.pending_due:
             self.flush()
@@ -1031,20 +1031,24 @@ PENDING_AGE = 1.0
 when idle)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Pending:
     """Index changes not yet in LMDB: raw values by key, for the blobs, byvol and volumes
-    databases. Immutable: the writer replaces it, so readers in other threads need no lock."""
+    databases. Only the writer adds to them (single dict operations, atomic for readers in
+    other threads, which iterate over copies: ``list(d.items())``); once they are in LMDB the
+    writer replaces the whole object, so a reader holding the old one still finds them."""
 
     blobs: dict[bytes, bytes] = field(default_factory=dict)
     byvol: dict[bytes, bytes] = field(default_factory=dict)
     vols: dict[bytes, bytes] = field(default_factory=dict)
     since: float = 0.0
 
-    def plus(self, view: _PendingView) -> _Pending:
-        return _Pending({**self.blobs, **view.blobs}, {**self.byvol, **view.byvol},
-                        {**self.vols, **view.vols},
-                        self.since if self.blobs else time.monotonic())
+    def absorb(self, view: _PendingView) -> None:
+        if not self.blobs:
+            self.since = time.monotonic()
+        self.byvol.update(view.byvol)
+        self.vols.update(view.vols)
+        self.blobs.update(view.blobs)  # last: a reader that finds a blob finds its volume
 
     def write_to(self, txn, store: Store) -> None:
         for k, v in self.blobs.items():
