@@ -7,6 +7,7 @@ import functools
 import os
 import socket
 import struct
+import threading
 from typing import Any, NamedTuple
 
 import msgpack
@@ -482,3 +483,49 @@ async def test_a_probe_is_answered_before_any_method(nursery, server):
                 await trio.sleep(0.01)
     finally:
         conn.close()
+
+
+async def test_a_big_payload_received_in_a_thread_stops_at_cancel_and_at_close():
+    """Payloads of a MiB or more are received in a worker thread: a deadline still ends the
+    receive while the peer stalls mid-payload, and closing the socket under a receiving thread
+    wakes it and closes the descriptor only once the thread let go of it."""
+    a, b = socket.socketpair()
+    fs = F.FrameSocket(a)
+    sender = threading.Thread(target=b.sendall, args=(b"x" * (1 << 20),))
+    sender.start()  # a quarter of what the reader waits for, then silence
+    dest = memoryview(bytearray(4 << 20))
+    start = trio.current_time()
+    with trio.move_on_after(0.5) as scope:
+        await fs.read_payload(len(dest), dest)
+    sender.join()
+    assert scope.cancelled_caught and trio.current_time() - start < 2.0
+    assert bytes(dest[:1 << 20]) == b"x" * (1 << 20)
+
+    c, d = socket.socketpair()
+    fs2 = F.FrameSocket(c)
+    fd = c.fileno()
+    failed: list[BaseException] = []
+
+    async def reader():
+        try:
+            await fs2.read_payload(4 << 20, memoryview(bytearray(4 << 20)))
+        except (JPFSError, EOFError) as e:
+            failed.append(e)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(reader)
+        await trio.sleep(0.2)
+        assert fs2._threads == 1 and c.fileno() == fd  # a thread holds it open
+        fs2.close()
+    assert failed and c.fileno() == -1  # the reader saw the end; the descriptor is closed
+    fs.close()
+    for s in (b, d):
+        s.close()
+
+
+async def test_a_scattered_payload_of_many_parts_arrives_whole(pool):
+    parts = [os.urandom(n) for n in (100, 70 << 10, 3 << 20, 0, 5000, 2 << 20, 1)]
+    data = b"".join(parts)
+    into = [memoryview(bytearray(len(p))) for p in parts[::-1]]
+    _, got = await pool.call_payload(0, METHODS["blob"], [], [data], into=into)
+    assert b"".join(bytes(v) for v in got) == data[::-1]

@@ -13,6 +13,7 @@ allocated, so a hostile peer cannot make us allocate gigabytes.
 from __future__ import annotations
 
 import os
+import select
 import socket as _socket
 import struct
 from collections.abc import Callable, Sequence
@@ -43,6 +44,12 @@ service's methods (whose ids start at 1), so an answer proves the daemon's loop 
 
 _RECV_BUFFER = 256 << 10
 _SCATTER_DIRECT = 64 << 10
+_IOV_MAX = 64
+"""Buffers per ``recvmsg_into`` of a threaded receive."""
+_THREAD_RECV = 1 << 20
+"""Payload parts of at least this many bytes are received in a worker thread: the copy out of
+the socket (and the first touch of fresh buffer pages) then runs in the kernel beside the event
+loop, on another core, not on the loop. Below it the thread hop costs more than the copy."""
 """Scatter-receive parts at least this big go straight from the socket into their buffer."""
 
 
@@ -102,6 +109,37 @@ def decode_error(body: object) -> JPFSError:
     return ProtocolError("malformed error frame")
 
 
+def _recv_exact_blocking(sock: _socket.socket, dests: list[memoryview]) -> int:
+    """Fill ``dests`` in order from the non-blocking ``sock``, waiting in poll(2); for a worker
+    thread (the socket calls drop the GIL while the kernel copies). Returns the bytes received,
+    short only at the end of the stream; gives up when the calling task is cancelled."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    total = 0
+    k = 0
+    while k < len(dests):
+        try:
+            got = sock.recvmsg_into(dests[k:k + _IOV_MAX])[0]
+        except BlockingIOError:
+            trio.from_thread.check_cancelled()
+            poller.poll(100)
+            continue
+        except InterruptedError:
+            continue
+        if not got:
+            break
+        total += got
+        while got:  # advance past what this call filled
+            n = len(dests[k])
+            if got >= n:
+                got -= n
+                k += 1
+            else:
+                dests[k] = dests[k][got:]
+                got = 0
+    return total
+
+
 class FrameSocket:
     """One connected, non-blocking socket that reads and writes frames under trio.
 
@@ -122,6 +160,7 @@ class FrameSocket:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self._threads = 0  # receives running in worker threads
         self.closed = False
 
     # ---------------------------------------------------------------- receiving
@@ -164,11 +203,32 @@ class FrameSocket:
             dest[:have] = self._view[self._start:self._start + have]
             self._start += have
         pos = have
+        if len(dest) - pos >= _THREAD_RECV:
+            pos += await self._recv_in_thread([dest[pos:]])
+            if pos < len(dest):
+                raise ProtocolError("connection closed in the middle of a frame")
         while pos < len(dest):
             got = await self._recv_into(dest[pos:])
             if not got:
                 raise ProtocolError("connection closed in the middle of a frame")
             pos += got
+
+    async def _recv_in_thread(self, dests: list[memoryview]) -> int:
+        """Fill ``dests`` in a worker thread; the bytes received (short at end of stream).
+
+        While the thread runs, ``close`` only shuts the socket down (the thread then sees the
+        end of the stream) and the descriptor is closed when it returns, so the thread never
+        reads from a number the kernel gave to another file.
+        """
+        self._threads += 1
+        try:
+            return await trio.to_thread.run_sync(_recv_exact_blocking, self.sock, dests)
+        except OSError as e:
+            raise Unavailable(f"connection lost: {_why(e)}") from None
+        finally:
+            self._threads -= 1
+            if self.closed and not self._threads:
+                self.sock.close()
 
     def frame_buffered(self) -> bool:
         """Whether a whole frame is already buffered (reading it won't wait)."""
@@ -232,6 +292,12 @@ class FrameSocket:
         """Fill ``parts`` in order: big ones straight from the socket, small ones copied out of
         the stream buffer (one recv serves many; no await while they are buffered)."""
         view = self._view
+        if sum(map(len, parts)) - (self._end - self._start) >= _THREAD_RECV:
+            rest = self._drain_into(parts)
+            want = sum(map(len, rest))
+            if await self._recv_in_thread(rest) < want:
+                raise ProtocolError("connection closed in the middle of a frame")
+            return
         for d in parts:
             n = len(d)
             if n >= _SCATTER_DIRECT:
@@ -242,6 +308,18 @@ class FrameSocket:
             start = self._start
             d[:] = view[start:start + n]
             self._start = start + n
+
+    def _drain_into(self, parts: list[memoryview]) -> list[memoryview]:
+        """Copy what is buffered into the first of ``parts``; the views still to fill."""
+        rest: list[memoryview] = []
+        for d in parts:
+            have = min(self._end - self._start, len(d))
+            if have:
+                d[:have] = self._view[self._start:self._start + have]
+                self._start += have
+            if have < len(d):
+                rest.append(d[have:])
+        return rest
 
     async def skip_payload(self, length: int) -> None:
         scratch = memoryview(bytearray(min(length, 1 << 20)))
@@ -348,4 +426,10 @@ class FrameSocket:
                 trio.lowlevel.notify_closing(self.sock)  # wake any task waiting on it
             except RuntimeError:  # not inside trio: nobody can be waiting
                 pass
-            self.sock.close()
+            if self._threads:  # wake the receiving thread; it closes the socket on return
+                try:
+                    self.sock.shutdown(_socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            else:
+                self.sock.close()
