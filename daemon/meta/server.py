@@ -260,10 +260,12 @@ class MetaShard:
         if got is not once.MISSING:
             return got  # type: ignore[return-value]
         if new_dir_shard(parent, name, self.n_shards) == self.shard:
+            # Answered once committed, as a create is (durable within one fsync; fsyncdir waits)
             if rid is not None:
                 return await self.store.write(once.once, rid, ns.mkdir_local, parent, name,
-                                              mode, uid, gid)
-            return await self.store.write(ns.mkdir_local, parent, name, mode, uid, gid)
+                                              mode, uid, gid, durable=False)
+            return await self.store.write(ns.mkdir_local, parent, name, mode, uid, gid,
+                                          durable=False)
 
         async def plan():
             await self.store.view(ns.lookup_absent, parent, name)
