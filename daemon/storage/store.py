@@ -92,7 +92,7 @@ SEALED = 1
 
 _COPY_BUFFER = 8 << 20
 
-PREFILL = 8 << 20
+PREFILL = 1 << 20
 """Zeros laid ahead of the appends of the active volume (see ``Store._lay_ahead``)."""
 _ZEROS = memoryview(bytes(1 << 20))
 
