@@ -186,6 +186,25 @@ def test_a_shuffled_epoch_sweeps_the_directories_coaccess_predicts(cluster, tmp_
         assert cache["prefetched_bytes"] - cache["prefetch_hit_bytes"] <= 16 * 60000, cache
 
 
+def test_a_hinted_shuffled_epoch_sweeps_nothing(cluster, tmp_path):
+    """A reader that hints what it opens next (``ShardDataset`` does) may read a subset (its
+    rank's share): the mount fetches what was hinted, not whole directories."""
+    c, src = cluster
+    order = list(range(EPISODES_2))
+    random.Random(6).shuffle(order)
+    with mounted(c, tmp_path / "m", "--read-only") as m:
+        base = m / "ds2"
+        paths = [f"ds2/data/episode_{i:06d}.parquet" for i in order] + \
+            [f"ds2/videos/{cam}/episode_{i:06d}.mp4" for i in order for cam in CAMERAS]
+        m.hint(paths)
+        m.wait_for(lambda s: s["cache"]["prefetched"] >= len(paths), what="hinted files fetched")
+        for i in order:
+            _read(base / f"data/episode_{i:06d}.parquet")
+            for cam in CAMERAS:
+                _read(base / f"videos/{cam}/episode_{i:06d}.mp4")
+        assert m.stats()["prefetch"]["sweeps"] == 0
+
+
 def test_hinted_paths_are_fetched_before_they_are_opened(cluster, tmp_path):
     c, src = cluster
     names = sorted(os.listdir(src / "scan"))

@@ -236,7 +236,8 @@ class Prefetcher:
         ``ready``: its bytes were prefetched already (or are on their way)."""
         if not self.config.enabled:
             return
-        if self._hinted and self._hinted.pop(ino, None) is not None:
+        hinted = bool(self._hinted) and self._hinted.pop(ino, None) is not None
+        if hinted:
             self.stats.hint_opened += 1
             self._hint_wake.set()
         rule = self._predicted.pop(ino, None)
@@ -246,8 +247,8 @@ class Prefetcher:
         self._scan(stream, parent, name)
         # What scans and hints fetched ahead needs no sweep. A co-access prediction is made at
         # the partner's open, just before this one: the reader mostly waits for it, so in a
-        # shuffled epoch such opens count as unpredicted.
-        if not ready or rule is not None:
+        # shuffled epoch such opens count as unpredicted (unless hints had them too).
+        if not ready or (rule is not None and not hinted):
             self._sweep(parent, name)
         self._coaccess(stream, path)
         self._notify()
