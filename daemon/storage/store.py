@@ -334,14 +334,13 @@ class Store:
     def _replay(self, vol: int, rec: VolRec) -> VolRec:
         """Index the puts whose records lie past the committed end of active volume ``vol``.
 
-        A put is answered once its bytes and record are fdatasync-ed and its index transaction
-        is committed, but that commit does not wait for LMDB's meta page to reach the disk
-        (``metasync`` off: a power failure can undo the last transaction, never break the
-        index). The next commit's sync, or the record, makes up for it: here every record
-        whose checksum and blobs' checksums match is indexed again, in order, up to the first
-        that does not (a put cut short by the failure, never answered). A record can also be
-        a put whose process died between its data sync and its commit (never answered
-        either): its blobs are indexed, as they are intact.
+        A put is answered once its record and bytes are fdatasync-ed; its index entries wait in
+        memory (``pending``) until the next synced LMDB commit. A restart after kill -9 or a
+        power failure that came first finds them here: every record whose checksum and blobs'
+        checksums match is indexed again, in order, up to the first that does not (a put cut
+        short, never answered, truncated with the rest of the tail). A record can also be a put
+        whose process died between its data sync and its answer (never answered either): its
+        blobs are indexed, as they are intact.
         """
         path = self.vol_path(vol)
         found: list[tuple[bytes, int, int, int]] = []  # id, offset, length, xxh
