@@ -38,6 +38,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -63,6 +64,9 @@ left to the background resolver (the decision is durable either way)."""
 BACKGROUND = 256
 """Decided transactions finished (participants committed, intent dropped) in the background
 at once; past that a caller finishes its own before it is answered."""
+
+BUSY_BACKOFF = 0.005
+"""Longest random pause (s) before a change that gave way to another plans again."""
 
 ORPHAN_AGE = 5.0
 """A prepared record older than this (s) is checked against its coordinator."""
@@ -256,6 +260,9 @@ class Coordinator:
             except _Busy as busy:
                 await self._abort(txid, order)
                 await self.store.wait_resolved(busy.txid)
+                # Two changes that hold each other's keys both give way; a random pause keeps
+                # them from meeting again at once, round after round.
+                await trio.sleep(random.uniform(0, BUSY_BACKOFF))
                 raise ops.Stale(f"held by transaction {busy.txid.hex()}; planning again") \
                     from None
             except _Refused as refused:

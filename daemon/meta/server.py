@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import random
 import stat
 import sys
 from collections.abc import Awaitable, Callable
@@ -439,7 +440,7 @@ class MetaShard:
                 if e.errno != errno.ESTALE:
                     raise
                 log.debug("plan went stale (%s); planning again", e.strerror)
-                await trio.sleep(0.001 * attempt)
+                await trio.sleep(random.uniform(0, 0.001 * attempt))  # apart, not in step
         raise error(errno.EAGAIN, "the namespace kept changing under this operation; try again")
 
     async def _getattr(self, ino: int) -> list:
