@@ -23,6 +23,12 @@ from jpfs.client.fsck import fsck
 from jpfs.placement import new_dir_shard, shard_of
 
 
+def _named_for(parent: int, shard: int, shards: int, prefix: str) -> str:
+    """A name under directory ``parent`` whose new directory would live on ``shard``."""
+    return next(f"{prefix}{i}" for i in itertools.count()
+                if new_dir_shard(parent, f"{prefix}{i}".encode(), shards) == shard)
+
+
 def test_a_create_in_a_directory_just_made_on_another_shard_waits_for_it(make_cluster):
     """One client makes directories whose inodes land on another shard (the mkdir is answered
     once decided; the new inode's shard commits it a round trip later); another client creates
@@ -135,12 +141,10 @@ def test_kill_at_each_step_of_cross_shard_rmdir(make_cluster, point):
     client = jpfs.connect(d, dir_cache_ttl=0)
     try:
         # a parent on shard 1 (the root's shard 0 stays up) and a child on shard 2
-        parent = next(f"p{i}" for i in itertools.count()
-                      if new_dir_shard(1, f"p{i}".encode(), 3) == 1)
+        parent = _named_for(1, 1, 3, "p")
         client.mkdir(f"/{parent}")
         pino = client.stat(f"/{parent}").ino
-        child = next(f"c{i}" for i in itertools.count()
-                     if new_dir_shard(pino, f"c{i}".encode(), 3) == 2)
+        child = _named_for(pino, 2, 3, "c")
         client.mkdir(f"/{parent}/{child}")
         victim = 1 if point.startswith("coordinator") else 2
         localcluster.stop(d, "meta", victim)
@@ -171,8 +175,7 @@ def test_a_prepared_record_its_coordinator_forgot_is_aborted_without_a_restart(m
     d = make_cluster(meta_shards=2)
     client = jpfs.connect(d, dir_cache_ttl=0)
     try:
-        name = next(f"d{i}" for i in itertools.count()
-                    if new_dir_shard(1, f"d{i}".encode(), 2) == 1)
+        name = _named_for(1, 1, 2, "d")
         client.mkdir(f"/{name}")
         dino = client.stat(f"/{name}").ino
         txid = os.urandom(16)

@@ -87,46 +87,58 @@ class FileWriter:
         return buf
 
     # ---- changes
-    def write_now(self, off: int, data) -> int | None:
-        """``write`` when it needs no await: every chunk it touches is dirty already, is
-        overwritten whole, or has no stored bytes to read first, and the dirty bound is not
-        reached (no commit). The bytes written, or None when ``write`` must do it. As it never
-        yields, a caller that finds ``lock`` free may call it without taking the lock."""
-        src = memoryview(data).cast("B")
-        n = len(src)
-        if n == 0:
-            return 0
+    def _spans(self, off: int, n: int):
+        """(chunk index, start in it, bytes) of each chunk that ``[off, off + n)`` touches."""
         cs = self.cs
-        dirty = self.dirty_chunks
-        plan = []
-        done = added = 0
+        done = 0
         for i in chunk_span(off, n, cs):
             start = max(off, i * cs) - i * cs
             take = min(cs - start, n - done)
-            buf = dirty.get(i)
-            if buf is None:
-                whole = start == 0 and take == cs
-                end_here = min(cs, max(0, self.size - i * cs))
-                if not whole and end_here and self.chunks.get(i) is not None:
-                    return None  # stored bytes to read first
-                added += cs
-            plan.append((i, buf, start, take, done))
+            yield i, start, take
             done += take
-        if self._dirty_bytes + added >= self.flush_bytes:
-            return None
-        for i, buf, start, take, at in plan:
-            if buf is None:
-                end_here = min(cs, max(0, self.size - i * cs))
-                buf = dirty[i] = bytearray(cs) if start == 0 and take == cs else \
-                    bytearray(end_here)  # zeros: bytes the file has that were never stored
-                self._dirty_bytes += cs
+
+    def _needs_read(self, index: int, start: int, take: int) -> bool:
+        """Whether writing part of chunk ``index`` must first read its stored bytes."""
+        if index in self.dirty_chunks or (start == 0 and take == self.cs):
+            return False
+        return self.chunks.get(index) is not None and self.size > index * self.cs
+
+    def _put(self, off: int, src: memoryview) -> int:
+        """Copy ``src`` to ``off`` in the dirty chunks; no await. Every chunk whose stored bytes
+        are needed (``_needs_read``) is dirty already."""
+        done = 0
+        for i, start, take in self._spans(off, len(src)):
+            buf = self.dirty_chunks.get(i)
+            if buf is None:  # overwritten whole, or nothing stored: zeros where the file has bytes
+                end_here = min(self.cs, max(0, self.size - i * self.cs))
+                buf = self.dirty_chunks[i] = bytearray(self.cs if take == self.cs else end_here)
+                self._dirty_bytes += self.cs
             if len(buf) < start:
                 buf.extend(bytes(start - len(buf)))
-            buf[start:start + take] = src[at:at + take]
-        if off + n > self.size:
-            self.size = off + n
+            buf[start:start + take] = src[done:done + take]
+            done += take
+        if off + len(src) > self.size:
+            self.size = off + len(src)
             self._size_dirty = True
-        return n
+        return len(src)
+
+    def write_now(self, off: int, data) -> int | None:
+        """``write`` when it needs no await: no chunk it touches needs its stored bytes read
+        first, and the dirty bound is not reached (no commit). The bytes written, or None when
+        ``write`` must do it. As it never yields, a caller that finds ``lock`` free may call it
+        without taking the lock."""
+        src = memoryview(data).cast("B")
+        if not src:
+            return 0
+        added = 0
+        for i, start, take in self._spans(off, len(src)):
+            if self._needs_read(i, start, take):
+                return None
+            if i not in self.dirty_chunks:
+                added += self.cs
+        if self._dirty_bytes + added >= self.flush_bytes:
+            return None
+        return self._put(off, src)
 
     async def write(self, off: int, data) -> int:
         """Write ``data`` at ``off`` (the file grows as needed); returns the bytes written."""
@@ -134,26 +146,10 @@ class FileWriter:
         if now is not None:
             return now
         src = memoryview(data).cast("B")
-        n = len(src)
-        if n == 0:
-            return 0
-        done = 0
-        for i in chunk_span(off, n, self.cs):
-            start = max(off, i * self.cs) - i * self.cs
-            take = min(self.cs - start, n - done)
-            whole = start == 0 and take == self.cs
-            if whole and i not in self.dirty_chunks:  # no need to read what is overwritten
-                buf = self.dirty_chunks[i] = bytearray(self.cs)
-                self._dirty_bytes += self.cs
-            else:
-                buf = await self._load(i)
-            if len(buf) < start:
-                buf.extend(bytes(start - len(buf)))
-            buf[start:start + take] = src[done:done + take]
-            done += take
-        if off + n > self.size:
-            self.size = off + n
-            self._size_dirty = True
+        for i, start, take in self._spans(off, len(src)):
+            if self._needs_read(i, start, take):
+                await self._load(i)
+        n = self._put(off, src)
         if self._dirty_bytes >= self.flush_bytes:
             await self.commit()
         return n

@@ -89,13 +89,6 @@ def fuse_op(name: str):
                 return await fn(self, *args)
             except pyfuse3.FUSEError:
                 raise
-            except OSError as e:
-                err = e.errno
-                if err in _EXPECTED:  # what _answer makes of it, without its checks (ENOENT of
-                    # lookups, ENODATA of the capability check before every write)
-                    self.stats.errors[_NAMES[err]] = self.stats.errors.get(_NAMES[err], 0) + 1
-                    raise pyfuse3.FUSEError(err) from None
-                raise self._answer(name, args, e) from None
             except BaseException as e:  # noqa: BLE001 - the boundary: nothing may end the mount
                 raise self._answer(name, args, e) from None
 
@@ -133,6 +126,9 @@ class Operations(pyfuse3.Operations):
     def _answer(self, op: str, args: tuple, e: BaseException) -> pyfuse3.FUSEError:
         """The FUSEError for an exception out of handler ``op``; re-raises what must end the
         mount (our own cancellation, KeyboardInterrupt, SystemExit)."""
+        if isinstance(e, OSError) and e.errno in _EXPECTED:
+            return self._counted(e.errno)  # the common case at once: ENOENT of lookups, ENODATA
+            # of the capability check before every write
         leaves = _leaves(e)
         if any(isinstance(x, KeyboardInterrupt | SystemExit | GeneratorExit) for x in leaves):
             raise e
@@ -151,7 +147,10 @@ class Operations(pyfuse3.Operations):
             err = errno.EIO
             log.error("%s of %s failed; answered EIO", op, self._what(op, args),
                       exc_info=(type(e), e, e.__traceback__))
-        name = errno_name(err)
+        return self._counted(err)
+
+    def _counted(self, err: int) -> pyfuse3.FUSEError:
+        name = _NAMES.get(err) or errno_name(err)
         self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
         return pyfuse3.FUSEError(err)
 
