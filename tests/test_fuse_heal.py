@@ -33,8 +33,13 @@ def test_open_files_read_on_after_the_rebalance_moved_their_only_copies(tmp_path
                 c.write_bytes(p, b)
         mp = tmp_path / "mnt"
         with mounted(d, mp, "--read-only", "--no-prefetch", "--small-file", "64K") as m:
-            # opened before the move: the open read each file's layout, no bytes yet
+            # read before the move, a page each (no read-ahead): the kernel opens files itself
+            # on a read-only mount, so the mount opens each at its first READ, with the layout
+            # of then, and keeps that handle while the file is not read whole
             held = {p: open(mp / p.lstrip("/"), "rb") for p in files}  # noqa: SIM115
+            for p, f in held.items():
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+                assert os.pread(f.fileno(), 4096, 0) == files[p][:4096]
             try:
                 localcluster.up(d, storage_nodes=2)  # a new node: the rebalance moves chunks
                 with jpfs.connect(d) as c:

@@ -406,6 +406,7 @@ def test_two_mounts_see_each_others_changes(cluster, tmp_path):
 def test_read_only_mount(cluster, tmp_path):
     with jpfs.connect(cluster) as c:
         c.write_bytes("/ro-data", b"frozen")
+        c.write_bytes("/ro-more", b"thawed")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -420,10 +421,34 @@ def test_read_only_mount(cluster, tmp_path):
         assert _errno(os.mkdir, m.path / "newdir") == errno.EROFS
         assert _errno(os.unlink, m.path / "ro-data") == errno.EROFS
         assert _errno(os.open, m.path / "new", os.O_CREAT | os.O_WRONLY) == errno.EROFS
-        for _ in range(3):  # a re-read costs two requests: OPEN and RELEASE
-            before = m.stats()["fuse"]["requests_total"]
+        assert m.stats()["mount"]["kernel_opens"] is False  # OPEN is answered ENOSYS
+        for _ in range(3):  # the kernel opens files itself: a file it caches costs nothing
+            before = m.stats()["fuse"]
             assert (m.path / "ro-data").read_bytes() == b"frozen"
-        assert m.stats()["fuse"]["requests_total"] - before == 2
+        after = m.stats()["fuse"]
+        assert after["requests_total"] == before["requests_total"], (before, after)
+        with open(m.path / "ro-more", "rb") as f:  # a first read: LOOKUP, READ (stats are fresh)
+            assert f.read() == b"thawed"
+            os.fsync(f.fileno())  # nothing to make durable, and no error
+        later = m.stats()["fuse"]
+        assert later["requests"]["lookup"] == after["requests"]["lookup"] + 1, (after, later)
+        assert later["requests"]["read"] == after["requests"]["read"] + 1, (after, later)
+
+
+def test_read_only_mount_with_open_requests(cluster, tmp_path):
+    """--open-requests keeps the kernel asking at every open: a re-read costs OPEN and
+    RELEASE, and the per-open counters see it."""
+    with jpfs.connect(cluster) as c:
+        c.write_bytes("/ro-asked", b"asked")
+    with mounted(cluster, tmp_path / "ro", "--read-only", "--open-requests") as m:
+        assert m.stats()["mount"]["kernel_opens"] is True
+        assert (m.path / "ro-asked").read_bytes() == b"asked"
+        for _ in range(3):
+            before = m.stats()["fuse"]
+            assert (m.path / "ro-asked").read_bytes() == b"asked"
+        after = m.stats()["fuse"]
+        assert after["requests_total"] - before["requests_total"] == 2
+        assert after["opens"]["kernel"] - before["opens"]["kernel"] == 1
 
 
 def test_sigterm_unmounts_cleanly(cluster, tmp_path):

@@ -42,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="fetch ahead of readers (default on)")
     p.add_argument("--read-only", action="store_true",
                    help="dataset mode: no writes, long kernel cache timeouts (1 h)")
+    p.add_argument("--open-requests", action="store_true",
+                   help="--read-only: keep the kernel asking the mount at every open and close "
+                   "(by default it opens files itself, so a file it caches costs no request; "
+                   "this keeps per-open counters exact, at 2 requests per open)")
     p.add_argument("-f", "--foreground", action="store_true", help="do not go to the background")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users use the mount (needs user_allow_other for non-root)")
@@ -97,7 +101,7 @@ def _options(args: argparse.Namespace):
         mountpoint=os.path.abspath(args.paths[-1]), cluster=str(cluster.path),
         cache_dir=os.path.abspath(args.cache_dir) if args.cache_dir else None,
         cache_size=args.cache_size, memory_cache=args.memory_cache, prefetch=args.prefetch,
-        read_only=args.read_only, allow_other=args.allow_other,
+        read_only=args.read_only, open_requests=args.open_requests, allow_other=args.allow_other,
         entry_timeout=args.entry_timeout, attr_timeout=args.attr_timeout,
         open_cache=args.open_cache, read_ahead=args.read_ahead, small_file=args.small_file,
         notify_store=args.notify_store, metrics=args.metrics,

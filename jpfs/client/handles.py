@@ -28,6 +28,9 @@ class FileHandle:
     """Set when the handle writes (``O_WRONLY``/``O_RDWR``); then reads go through it too."""
     chunks: dict[int, Chunk] | None = None
     """The layout's chunks by index, built on the first read of a large file."""
+    served: int = 0
+    """Bytes read through the handle (where the kernel opened the file without asking, the
+    VFS's own handle is closed once they cover the file)."""
 
 
 @dataclass(slots=True, eq=False)

@@ -32,6 +32,7 @@ import logging
 import os
 import stat
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing, contextmanager
 
@@ -66,6 +67,9 @@ log = logging.getLogger(__name__)
 
 FALLOC_FL_KEEP_SIZE = 0x01
 _DEVICES = (stat.S_IFBLK, stat.S_IFCHR)
+UNOPENED_MAX = 1024
+"""Handles the VFS keeps for files the kernel opened without asking and has not read whole (the
+oldest is closed first; a later READ opens it again)."""
 
 
 class VFS:
@@ -94,6 +98,9 @@ class VFS:
             KnownDirs(self.meta, config.entry_timeout)
         """Names of directories being written (None on read-only mounts: listings do it)."""
         self.xattrs = Xattrs(self.meta, inodes, self.stats, self._attr_age, self._writable)
+        self._unopened: OrderedDict[int, int] = OrderedDict()
+        """Inode -> the handle its first READ opened, where the kernel sends no OPEN."""
+        self._opening: dict[int, trio.Event] = {}
 
     @classmethod
     async def connect(cls, nursery: trio.Nursery, cluster: Cluster, cache: BlobCache,
@@ -237,6 +244,11 @@ class VFS:
 
     def forget(self, items) -> None:
         for ino, n in items:
+            fh = self._unopened.get(ino)
+            node = self.inodes.get(ino)
+            if fh is not None and node is not None and node.lookups <= n:
+                del self._unopened[ino]
+                self._close_reader(fh)
             self.inodes.forget(ino, n)
 
     async def getattr(self, ino: int) -> Attr:
@@ -394,7 +406,10 @@ class VFS:
             return OpenFile(self.handles.add(FileHandle(node, node.layout)), True)
         return await self._open_read(node, stream)
 
-    async def _open_read(self, node: Node, stream: int) -> OpenFile:
+    async def _open_read(self, node: Node, stream: int, *, by_kernel: bool = False
+                         ) -> OpenFile:
+        """Open for reading; ``by_kernel``: the kernel opened the file without asking and is
+        reading it now (its pages are missing, and the READ answers with the bytes)."""
         ino = node.ino
         cfg = self.config
         layout: Layout | None = None
@@ -415,8 +430,8 @@ class VFS:
         node.layout = layout
         attr = layout.attr
         version = attr.version
-        keep = node.kernel_version == version
-        stale = node.kernel_version is not None and not keep
+        stale = node.kernel_version is not None and node.kernel_version != version
+        keep = not by_kernel and node.kernel_version == version
         h = FileHandle(node, layout)
         fh = self.handles.add(h)
         node.opens += 1
@@ -441,7 +456,7 @@ class VFS:
                 outcome = outcome_of(sources)
                 # Only when no other handle is open: then no READ of this inode can hold page
                 # locks that the store would wait for while we cannot answer.
-                if not stale and node.opens == 1 and cfg.notify_store \
+                if not stale and not by_kernel and node.opens == 1 and cfg.notify_store \
                         and self.notifier.store(ino, h.data):
                     keep = True
                     self.stats.notify_store_bytes += len(h.data)
@@ -452,11 +467,55 @@ class VFS:
             self.handles.pop(fh)
             node.opens -= 1
             raise
-        if stale and not self.ro:
-            self.notifier.invalidate_attr(ino)  # the kernel's size may be stale too
+        if stale and (by_kernel or not self.ro):
+            # the kernel's size may be stale too; where it keeps pages across opens, its next
+            # look at the attributes drops the old version's pages (mtime and size changed)
+            self.notifier.invalidate_attr(ino)
         node.kernel_version = version
         self.stats.opens[outcome] += 1
         return OpenFile(fh, keep)
+
+    async def read_unopened(self, ino: int, off: int, size: int, stream: int = 0
+                            ) -> memoryview | bytearray | bytes:
+        """A READ of a file the kernel opened without asking (a read-only mount that answers
+        OPEN with ENOSYS): the first READ opens it here (what prefetch learns from an open, a
+        small file fetched whole), and that handle is closed once the reads have covered the
+        file (the kernel's pages hold it), when the kernel forgets the inode, or when it is the
+        oldest of ``UNOPENED_MAX``."""
+        fh = self._unopened.get(ino)
+        if fh is None:
+            fh = await self._open_unopened(ino, stream)
+        else:
+            self._unopened.move_to_end(ino)
+        h = self._handle(fh)
+        out = await self.read(fh, off, size)
+        h.served += len(out)
+        if h.served >= h.node.attr.size and self._unopened.get(ino) == fh:
+            del self._unopened[ino]
+            if h.data is not None and h.layout is not None and self.config.notify_store:
+                self.cache.delivered([c.blob for c in h.layout.chunks])
+            self._close_reader(fh)
+        return out
+
+    async def _open_unopened(self, ino: int, stream: int) -> int:
+        while (busy := self._opening.get(ino)) is not None:  # another READ is opening it
+            await busy.wait()
+            fh = self._unopened.get(ino)
+            if fh is not None:
+                return fh
+        done = self._opening[ino] = trio.Event()
+        try:
+            node = self.inodes.get(ino) or await self._node(ino)
+            if not node.attr.is_reg:
+                raise error(errno.EINVAL, "JPFS stores bytes for regular files only")
+            fh = (await self._open_read(node, stream, by_kernel=True)).fh
+            self._unopened[ino] = fh
+            while len(self._unopened) > UNOPENED_MAX:
+                self._close_reader(self._unopened.popitem(last=False)[1])
+            return fh
+        finally:
+            del self._opening[ino]
+            done.set()
 
     async def _open_write(self, node: Node, flags: int, *, new: Layout | None = None
                           ) -> OpenFile:
@@ -609,19 +668,32 @@ class VFS:
         await self.meta.sync([shard_of(ino)])
 
     async def release(self, fh: int) -> None:
+        h = self.handles.get(fh)
+        if type(h) is not FileHandle:
+            self.handles.pop(fh)
+            return
+        if h.writer is None:
+            self._close_reader(fh)
+            return
+        self.handles.pop(fh)
+        node = h.node
+        node.opens -= 1
+        try:
+            await self._drop_writer(node, h.writer)
+        finally:
+            if node.lookups <= 0:
+                self.inodes.drop_if_unused(node)
+
+    def _close_reader(self, fh: int) -> None:
         h = self.handles.pop(fh)
         if type(h) is not FileHandle:
             return
         node = h.node
         node.opens -= 1
-        try:
-            if h.writer is not None:
-                await self._drop_writer(node, h.writer)
-            elif h.chunks is not None:
-                self.prefetcher.closed(h)
-        finally:
-            if node.lookups <= 0:
-                self.inodes.drop_if_unused(node)
+        if h.chunks is not None:
+            self.prefetcher.closed(h)
+        if node.lookups <= 0:
+            self.inodes.drop_if_unused(node)
 
     async def _drop_writer(self, node: Node, w: FileWriter) -> None:
         w.refs -= 1

@@ -42,6 +42,8 @@ class VFSConfig:
     small_file: int = 4 << 20
     """Files up to this size are fetched whole at open."""
     notify_store: bool = True
+    """Hand small files to the kernel's page cache and drop them from the memory cache (at
+    open, or where the kernel opens files itself once its READs have covered the file)."""
     readdir_page: int = 1000
 
 

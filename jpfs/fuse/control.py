@@ -1,6 +1,8 @@
 """The ``.jpfs`` control directory at the mount root: stats, metrics and prefetch hints.
 
-- ``.jpfs/stats``: the mount's counters as one JSON object (a fresh snapshot per open).
+- ``.jpfs/stats``: the mount's counters as one JSON object (a fresh snapshot per open; on a
+  read-only mount, where the kernel opens files without asking, per lookup of the name, which
+  the kernel makes on every open of a path since control entries are never cached).
 - ``.jpfs/metrics``: the same in the Prometheus text format (also served over HTTP with
   ``--metrics HOST:PORT``).
 - ``.jpfs/prefetch``: write paths to it, one per line, in the order they will be read, and the
@@ -48,15 +50,19 @@ def is_control(ino: int) -> bool:
     return ino >= CONTROL_DIR
 
 
-def attr(ino: int) -> Attr:
-    """The attributes of a control inode (owned by root; only the hint file is writable)."""
+def attr(ino: int, size: int = 0, mtime_ns: int = _BOOT_NS) -> Attr:
+    """The attributes of a control inode (owned by root; only the hint file is writable).
+
+    Where the kernel opens files without asking the mount (a read-only mount), a file's size
+    and mtime are those of its latest snapshot: the kernel reads no further than the size, and
+    drops its cached pages of the file when either changes."""
     if ino == CONTROL_DIR:
         mode, nlink = stat.S_IFDIR | 0o555, 2
     elif ino == PREFETCH:
         mode, nlink = stat.S_IFREG | 0o666, 1
     else:
         mode, nlink = stat.S_IFREG | 0o444, 1
-    return Attr(ino, mode, nlink, 0, 0, 0, _BOOT_NS, _BOOT_NS, _BOOT_NS)
+    return Attr(ino, mode, nlink, 0, 0, size, mtime_ns, mtime_ns, mtime_ns)
 
 
 def parse_hints(text: bytes, mountpoint: str) -> list[str]:

@@ -20,6 +20,13 @@ handler, which copies the struct and answers with it: libfuse turns the bit into
 the kernel's ``close`` of that file no longer sends FLUSH (a read handle has nothing to commit).
 A read-only mount needs none of this (it answers the first FLUSH with ENOSYS, which stops them
 all); on a read-write mount it is one FUSE request fewer per read open.
+
+A read-only mount goes further and answers OPEN with ENOSYS: the kernel then stops sending OPEN
+and RELEASE for every regular file (``fc->no_open``) and opens each with handle 0 and its page
+cache kept, so a file the kernel caches costs no request at all. READs then carry handle 0, and
+pyfuse3 passes its handler the handle, not the inode: ``InodeReads`` wraps the ``read`` slot to
+put the inode into the request's ``fuse_file_info`` (and note which process reads, which pyfuse3
+gives only to handlers that take a request context) before pyfuse3 copies it.
 """
 
 from __future__ import annotations
@@ -65,6 +72,13 @@ _NOFLUSH_SINCE = (3, 11)
 _OPEN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)
 _OPEN_PYFUSE3 = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)
 """pyfuse3's handler, called with the GIL held (as libfuse's dispatch calls it)."""
+
+_READ = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t,
+                         ctypes.c_int64, ctypes.c_void_p)
+_READ_PYFUSE3 = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t,
+                                  ctypes.c_int64, ctypes.c_void_p)
+_CTX_PID_OFFSET = 8
+"""offsetof(struct fuse_ctx, pid): uid_t uid, gid_t gid, then pid_t pid."""
 
 _FALLOCATE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int,
                               ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
@@ -196,6 +210,59 @@ class NoFlushOnRead:
         self._pyfuse3(req, ino, fi)
 
 
+class InodeReads:
+    """READs that name their inode when the kernel sends no OPEN (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._callback = _READ(self._read)  # kept alive as long as the session
+        self._pyfuse3: Callable[[int, int, int, int, int], None] | None = None
+        lib = ctypes.CDLL(ctypes.util.find_library("fuse3") or "libfuse3.so.3")
+        self._req_ctx = lib.fuse_req_ctx
+        self._req_ctx.argtypes = [ctypes.c_void_p]
+        self._req_ctx.restype = ctypes.c_void_p
+        self.pids: dict[int, int] = {}
+        """Inode -> the process whose READ of it came last, until its handler takes it."""
+
+    def install(self) -> bool:
+        """Wrap the session's read slot; False (and logged) if the layout is unknown, and then
+        the mount must keep answering OPEN."""
+        try:
+            why = self._install()
+        except (OSError, ValueError, struct.error) as e:
+            why = f"{type(e).__name__}: {e}"
+        if why:
+            log.info("the kernel keeps sending OPEN and RELEASE on this mount: %s", why)
+            return False
+        return True
+
+    def _install(self) -> str | None:
+        slot = _session_slot("read")
+        if isinstance(slot, str):
+            return slot
+        ptr = ctypes.c_void_p.from_address(slot)
+        if not ptr.value:
+            return "pyfuse3 has no read handler"
+        self._pyfuse3 = _READ_PYFUSE3(ptr.value)
+        ptr.value = ctypes.cast(self._callback, ctypes.c_void_p).value
+        return None
+
+    def _read(self, req, ino, size, off, fi) -> None:
+        """Serve libfuse's read callback, on the loop thread: a READ of a file the kernel opened
+        itself (handle 0) gets the inode as its handle, then goes to pyfuse3 (never raise into
+        C)."""
+        try:
+            fh = ctypes.c_uint64.from_address(fi + _FH_OFFSET)
+            if fh.value == 0:
+                fh.value = ino
+                ctx = self._req_ctx(req)
+                if ctx:
+                    self.pids[ino] = ctypes.c_int32.from_address(ctx + _CTX_PID_OFFSET).value
+        except BaseException:  # noqa: BLE001 - nothing may unwind through libfuse
+            log.exception("read: could not name the inode")
+        assert self._pyfuse3 is not None
+        self._pyfuse3(req, ino, size, off, fi)
+
+
 class Fallocate:
     """Installs and serves FALLOCATE for one mounted session (see the module docstring)."""
 
@@ -249,4 +316,4 @@ class Fallocate:
             self._libfuse.fuse_reply_err(req, err)
 
 
-__all__ = ["Fallocate", "NoFlushOnRead"]
+__all__ = ["Fallocate", "InodeReads", "NoFlushOnRead"]

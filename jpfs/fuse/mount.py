@@ -36,7 +36,7 @@ from ..client.cache import BlobCache
 from ..client.vfs import VFS, VFSConfig
 from ..errors import error
 from . import hints
-from .lowlevel import Fallocate, NoFlushOnRead
+from .lowlevel import Fallocate, InodeReads, NoFlushOnRead
 from .notifier import KernelNotifier
 from .operations import FuseConfig, Operations
 
@@ -59,6 +59,8 @@ class MountOptions:
     memory_cache: int = 2 << 30
     prefetch: bool = True
     read_only: bool = False
+    open_requests: bool = False
+    """With ``read_only``: answer OPEN as read-write mounts do, instead of ENOSYS."""
     allow_other: bool = False
     entry_timeout: float | None = None
     attr_timeout: float | None = None
@@ -85,7 +87,9 @@ class MountOptions:
                             ("--small-file", self.small_file), ("--metrics", self.metrics)):
             if value is not None:
                 a += [flag, str(value)]
-        for flag, on in (("--read-only", self.read_only), ("--allow-other", self.allow_other),
+        for flag, on in (("--read-only", self.read_only),
+                         ("--open-requests", self.open_requests),
+                         ("--allow-other", self.allow_other),
                          ("--no-notify-store", not self.notify_store),
                          ("--nonempty", self.nonempty)):
             if on:
@@ -296,11 +300,15 @@ async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_opti
             fallocate = Fallocate(ops, requests)  # holds the callback libfuse calls
             fallocate.install()
             noflush = NoFlushOnRead()  # the same; a read-only mount stops FLUSH with ENOSYS
+            reads = InodeReads()  # the same
             if not opts.read_only:
                 noflush.install()
+            elif not opts.open_requests and reads.install():
+                ops.kernel_opens = False  # OPEN is answered ENOSYS: the kernel opens files
+                ops.read_pids = reads.pids
             await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
             requests.cancel_scope.cancel()
-        del fallocate, noflush
+        del fallocate, noflush, reads
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(30):
             await ops.vfs.commit_all()

@@ -10,6 +10,11 @@ can end the mount: an errno-carrying error is answered as its errno; anything el
 exception group, a cancellation that leaked from another task) is answered EIO and logged with
 the operation, the path and the cause, and the mount goes on. Only a cancellation of the mount
 itself (unmount, a signal) passes through.
+
+On a read-only mount the kernel opens regular files without asking (``kernel_opens`` False: OPEN
+is answered ENOSYS, see ``jpfs.fuse.lowlevel``): a READ's handle is then its inode, the VFS opens
+the file at its first READ, and the control files are snapshots taken at each lookup of their
+names, whose entries the kernel never keeps.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import errno
 import functools
 import logging
 import os
+import time
 from collections import deque
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -117,6 +123,13 @@ class Operations(pyfuse3.Operations):
         """The Unix socket that takes prefetch hints ("" when there is none)."""
         self._controls: dict[int, ControlHandle] = {}
         self._next_control = CONTROL_FH
+        self.kernel_opens = True
+        """False once the mount answers OPEN with ENOSYS (read-only mounts whose READs name
+        their inode): see the module docstring."""
+        self.read_pids: dict[int, int] = {}
+        """Inode -> the process of its latest READ (``lowlevel.InodeReads`` fills it)."""
+        self._snapshots: dict[int, tuple[bytes, int]] = {}
+        self._last_snapshot_ns = 0
 
     def init(self) -> None:
         self.initialized.set()
@@ -159,7 +172,7 @@ class Operations(pyfuse3.Operations):
         if not args or not isinstance(args[0], int):
             return "the mount"
         first = args[0]
-        if op in _FH_OPS:
+        if op in _FH_OPS and (self.kernel_opens or op != "read"):
             h = self.vfs.handles.get(first)
             node = getattr(h, "node", None)
             return self.vfs.name_of(node) if node is not None else f"handle {first}"
@@ -212,6 +225,7 @@ class Operations(pyfuse3.Operations):
         return {
             "mount": {
                 "mountpoint": self.config.mountpoint, "read_only": vfs.config.read_only,
+                "kernel_opens": self.kernel_opens,
                 "entry_timeout": self.config.entry_timeout,
                 "attr_timeout": self.config.attr_timeout,
                 "small_file": vfs.config.small_file, "notify_store": vfs.config.notify_store,
@@ -235,7 +249,7 @@ class Operations(pyfuse3.Operations):
             ino = control.FILES.get(name) if parent == control.CONTROL_DIR else None
             if ino is None:
                 raise error(errno.ENOENT, "no such control file")
-            return self._entry(control.attr(ino))
+            return self._control_entry(ino, fresh=True)
         try:
             return self._entry(await self.vfs.lookup(parent, name))
         except JPFSError as e:
@@ -251,7 +265,7 @@ class Operations(pyfuse3.Operations):
     async def getattr(self, inode: int, ctx) -> pyfuse3.EntryAttributes:
         if control.is_control(inode):
             self._ctl("getattr")
-            return self._entry(control.attr(inode))
+            return self._control_entry(inode)
         return self._entry(await self.vfs.getattr(inode))
 
     @fuse_op("setattr")
@@ -322,6 +336,8 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("open")
     async def open(self, inode: int, flags: int, ctx) -> pyfuse3.FileInfo:
+        if not self.kernel_opens:
+            raise pyfuse3.FUSEError(errno.ENOSYS)  # the kernel opens files itself from now on
         if control.is_control(inode):
             self._ctl("open")
             return self._control_open(inode, flags)
@@ -336,6 +352,11 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("read")
     async def read(self, fh: int, off: int, size: int):
+        if not self.kernel_opens:  # no OPEN: the handle is the inode (lowlevel.InodeReads)
+            if control.is_control(fh):
+                self._ctl("read")
+                return self._snapshot(fh)[0][off:off + size]
+            return await self.vfs.read_unopened(fh, off, size, self.read_pids.pop(fh, 0))
         if fh >= CONTROL_FH:
             self._ctl("read")
             return self._control(fh).content[off:off + size]
@@ -362,7 +383,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("fsync")
     async def fsync(self, fh: int, datasync: bool) -> None:
-        if fh < CONTROL_FH:
+        if fh < CONTROL_FH and not self.vfs.ro:  # a read-only mount has nothing to make durable
             await self.vfs.fsync(fh)
 
     @fuse_op("release")
@@ -398,11 +419,12 @@ class Operations(pyfuse3.Operations):
         if fh >= CONTROL_FH:
             self._ctl("readdir")
             h = self._control(fh)
-            entries = [(b".", control.attr(h.ino)), (b"..", self.vfs.inodes.root.attr)]
-            entries += [(n, control.attr(i)) for n, i in control.FILES.items()]
+            entries = [(b".", self._entry(control.attr(h.ino))),
+                       (b"..", self._entry(self.vfs.inodes.root.attr))]
+            entries += [(n, self._control_entry(i)) for n, i in control.FILES.items()]
             for k in range(start_id, len(entries)):
-                name, a = entries[k]
-                if not pyfuse3.readdir_reply(token, name, self._entry(a), k + 1):
+                name, e = entries[k]
+                if not pyfuse3.readdir_reply(token, name, e, k + 1):
                     return
             return
         dh = self.vfs.handles.get(fh)
@@ -485,23 +507,44 @@ class Operations(pyfuse3.Operations):
             raise error(errno.EBADF, "no such control handle")
         return h
 
+    def _control_content(self, inode: int) -> bytes:
+        if inode == control.STATS:
+            return control.stats_json(self.snapshot())
+        if inode == control.METRICS:
+            return generate_latest(self.registry)
+        if inode == control.SOCKET:
+            return (self.hint_socket + "\n").encode() if self.hint_socket else b""
+        return control.prefetch_status(self.vfs.prefetcher.as_dict(), list(self.hint_errors))
+
     def _control_open(self, inode: int, flags: int) -> pyfuse3.FileInfo:
         writing = flags & os.O_ACCMODE != os.O_RDONLY
         if inode == control.CONTROL_DIR:
             raise error(errno.EISDIR, "is a directory")
         if writing and inode != control.PREFETCH:
             raise error(errno.EACCES, "read-only control file")
-        if inode == control.STATS:
-            content = control.stats_json(self.snapshot())
-        elif inode == control.METRICS:
-            content = generate_latest(self.registry)
-        elif inode == control.SOCKET:
-            content = (self.hint_socket + "\n").encode() if self.hint_socket else b""
-        else:
-            content = control.prefetch_status(self.vfs.prefetcher.as_dict(),
-                                              list(self.hint_errors))
-        h = ControlHandle(inode, content, bytearray() if writing else None, writing)
+        h = ControlHandle(inode, self._control_content(inode),
+                          bytearray() if writing else None, writing)
         return pyfuse3.FileInfo(fh=self._add_control(h), direct_io=True, keep_cache=False)
+
+    def _snapshot(self, inode: int, fresh: bool = False) -> tuple[bytes, int]:
+        """A control file's content and its mtime, taken now if ``fresh`` or never taken (the
+        mtime always moves, so the kernel drops the pages of the previous one)."""
+        snap = self._snapshots.get(inode)
+        if snap is None or fresh:
+            self._last_snapshot_ns = max(time.time_ns(), self._last_snapshot_ns + 1)
+            snap = self._snapshots[inode] = (self._control_content(inode),
+                                             self._last_snapshot_ns)
+        return snap
+
+    def _control_entry(self, inode: int, fresh: bool = False) -> pyfuse3.EntryAttributes:
+        """A control file's entry; where the kernel opens files itself, with its snapshot's
+        size and mtime, and kept by the kernel for no time (every open looks the name up)."""
+        if self.kernel_opens:
+            return self._entry(control.attr(inode))
+        content, mtime_ns = self._snapshot(inode, fresh)
+        e = self._entry(control.attr(inode, len(content), mtime_ns))
+        e.entry_timeout = e.attr_timeout = 0
+        return e
 
     async def _hint_write(self, h: ControlHandle, buf: bytes) -> int:
         if not h.writable or h.pending is None:
