@@ -435,6 +435,27 @@ def test_read_only_mount(cluster, tmp_path):
         assert later["requests"]["read"] == after["requests"]["read"] + 1, (after, later)
 
 
+def test_read_only_mount_holds_no_handle_for_files_read(cluster, tmp_path):
+    """Without OPEN or RELEASE the mount opens a file at its first READ: a file read whole
+    leaves no handle behind, one read in part keeps one until the kernel forgets the inode."""
+    blobs = {f"/ro-h/{i}": os.urandom(200_000 + i) for i in range(20)}
+    with jpfs.connect(cluster) as c:
+        c.makedirs("/ro-h")
+        for p, b in blobs.items():
+            c.write_bytes(p, b)
+    with mounted(cluster, tmp_path / "ro", "--read-only") as m:
+        for p, b in blobs.items():
+            assert (m.path / p.lstrip("/")).read_bytes() == b
+        assert m.stats()["mount"]["handles"] == 0
+        with open(m.path / "ro-h" / "0", "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # drop its pages
+            assert os.pread(f.fileno(), 4096, 8192) == blobs["/ro-h/0"][8192:12288]
+        assert m.stats()["mount"]["handles"] == 1  # read in part: the kernel may ask again
+        Path("/proc/sys/vm/drop_caches").write_text("2")  # dentries and inodes: FORGET
+        m.wait_for(lambda s: s["mount"]["handles"] == 0, what="the handle closed at FORGET")
+
+
 def test_read_only_mount_with_open_requests(cluster, tmp_path):
     """--open-requests keeps the kernel asking at every open: a re-read costs OPEN and
     RELEASE, and the per-open counters see it."""

@@ -70,6 +70,9 @@ _DEVICES = (stat.S_IFBLK, stat.S_IFCHR)
 UNOPENED_MAX = 1024
 """Handles the VFS keeps for files the kernel opened without asking and has not read whole (the
 oldest is closed first; a later READ opens it again)."""
+UNOPENED_BYTES = 256 << 20
+"""... and the bytes of whole small files those handles may hold (views that keep blobs alive
+after the memory cache let them go)."""
 
 
 class VFS:
@@ -98,8 +101,10 @@ class VFS:
             KnownDirs(self.meta, config.entry_timeout)
         """Names of directories being written (None on read-only mounts: listings do it)."""
         self.xattrs = Xattrs(self.meta, inodes, self.stats, self._attr_age, self._writable)
-        self._unopened: OrderedDict[int, int] = OrderedDict()
-        """Inode -> the handle its first READ opened, where the kernel sends no OPEN."""
+        self._unopened: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        """Inode -> (the handle its first READ opened, the bytes it holds), where the kernel
+        sends no OPEN."""
+        self._unopened_bytes = 0
         self._opening: dict[int, trio.Event] = {}
 
     @classmethod
@@ -244,11 +249,9 @@ class VFS:
 
     def forget(self, items) -> None:
         for ino, n in items:
-            fh = self._unopened.get(ino)
             node = self.inodes.get(ino)
-            if fh is not None and node is not None and node.lookups <= n:
-                del self._unopened[ino]
-                self._close_reader(fh)
+            if ino in self._unopened and node is not None and node.lookups <= n:
+                self._close_unopened(ino)
             self.inodes.forget(ino, n)
 
     async def getattr(self, ino: int) -> Attr:
@@ -481,41 +484,51 @@ class VFS:
         OPEN with ENOSYS): the first READ opens it here (what prefetch learns from an open, a
         small file fetched whole), and that handle is closed once the reads have covered the
         file (the kernel's pages hold it), when the kernel forgets the inode, or when it is the
-        oldest of ``UNOPENED_MAX``."""
-        fh = self._unopened.get(ino)
-        if fh is None:
+        oldest past ``UNOPENED_MAX`` handles or ``UNOPENED_BYTES``."""
+        held = self._unopened.get(ino)
+        if held is None:
             fh = await self._open_unopened(ino, stream)
         else:
+            fh = held[0]
             self._unopened.move_to_end(ino)
         h = self._handle(fh)
         out = await self.read(fh, off, size)
         h.served += len(out)
-        if h.served >= h.node.attr.size and self._unopened.get(ino) == fh:
-            del self._unopened[ino]
+        held = self._unopened.get(ino)
+        if h.served >= h.node.attr.size and held is not None and held[0] == fh:
             if h.data is not None and h.layout is not None and self.config.notify_store:
                 self.cache.delivered([c.blob for c in h.layout.chunks])
-            self._close_reader(fh)
+            self._close_unopened(ino)
         return out
 
     async def _open_unopened(self, ino: int, stream: int) -> int:
         while (busy := self._opening.get(ino)) is not None:  # another READ is opening it
             await busy.wait()
-            fh = self._unopened.get(ino)
-            if fh is not None:
-                return fh
+            held = self._unopened.get(ino)
+            if held is not None:
+                return held[0]
         done = self._opening[ino] = trio.Event()
         try:
             node = self.inodes.get(ino) or await self._node(ino)
             if not node.attr.is_reg:
                 raise error(errno.EINVAL, "JPFS stores bytes for regular files only")
             fh = (await self._open_read(node, stream, by_kernel=True)).fh
-            self._unopened[ino] = fh
-            while len(self._unopened) > UNOPENED_MAX:
-                self._close_reader(self._unopened.popitem(last=False)[1])
+            h = self._handle(fh)
+            nbytes = len(h.data) if h.data is not None else 0
+            self._unopened[ino] = (fh, nbytes)
+            self._unopened_bytes += nbytes
+            while len(self._unopened) > UNOPENED_MAX or (
+                    self._unopened_bytes > UNOPENED_BYTES and len(self._unopened) > 1):
+                self._close_unopened(next(iter(self._unopened)))
             return fh
         finally:
             del self._opening[ino]
             done.set()
+
+    def _close_unopened(self, ino: int) -> None:
+        fh, nbytes = self._unopened.pop(ino)
+        self._unopened_bytes -= nbytes
+        self._close_reader(fh)
 
     async def _open_write(self, node: Node, flags: int, *, new: Layout | None = None
                           ) -> OpenFile:
