@@ -14,6 +14,8 @@ The same files in the same order are read
   local            from the local copy (the baseline);
   fuse             through `jpfs mount --read-only` (dataset mode), prefetch on;
   fuse-noprefetch  the same mount with --no-prefetch;
+  fuse-open        the same mount with --open-requests (the kernel sends OPEN and RELEASE per
+                   open, as before no-open mode; only with --via fuse-open);
   fuse-rw          a read-write mount (opens revalidate, FLUSH is answered): what unchanged
                    training code gets without --read-only (only with --via fuse-rw).
 
@@ -48,7 +50,7 @@ log = logging.getLogger(__name__)
 
 HELP = "FUSE mount files/s and FUSE requests per file, cold and warm, prefetch on/off, vs local"
 DESCRIPTION = __doc__
-VIAS = ("local", "fuse", "fuse-noprefetch", "fuse-rw")
+VIAS = ("local", "fuse", "fuse-noprefetch", "fuse-open", "fuse-rw")
 PHASES = ("read", "namespace", "large")
 
 
@@ -172,7 +174,7 @@ class Mount:
         self.cache = work / f"cache-{via}-{generation}"
         opts = fm.MountOptions(mountpoint=str(self.mp), cluster=cluster_file,
                                cache_dir=str(self.cache), prefetch=via != "fuse-noprefetch",
-                               read_only=via != "fuse-rw",
+                               read_only=via != "fuse-rw", open_requests=via == "fuse-open",
                                log_file=str(work / f"mount-{via}.log"))
         self.pid = fm.start_background(opts)
 

@@ -10,8 +10,9 @@ from typing import Protocol
 class Notifier(Protocol):
     """How the VFS reaches the kernel's caches (the FUSE mount passes its own)."""
 
-    def store(self, ino: int, data: memoryview) -> bool:
-        """Put a file's whole contents into the kernel's page cache; False if it cannot."""
+    def store(self, ino: int, data: memoryview, offset: int = 0) -> bool:
+        """Put a file's bytes from ``offset`` into the kernel's page cache; False if it cannot.
+        It may wait for page locks: call it where no READ of the inode waits on the caller."""
         ...
 
     def invalidate_attr(self, ino: int) -> None:
@@ -22,7 +23,7 @@ class Notifier(Protocol):
 class NullNotifier:
     """For a VFS that no kernel caches (tests, tools)."""
 
-    def store(self, ino: int, data: memoryview) -> bool:
+    def store(self, ino: int, data: memoryview, offset: int = 0) -> bool:
         return False
 
     def invalidate_attr(self, ino: int) -> None:
