@@ -67,7 +67,6 @@ log = logging.getLogger(__name__)
 
 FALLOC_FL_KEEP_SIZE = 0x01
 _DEVICES = (stat.S_IFBLK, stat.S_IFCHR)
-PAGE = 4096
 UNOPENED_MAX = 1024
 """Handles the VFS keeps for files the kernel opened without asking and has not read whole (the
 oldest is closed first; a later READ opens it again)."""
@@ -494,51 +493,13 @@ class VFS:
             self._unopened.move_to_end(ino)
         h = self._handle(fh)
         out = await self.read(fh, off, size)
-        first = h.served == 0
         h.served += len(out)
-        if first and h.served < h.node.attr.size and h.data is not None \
-                and self.config.notify_store:
-            # a small file read in pieces (a decoder's 32 KiB reads, a parquet footer first):
-            # the rest goes to the kernel before this READ is answered, so the read-ahead it
-            # sets off finds those pages; from a thread, since a READ of them in flight (their
-            # pages locked) must be answered meanwhile
-            await self._store_rest(ino, fh, off, off + len(out))
-        if h.served >= h.node.attr.size:
-            self._read_whole(ino, fh)
-        return out
-
-    def _read_whole(self, ino: int, fh: int) -> None:
-        """The kernel's pages hold the whole file: its handle closes, its blobs leave memory."""
         held = self._unopened.get(ino)
-        if held is None or held[0] != fh:
-            return
-        h = self._handle(fh)
-        if h.data is not None and h.layout is not None and self.config.notify_store:
-            self.cache.delivered([c.blob for c in h.layout.chunks])
-        self._close_unopened(ino)
-
-    async def _store_rest(self, ino: int, fh: int, start: int, end: int) -> None:
-        """Hand the kernel a small file's bytes outside [start, end) (those this READ answers,
-        whose pages it holds locked; widened to whole pages)."""
-        h = self.handles.get(fh)
-        if type(h) is not FileHandle or h.data is None:
-            return
-        data = h.data
-        start -= start % PAGE
-        end = min(len(data), -(-end // PAGE) * PAGE)
-
-        def store() -> bool:
-            return (start == 0 or self.notifier.store(ino, data[:start], 0)) and \
-                (end >= len(data) or self.notifier.store(ino, data[end:], end))
-
-        try:
-            stored = await trio.to_thread.run_sync(store, abandon_on_cancel=True)
-        except Exception:  # noqa: BLE001 - the kernel will just ask by READ
-            log.exception("could not hand the rest of inode %d to the kernel", ino)
-            return
-        if stored:
-            self.stats.notify_store_bytes += len(data) - (end - start)
-            h.served = len(data)  # the READ that called this closes the handle
+        if h.served >= h.node.attr.size and held is not None and held[0] == fh:
+            if h.data is not None and h.layout is not None and self.config.notify_store:
+                self.cache.delivered([c.blob for c in h.layout.chunks])
+            self._close_unopened(ino)
+        return out
 
     async def _open_unopened(self, ino: int, stream: int) -> int:
         while (busy := self._opening.get(ino)) is not None:  # another READ is opening it

@@ -10,9 +10,8 @@ from typing import Protocol
 class Notifier(Protocol):
     """How the VFS reaches the kernel's caches (the FUSE mount passes its own)."""
 
-    def store(self, ino: int, data: memoryview, offset: int = 0) -> bool:
-        """Put a file's bytes from ``offset`` into the kernel's page cache; False if it cannot.
-        It may wait for page locks: call it where no READ of the inode waits on the caller."""
+    def store(self, ino: int, data: memoryview) -> bool:
+        """Put a file's whole contents into the kernel's page cache; False if it cannot."""
         ...
 
     def invalidate_attr(self, ino: int) -> None:
@@ -23,7 +22,7 @@ class Notifier(Protocol):
 class NullNotifier:
     """For a VFS that no kernel caches (tests, tools)."""
 
-    def store(self, ino: int, data: memoryview, offset: int = 0) -> bool:
+    def store(self, ino: int, data: memoryview) -> bool:
         return False
 
     def invalidate_attr(self, ino: int) -> None:

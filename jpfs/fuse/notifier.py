@@ -17,14 +17,12 @@ log = logging.getLogger(__name__)
 class KernelNotifier:
     """The ``jpfs.client.vfs.Notifier`` of a live pyfuse3 mount."""
 
-    def store(self, ino: int, data: memoryview, offset: int = 0) -> bool:
-        """Put ``data`` (a file's bytes from ``offset``) into the kernel's page cache for
-        ``ino``. pyfuse3 drops the GIL while the kernel copies, so a worker thread may call
-        this."""
+    def store(self, ino: int, data: memoryview) -> bool:
+        """Put ``data`` (a whole file) into the kernel's page cache for ``ino``."""
         try:
             # pyfuse3 takes any contiguous buffer (PyObject_GetBuffer); its stub says bytes, and
             # a copy of a whole file is what this avoids.
-            pyfuse3.notify_store(ino, offset, data)  # type: ignore[arg-type]
+            pyfuse3.notify_store(ino, 0, data)  # type: ignore[arg-type]
         except OSError as e:
             log.debug("notify_store of inode %d failed: %s", ino, e)
             return False
