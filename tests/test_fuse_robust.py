@@ -80,9 +80,11 @@ def test_fadvise_sequential_cold_read_of_a_large_file(cluster, tmp_path, options
         assert m.stats()["fuse"]["errors"].get("EIO", 0) == 0
 
 
-def test_readers_that_keep_cancelling_prefetch(cluster, tmp_path):
+@pytest.mark.parametrize("options", [(), ("--read-only",)], ids=["rw", "ro"])
+def test_readers_that_keep_cancelling_prefetch(cluster, tmp_path, options):
     """Several readers over overlapping files, sequential and random, opening and closing while
-    read-ahead is in flight: every read is right and the mount answers afterwards."""
+    read-ahead is in flight: every read is right and the mount answers afterwards (read-only:
+    with no OPEN or RELEASE, the mount opens each file at its first READ)."""
     d, digests = cluster
     names = sorted(k for k in digests if k.startswith("many/"))
     failures: list[str] = []
@@ -107,7 +109,7 @@ def test_readers_that_keep_cancelling_prefetch(cluster, tmp_path):
         except OSError as e:
             failures.append(f"{name}: {e}")
 
-    with mounted(d, tmp_path / "mnt", "--memory-cache", "32M") as m:
+    with mounted(d, tmp_path / "mnt", "--memory-cache", "32M", *options) as m:
         for _round in range(2):
             _drop_caches()
             threads = [threading.Thread(target=reader, args=(s, m)) for s in range(6)]
@@ -123,6 +125,69 @@ def test_readers_that_keep_cancelling_prefetch(cluster, tmp_path):
         s = m.stats()
         assert s["fuse"]["errors"].get("EIO", 0) == 0
         assert s["prefetch"]["readahead_chunks"] > 0
+
+
+def _read_small_files(mp: str, names: list[str], seed: int) -> list[str]:
+    """One reader process: small files in a shuffled order, each read whole, in chunks, in
+    part, or after dropping its pages; returns what was wrong."""
+    rng = random.Random(seed)
+    wrong = []
+    for name in rng.sample(names, len(names)):
+        p = Path(mp) / "s" / name
+        want = int(name.split(".")[0])
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            how = rng.randrange(4)
+            if how == 3:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if how == 2:  # a footer first, then a piece, as pyarrow reads parquet
+                size = os.fstat(fd).st_size
+                got = os.pread(fd, 4096, size - 4096) + os.pread(fd, 8192, 0)
+                ok = got == _small(want)[size - 4096:] + _small(want)[:8192]
+            else:
+                step = rng.choice([4096, 32 << 10, 1 << 20])
+                parts = []
+                while part := os.read(fd, step):
+                    parts.append(part)
+                got = b"".join(parts)
+                ok = got == _small(want)
+            if not ok:
+                wrong.append(f"{name} (way {how})")
+        finally:
+            os.close(fd)
+    return wrong
+
+
+def _small(i: int) -> bytes:
+    return random.Random(i).randbytes(20_000 + 7_919 * i)
+
+
+def test_processes_reading_the_same_small_files_on_a_read_only_mount(cluster, tmp_path):
+    """Four processes read the same small files at once in different orders and ways, with
+    the page cache dropped between rounds: on a read-only mount (no OPEN, no RELEASE) every byte
+    is right, no error is answered, and no handle is left once the kernel forgets the files."""
+    import multiprocessing
+
+    d, _ = cluster
+    names = [f"{i}.bin" for i in range(60)]
+    with jpfs.connect(d) as c:
+        c.makedirs("/s", exist_ok=True)
+        for i, n in enumerate(names):
+            c.write_bytes(f"/s/{n}", _small(i))
+    with mounted(d, tmp_path / "mnt", "--read-only") as m:
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(4) as pool:
+            for round_ in range(3):
+                _drop_caches()
+                results = pool.starmap(_read_small_files,
+                                       [(str(m.path), names, 10 * round_ + k) for k in range(4)])
+                assert not [w for r in results for w in r], results
+        _alive(m)
+        s = m.stats()
+        # ENOSYS: the first FLUSH's answer, which stops them all
+        assert not {k: v for k, v in s["fuse"]["errors"].items() if k != "ENOSYS"}, s["fuse"]
+        _drop_caches()
+        m.wait_for(lambda s: s["mount"]["handles"] == 0, what="no handle left")
 
 
 def test_kill_9_of_the_mount_mid_copy_leaves_fsck_clean(cluster, tmp_path):
