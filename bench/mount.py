@@ -84,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what to read through (default local,fuse,fuse-noprefetch)")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs per figure; the median is reported (default 1)")
+    p.add_argument("--read-size", type=parse_size, default="0",
+                   help="read each file in reads of this size, as a video decoder does (e.g. "
+                   "32K; default 0: each file in one read)")
     p.add_argument("--no-drop-caches", action="store_true",
                    help="do not drop the page cache before epoch 1 (then only the mount is "
                    "cold; the local tree and the servers' volumes stay in memory)")
@@ -111,7 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---- reading ----------------------------------------------------------------------------------
 
 def _read_units(root: str, units: list[tuple[str, ...]], sizes: dict[str, int], largest: int,
-                barrier: threading.Barrier, out: dict) -> None:
+                barrier: threading.Barrier, out: dict, read_size: int = 0) -> None:
     buf = bytearray(largest + 1)
     mv = memoryview(buf)
     files = nbytes = 0
@@ -125,7 +128,8 @@ def _read_units(root: str, units: list[tuple[str, ...]], sizes: dict[str, int], 
                 with open(os.path.join(root, rel), "rb", buffering=0) as f:
                     got = 0
                     while got <= want:
-                        n = f.readinto(mv[got:want + 1])
+                        end = want + 1 if not read_size else min(want + 1, got + read_size)
+                        n = f.readinto(mv[got:end])
                         if not n:
                             break
                         got += n
@@ -139,8 +143,9 @@ def _read_units(root: str, units: list[tuple[str, ...]], sizes: dict[str, int], 
     out.update(files=files, bytes=nbytes, start=start, end=time.perf_counter(), errors=errors)
 
 
-def read_epoch(root: str, ds, order: list[int], readers: int) -> dict:
-    """All units in ``order``, split round-robin over ``readers`` threads."""
+def read_epoch(root: str, ds, order: list[int], readers: int, read_size: int = 0) -> dict:
+    """All units in ``order``, split round-robin over ``readers`` threads (each file in reads of
+    ``read_size``, or in one)."""
     from .readers import share
 
     units = [ds.units[i] for i in order]
@@ -148,7 +153,7 @@ def read_epoch(root: str, ds, order: list[int], readers: int) -> dict:
     barrier = threading.Barrier(readers)
     threads = [threading.Thread(target=_read_units, args=(
         root, [units[j] for j in share(range(len(units)), k, readers)], ds.sizes, ds.largest,
-        barrier, results[k])) for k in range(readers)]
+        barrier, results[k], read_size)) for k in range(readers)]
     for t in threads:
         t.start()
     for t in threads:
@@ -234,8 +239,9 @@ def _measure(via: str, order_name: str, readers: int, ds, local_root: str, clust
             order = epoch_order(len(ds.units), order_name, args.seed, epoch)
             before = mount.stats() if mount else None
             cpu0 = proc_cpu(mount.pid) if mount else 0.0
-            r = read_epoch(root, ds, order, readers)
+            r = read_epoch(root, ds, order, readers, args.read_size)
             r.update(via=via, order=order_name, readers=readers, epoch=epoch,
+                     read_size=args.read_size,
                      cold=cold["cold"] if epoch == 1 else False)
             if mount:
                 r.update(_fuse_delta(before, mount.stats(), r["files"],
