@@ -422,6 +422,9 @@ def test_read_only_mount(cluster, tmp_path):
         assert _errno(os.unlink, m.path / "ro-data") == errno.EROFS
         assert _errno(os.open, m.path / "new", os.O_CREAT | os.O_WRONLY) == errno.EROFS
         assert m.stats()["mount"]["kernel_opens"] is False  # OPEN is answered ENOSYS
+        ctl = os.stat(m.path / ".jpfs")
+        assert stat.S_ISDIR(ctl.st_mode) and ctl.st_size == 0
+        assert os.stat(m.path / ".jpfs" / "stats").st_size > 0  # the snapshot's size
         for _ in range(3):  # the kernel opens files itself: a file it caches costs nothing
             before = m.stats()["fuse"]
             assert (m.path / "ro-data").read_bytes() == b"frozen"

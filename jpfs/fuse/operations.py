@@ -539,7 +539,7 @@ class Operations(pyfuse3.Operations):
     def _control_entry(self, inode: int, fresh: bool = False) -> pyfuse3.EntryAttributes:
         """A control file's entry; where the kernel opens files itself, with its snapshot's
         size and mtime, and kept by the kernel for no time (every open looks the name up)."""
-        if self.kernel_opens:
+        if self.kernel_opens or inode == control.CONTROL_DIR:
             return self._entry(control.attr(inode))
         content, mtime_ns = self._snapshot(inode, fresh)
         e = self._entry(control.attr(inode, len(content), mtime_ns))
