@@ -329,7 +329,7 @@ def report_phases(result: dict) -> None:
 
     rows = [[r["phase"], r["what"], r["unit"], f"{r['local']:,.0f}", f"{r['fuse']:,.0f}",
              fmt_ratio(r["ratio"])] for r in result["phase_ratios"]]
-    print_table(["phase", "what", "unit", "local", "read-write mount", "vs local"], rows,
+    print_table(["phase", "what", "unit", "local", "mount", "vs local"], rows,
                 title="writes, namespace changes and large files")
 
 
