@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -156,11 +157,43 @@ def _session_slot(name: str) -> int | str:
     return at + _SLOTS.index(name) * 8
 
 
+@functools.cache
+def _libfuse() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("fuse3") or "libfuse3.so.3")
+
+
 def _libfuse_version() -> tuple[int, int]:
-    lib = ctypes.CDLL(ctypes.util.find_library("fuse3") or "libfuse3.so.3")
+    lib = _libfuse()
     lib.fuse_version.restype = ctypes.c_int
     v = lib.fuse_version()  # major * 100 + minor (3.14 -> 314)
     return v // 100, v % 100
+
+
+def _installed(attempt: Callable[[], str | None], without: str) -> bool:
+    """Run ``attempt`` (None, or why the layout is unknown); False, logged with what the mount
+    does ``without`` it, if it did not install."""
+    try:
+        why = attempt()
+    except (OSError, ValueError, struct.error) as e:
+        why = f"{type(e).__name__}: {e}"
+    if why:
+        log.info("%s on this mount: %s", without, why)
+        return False
+    return True
+
+
+def _wrap(name: str, callback, pyfunctype) -> Callable | str:
+    """Point the session's slot ``name`` at ``callback``; pyfuse3's own handler (to call on), or
+    why it cannot be wrapped."""
+    slot = _session_slot(name)
+    if isinstance(slot, str):
+        return slot
+    ptr = ctypes.c_void_p.from_address(slot)
+    if not ptr.value:
+        return f"pyfuse3 has no {name} handler"
+    handler = pyfunctype(ptr.value)
+    ptr.value = ctypes.cast(callback, ctypes.c_void_p).value
+    return handler
 
 
 class NoFlushOnRead:
@@ -173,26 +206,15 @@ class NoFlushOnRead:
 
     def install(self) -> bool:
         """Wrap the session's open slot; False (and logged) if the layout is unknown."""
-        try:
-            why = self._install()
-        except (OSError, ValueError, struct.error) as e:
-            why = f"{type(e).__name__}: {e}"
-        if why:
-            log.info("read opens keep their FLUSH on this mount: %s", why)
-            return False
-        return True
+        return _installed(self._install, "read opens keep their FLUSH")
 
     def _install(self) -> str | None:
         if _libfuse_version() < _NOFLUSH_SINCE:
             return "libfuse is older than 3.11 (no noflush)"
-        slot = _session_slot("open")
-        if isinstance(slot, str):
-            return slot
-        ptr = ctypes.c_void_p.from_address(slot)
-        if not ptr.value:
-            return "pyfuse3 has no open handler"
-        self._pyfuse3 = _OPEN_PYFUSE3(ptr.value)
-        ptr.value = ctypes.cast(self._callback, ctypes.c_void_p).value
+        handler = _wrap("open", self._callback, _OPEN_PYFUSE3)
+        if isinstance(handler, str):
+            return handler
+        self._pyfuse3 = handler
         return None
 
     def _open(self, req, ino, fi) -> None:
@@ -216,8 +238,7 @@ class InodeReads:
     def __init__(self) -> None:
         self._callback = _READ(self._read)  # kept alive as long as the session
         self._pyfuse3: Callable[[int, int, int, int, int], None] | None = None
-        lib = ctypes.CDLL(ctypes.util.find_library("fuse3") or "libfuse3.so.3")
-        self._req_ctx = lib.fuse_req_ctx
+        self._req_ctx = _libfuse().fuse_req_ctx
         self._req_ctx.argtypes = [ctypes.c_void_p]
         self._req_ctx.restype = ctypes.c_void_p
         self.pids: dict[int, int] = {}
@@ -226,24 +247,13 @@ class InodeReads:
     def install(self) -> bool:
         """Wrap the session's read slot; False (and logged) if the layout is unknown, and then
         the mount must keep answering OPEN."""
-        try:
-            why = self._install()
-        except (OSError, ValueError, struct.error) as e:
-            why = f"{type(e).__name__}: {e}"
-        if why:
-            log.info("the kernel keeps sending OPEN and RELEASE on this mount: %s", why)
-            return False
-        return True
+        return _installed(self._install, "the kernel keeps sending OPEN and RELEASE")
 
     def _install(self) -> str | None:
-        slot = _session_slot("read")
-        if isinstance(slot, str):
-            return slot
-        ptr = ctypes.c_void_p.from_address(slot)
-        if not ptr.value:
-            return "pyfuse3 has no read handler"
-        self._pyfuse3 = _READ_PYFUSE3(ptr.value)
-        ptr.value = ctypes.cast(self._callback, ctypes.c_void_p).value
+        handler = _wrap("read", self._callback, _READ_PYFUSE3)
+        if isinstance(handler, str):
+            return handler
+        self._pyfuse3 = handler
         return None
 
     def _read(self, req, ino, size, off, fi) -> None:
@@ -270,22 +280,14 @@ class Fallocate:
         self.ops = ops
         self.nursery = nursery
         self._callback = _FALLOCATE(self._request)  # kept alive as long as the session
-        name = ctypes.util.find_library("fuse3")
-        self._libfuse = ctypes.CDLL(name or "libfuse3.so.3")
+        self._libfuse = _libfuse()
         self._libfuse.fuse_reply_err.argtypes = [ctypes.c_void_p, ctypes.c_int]
         self._libfuse.fuse_reply_err.restype = ctypes.c_int
 
     def install(self) -> bool:
         """Point the session's fallocate slot at our callback; False (and logged) if the
         layout is not the one this module knows."""
-        try:
-            why = self._install()
-        except (OSError, ValueError, struct.error) as e:
-            why = f"{type(e).__name__}: {e}"
-        if why:
-            log.info("fallocate stays unsupported on this mount: %s", why)
-            return False
-        return True
+        return _installed(self._install, "fallocate stays unsupported")
 
     def _install(self) -> str | None:
         slot = _session_slot("fallocate")
