@@ -550,6 +550,8 @@ def run_readers(specs: list[dict], *, before_go: Callable[[], None] | None = Non
         return results  # type: ignore[return-value]
     finally:
         for p in procs:
+            if p.pid is None:
+                continue  # never started (a signal came during the starts): nothing to join
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
