@@ -42,7 +42,7 @@ from .coordinator import Coordinator
 from .keys import Inode
 from .ops import NEW, apply_local
 from .replica import RENEW, STALL, TTL, Replication
-from .store import Locked, Store, Txn
+from .store import SYNC_DELAY, Locked, Store, Txn
 
 log = logging.getLogger(__name__)
 
@@ -484,6 +484,7 @@ class MetaShard:
         return {"shard": self.shard, "shards": self.n_shards, "chunk_size": self.chunk_size,
                 "commits": self.store.commits, "ops": self.store.ops,
                 "syncs": self.store.syncs,
+                "syncs_inline": self.store.fsyncs.inline,
                 "transactions_committed": self.coord.committed,
                 "transactions_aborted": self.coord.aborted, **counts,
                 "db_bytes": os.path.getsize(self.store.path / "data.mdb"), "pid": os.getpid(),
@@ -504,7 +505,8 @@ COUNTERS = frozenset({"commits", "ops", "transactions_committed", "transactions_
 
 async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: int, *,
                     replica: int = 0, sync: bool = True, ack_after_sync: bool = False,
-                    metrics: str | None = None, heal_options: dict | None = None,
+                    sync_delay: float = SYNC_DELAY, metrics: str | None = None,
+                    heal_options: dict | None = None,
                     ttl: float = TTL, renew: float = RENEW, stall: float = STALL,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Open shard ``index`` (copy ``replica``) and serve it until cancelled;
@@ -517,7 +519,8 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
         raise SystemExit(f"metadata shard {index} has {len(copies)} copies but the cluster "
                          "names no etcd (replication elects its leader there): add "
                          '[cluster] etcd = ["http://HOST:PORT"]')
-    store = Store(data, index, cluster.n_shards, sync=sync, ack_after_sync=ack_after_sync)
+    store = Store(data, index, cluster.n_shards, sync=sync, ack_after_sync=ack_after_sync,
+                  sync_delay=sync_delay)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(store.committer)
@@ -565,6 +568,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ack-after-sync", action="store_true",
                    help="answer single-shard changes only once they are fsynced (default: once "
                    "committed, durable within one fsync; clients call sync for fsync(2))")
+    p.add_argument("--sync-delay", type=float, default=SYNC_DELAY, metavar="SECONDS",
+                   help="how long an fsync that no client waits for may wait for more changes "
+                   "to cover (default %(default)s; a power failure can lose this much more of "
+                   "the changes already answered; 0: fsync after every commit)")
     p.add_argument("--replica", type=int, default=0,
                    help="which copy of the shard this is (0-based; shards with several copies "
                    "elect a leader on etcd)")
@@ -592,6 +599,7 @@ def main(argv: list[str] | None = None) -> None:
     async def serve_shard() -> None:
         await run_shard(cluster, args.index, data, host, port, replica=args.replica,
                         sync=not args.no_sync, ack_after_sync=args.ack_after_sync,
+                        sync_delay=args.sync_delay,
                         metrics=common.metrics_address(args, cluster, "meta"),
                         heal_options=heal.options(args), ttl=args.lease_ttl,
                         renew=args.lease_renew, stall=args.stall_timeout)

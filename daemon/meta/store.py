@@ -5,9 +5,13 @@ everything queued and runs it inside *one* LMDB write transaction (each operatio
 nested transaction, so one failing operation rolls back alone), on the event loop: an operation
 takes microseconds, less than a hop to a worker thread. Nothing awaits while a transaction is
 open. The environment never fsyncs by itself: a syncer task makes everything committed so far
-durable with one ``env.sync()`` in a worker thread, again and again while commits keep coming,
-so one fsync covers many groups (durable metadata writes are fsync-bound, and sharing the fsync
-is the 10x lever: docs/perf.md).
+durable with one ``env.sync()``, so one fsync covers many groups (durable metadata writes are
+fsync-bound, and sharing the fsync is the 10x lever: docs/perf.md). When somebody waits for
+durability (a ``write``, ``sync``) it syncs at once; when nobody does, it lets commits gather
+for up to ``sync_delay`` (5 ms) after its previous fsync, so two clients creating files one at a
+time cost a few hundred fsyncs a second, not one per change. The fsync itself runs on the event
+loop while fsyncs take less than a thread hop would (``BlockingCalls``), in a worker thread
+otherwise.
 
 Who waits for the fsync: ``write`` (a 2PC vote and decision, repairs: what another shard or a
 restart relies on) is answered once its group is durable; ``write(durable=False)`` (planned
@@ -15,7 +19,8 @@ single-shard changes, 2PC commits whose coordinator waits for a ``sync`` before 
 decision) once committed. ``write_later`` (the single-shard changes a
 client makes: create, setattr, write_chunks, ...) is answered once its group is committed, as a
 local filesystem answers before its journal commit: the change is visible to every client at
-once and durable within one fsync (milliseconds); a client that needs to know it is durable
+once and durable within ``sync_delay`` and one fsync (milliseconds); a client that needs to know
+it is durable
 calls ``sync`` (what fsync(2) and unmount do), which returns once everything committed before
 it is. A killed shard process loses nothing committed (the pages are in the kernel); only a
 power failure in that window could. With ``ack_after_sync`` every write waits (the old, slower
@@ -52,11 +57,15 @@ from jpfs.errors import JPFSError, error
 from jpfs.placement import COUNTER_MASK, make_ino
 from jpfs.rpc.service import Defer, Later
 
+from ..common import BlockingCalls
 from . import keys as K
 from . import replog
 from .keys import Inode
 
 log = logging.getLogger(__name__)
+
+SYNC_DELAY = 0.005
+"""Seconds an fsync nobody waits for may wait for more commits to cover (``Store``)."""
 
 MAX_BATCH = 512
 LOCK_WAIT = 30.0
@@ -169,19 +178,24 @@ class Store:
     """The LMDB environment of shard ``shard`` of ``n_shards``."""
 
     def __init__(self, path: str | os.PathLike, shard: int, n_shards: int, *,
-                 sync: bool = True, map_size: int = 1 << 40, ack_after_sync: bool = False):
+                 sync: bool = True, map_size: int = 1 << 40, ack_after_sync: bool = False,
+                 sync_delay: float = SYNC_DELAY):
         Path(path).mkdir(parents=True, exist_ok=True)
         self.path = Path(path)
         self.shard = shard
         self.n_shards = n_shards
         # Commits never fsync by themselves: the committer runs transactions on the event loop
-        # and then makes a whole group durable with one env.sync() in a worker thread.
+        # and the syncer makes groups durable with one env.sync() for all of them.
         self.durable = sync
         self.ack_after_sync = ack_after_sync
+        self.sync_delay = sync_delay
+        """How long an fsync that nobody waits for may wait for more commits."""
+        self.fsyncs = BlockingCalls()
         self._committed = 0  # groups committed so far
         self._synced = 0  # of those, durable
         self._dirty = trio.Event()  # set when a group was committed and not yet synced
         self._pending: list[tuple[int, _Slot | trio.Event]] = []  # waiting for a sync
+        self._waited = trio.Event()  # set when something waits in _pending: sync now
         self.syncs = 0
         self.env = lmdb.open(str(path), max_dbs=len(K.DBS) + 2, map_size=map_size, sync=False,
                              metasync=False, max_readers=1024, readahead=False)
@@ -298,14 +312,21 @@ class Store:
                     repl.committed(self.pos[1])
 
     async def _syncer(self) -> None:
-        """Make committed groups durable, one fsync for all committed since the last one."""
+        """Make committed groups durable, one fsync for all committed since the last one: at
+        once when somebody waits for it, else up to ``sync_delay`` after the previous one."""
+        last = -math.inf
         while True:
             await self._dirty.wait()
+            if not self._pending:
+                with trio.move_on_at(last + self.sync_delay):
+                    await self._waited.wait()
             self._dirty = trio.Event()
+            self._waited = trio.Event()
             upto = self._committed
             failure = None
             try:
-                await trio.to_thread.run_sync(self.env.sync, True)
+                await self.fsyncs.run(self.env.sync, True)
+                last = trio.current_time()
                 self.syncs += 1
             except lmdb.Error as e:
                 log.exception("metadata fsync failed")
@@ -321,6 +342,13 @@ class Store:
                     w.exc = failure
                 self._answer(w)
 
+    def _wait_synced(self, group: int, waiter: _Slot | trio.Event) -> None:
+        """Answer ``waiter`` (set it, for an event) once ``group`` is durable; the syncer
+        syncs at once rather than waiting for more commits."""
+        self._pending.append((group, waiter))
+        self._dirty.set()
+        self._waited.set()
+
     def _settle(self, group: int, slot: _Slot) -> None:
         """Answer a committed slot now, or once its group is fsynced where that is asked."""
         if slot.read:
@@ -329,7 +357,7 @@ class Store:
             if self._synced >= group:
                 self._answer(slot)
             else:
-                self._pending.append((group, slot))
+                self._wait_synced(group, slot)
         else:
             self._answer(slot)
 
@@ -393,8 +421,7 @@ class Store:
         """Return once everything committed before the call is durable; the groups synced."""
         if self.durable and self._synced < self._committed:
             ev = trio.Event()
-            self._pending.append((self._committed, ev))
-            self._dirty.set()
+            self._wait_synced(self._committed, ev)
             await ev.wait()
         return self._synced
 
@@ -470,8 +497,7 @@ class Store:
         if not self.durable or self._synced >= self._committed:
             self._answer(slot)
             return
-        self._pending.append((self._committed, slot))
-        self._dirty.set()
+        self._wait_synced(self._committed, slot)
 
     def _mark_committed(self) -> None:
         self._committed += 1

@@ -88,14 +88,32 @@ class _Queued:
     result: object = None
 
 
+INLINE_PUT_BYTES = 256 << 10
+"""A group commit whose puts carry at most this much may run on the event loop (``_Writer``)."""
+
+
+def _small(ops: list[Op]) -> bool:
+    """Whether a group commit is only small puts and deletes (an fsync of a few pages)."""
+    total = 0
+    for op in ops:
+        if isinstance(op, PutOp):
+            total += len(op.data)
+        elif not isinstance(op, DeleteOp):
+            return False
+    return total <= INLINE_PUT_BYTES
+
+
 class _Writer:
-    """The single owner of index writes: queues ops and commits them in groups."""
+    """The single owner of index writes: queues ops and commits them in groups. A group of
+    small puts commits on the event loop while such commits are fast (``BlockingCalls``: a
+    thread hop costs more than writing and fsyncing 100 KB), anything else in a worker thread."""
 
     def __init__(self, store: Store):
         self.store = store
         self._queue: list[_Queued] = []
         self._wake = trio.Event()
         self.commits = 0
+        self.calls = common.BlockingCalls()
 
     async def submit(self, op: Op):
         q = _Queued(op)
@@ -116,7 +134,7 @@ class _Writer:
                     await self._wake.wait()
                 if not self._wake.is_set():
                     try:
-                        await trio.to_thread.run_sync(self.store.flush)
+                        await self.calls.run(self.store.flush)
                     except Exception:
                         log.exception("writing pending index entries failed (the volume's "
                                       "records keep them)")
@@ -129,7 +147,8 @@ class _Writer:
                 continue
             try:
                 # Not cancellable: a shutdown waits for the transaction in hand to finish.
-                results = await trio.to_thread.run_sync(self.store.commit, [q.op for q in batch])
+                ops = [q.op for q in batch]
+                results = await self.calls.run(self.store.commit, ops, eligible=_small(ops))
                 self.commits += 1
             except Exception as e:
                 log.exception("group commit of %d operations failed", len(batch))
