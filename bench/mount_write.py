@@ -7,7 +7,9 @@ and small files laid out in 4 KiB writes. ``large``: one large file read sequent
 reads, and many small files read in 4 KiB reads, page cache dropped before each. Each figure is
 measured on the local filesystem and through a read-write mount in the same run, the large
 phase's reads also through a read-only mount (no OPEN: its READs open files); ops/s and the
-ratio are reported.
+ratio are reported. The namespace phase also runs through a naive pyfuse3 passthrough of a
+local directory (``passthrough.py``): what the FUSE round trips and a Python daemon alone cost
+here, so JPFS is measured against that floor as well as against the local filesystem.
 
 The mount's cluster keeps its metadata durable as configured by default (each change is synced
 before it is answered); the local filesystem's baseline is ext4 as mounted, which syncs at its
@@ -18,7 +20,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +165,29 @@ def large_phase(root: Path, large_bytes: int, small_files: int, drop) -> dict[st
     return out
 
 
+@contextmanager
+def passthrough_mount(source: Path, mountpoint: Path):
+    """A naive pyfuse3 passthrough of ``source`` mounted at ``mountpoint`` while in the block."""
+    source.mkdir(parents=True, exist_ok=True)
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "jpfs_bench.passthrough", str(source),
+                             str(mountpoint)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the passthrough mount at {mountpoint} did not start "
+                               f"(exit {proc.wait()})")
+        yield mountpoint
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
+
+
 def run_phases(args, work: Path) -> dict[str, Any]:
     """The ``namespace`` and ``large`` phases, local and through a read-write mount; the large
     phase's reads also through a read-only one (where the kernel opens files itself)."""
@@ -182,6 +210,12 @@ def run_phases(args, work: Path) -> dict[str, Any]:
                 c.put(src / "large.bin", "/large/large.bin")
                 for p in sorted((src / "small").iterdir()):
                     c.put(p, f"/large/small/{p.name}")
+        if "namespace" in phases:
+            with passthrough_mount(work / "passthrough-src", work / "mnt-passthrough") as mp_:
+                (mp_ / "ns").mkdir()
+                out["passthrough"] = {"namespace": namespace_phase(
+                    mp_ / "ns", args.write_procs, args.namespace_ops, 100 << 10,
+                    args.small_write_files, args.layout_files)}
         for via in ("local", "fuse-rw", "fuse"):
             if via == "fuse" and "large" not in phases:
                 continue
@@ -208,14 +242,19 @@ def run_phases(args, work: Path) -> dict[str, Any]:
 
 
 def ratios(phases: dict[str, Any]) -> list[dict]:
-    """One row per figure: local, mount, mount vs local."""
+    """One row per figure: local, mount, mount vs local (and the passthrough, where run)."""
     rows = []
     local, fuse = phases.get("local", {}), phases.get("fuse-rw", {})
+    floor = phases.get("passthrough", {}).get("namespace", {})
     for name, r in fuse.get("namespace", {}).items():
         base = local["namespace"][name]
-        rows.append({"phase": "namespace", "what": name, "unit": "ops/s",
-                     "local": base["ops_s"], "fuse": r["ops_s"],
-                     "ratio": r["ops_s"] / base["ops_s"]})
+        row = {"phase": "namespace", "what": name, "unit": "ops/s",
+               "local": base["ops_s"], "fuse": r["ops_s"],
+               "ratio": r["ops_s"] / base["ops_s"]}
+        if name in floor:
+            row["passthrough"] = floor[name]["ops_s"]
+            row["ratio_passthrough"] = r["ops_s"] / floor[name]["ops_s"]
+        rows.append(row)
     for via, label in (("fuse-rw", ""), ("fuse", " read-only")):
         for name, r in phases.get(via, {}).get("large", {}).items():
             base = local["large"][name]

@@ -1,0 +1,37 @@
+"""``jpfs bench mount --phases namespace`` end to end, at a tiny size: the workload runs on the
+local filesystem, through a naive pyfuse3 passthrough and through a JPFS mount in one run, every
+figure comes with its ratios, and nothing is left mounted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from fuse_support import requires_fuse
+
+
+@requires_fuse
+def test_namespace_phase_against_local_and_a_passthrough(tmp_path):
+    work = tmp_path / "w"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", "--phases", "namespace",
+         "--namespace-ops", "20", "--small-write-files", "4", "--layout-files", "2",
+         "--dir", str(work), "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "vs passthrough" in proc.stdout
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for via in ("local", "passthrough", "fuse-rw"):
+        ns = res["phases"][via]["namespace"]
+        assert set(ns) == {"create", "mkdir", "stat", "rename", "remove", "rmdir",
+                           "write_small", "layout_4k"}
+        assert all(r["ops_s"] > 0 for r in ns.values())
+    rows = {r["what"]: r for r in res["phase_ratios"]}
+    assert rows["create"]["ratio_passthrough"] == pytest.approx(
+        rows["create"]["fuse"] / rows["create"]["passthrough"])
+    # the passthrough wrote through to its directory, and everything was unmounted
+    small = work / "passthrough-src" / "ns" / "p0" / "small" / "s00003"
+    assert small.stat().st_size == 100 << 10
+    with open("/proc/mounts") as f:
+        assert str(work) not in f.read()
