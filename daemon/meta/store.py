@@ -19,12 +19,11 @@ single-shard changes, 2PC commits whose coordinator waits for a ``sync`` before 
 decision) once committed. ``write_later`` (the single-shard changes a
 client makes: create, setattr, write_chunks, ...) is answered once its group is committed, as a
 local filesystem answers before its journal commit: the change is visible to every client at
-once and durable within ``sync_delay`` and one fsync (milliseconds); a client that needs to know
-it is durable
-calls ``sync`` (what fsync(2) and unmount do), which returns once everything committed before
-it is. A killed shard process loses nothing committed (the pages are in the kernel); only a
-power failure in that window could. With ``ack_after_sync`` every write waits (the old, slower
-policy, for comparison).
+once and durable within ``sync_delay`` and one fsync (milliseconds); a client that needs to
+know it is durable calls ``sync`` (what fsync(2) and unmount do), which returns once everything
+committed before it is. A killed shard process loses nothing committed (the pages are in the
+kernel); only a power failure in that window could. With ``ack_after_sync`` every write waits
+(the old, slower policy, for comparison).
 
 A replicated shard (``repl`` set, see ``replica.py``) records each group's changes as a log
 entry while it commits (``replog.Recorder``), writes its position in the same transaction, and
