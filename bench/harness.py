@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -159,3 +160,16 @@ def arg_type(parse: Callable[[str], T]) -> Callable[[str], T]:
 
 size_arg = arg_type(parse_size)
 """``--x 4MiB``: a size in bytes."""
+
+
+def stop_like_ctrl_c(signum, frame) -> None:
+    """A signal handler that ends a run the way Ctrl-C does, so every ``finally`` cleans up.
+
+    It raises SIGINT rather than a KeyboardInterrupt: inside ``trio.run`` an exception raised
+    in a handler lands wherever the main thread happens to be, trio's scheduler included
+    ("Nursery stack corrupted", exit 1), while trio's own SIGINT handler delivers it to the
+    main task at a checkpoint (and outside trio Python's default handler raises it)."""
+    if callable(signal.getsignal(signal.SIGINT)):
+        signal.raise_signal(signal.SIGINT)
+    else:  # SIGINT ignored: nothing else would stop the run
+        raise KeyboardInterrupt(f"signal {signum}")

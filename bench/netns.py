@@ -41,7 +41,7 @@ from pathlib import Path
 from jpfs.localcluster import pid_alive
 
 from . import relay
-from .harness import wait_port
+from .harness import stop_like_ctrl_c, wait_port
 
 log = logging.getLogger(__name__)
 
@@ -245,23 +245,11 @@ class SimHosts:
         self.close()
 
     def _trap_signals(self) -> None:
-        """SIGTERM (and SIGHUP) end the run like Ctrl-C does, so ``finally`` blocks clean up.
-
-        They are turned into a SIGINT rather than a KeyboardInterrupt raised in the handler:
-        inside ``trio.run`` the exception would land wherever the main thread happens to be,
-        trio's scheduler included ("Nursery stack corrupted", exit 1), while trio's own SIGINT
-        handler delivers it to the main task at a checkpoint."""
+        """SIGTERM (and SIGHUP) end the run like Ctrl-C does, so ``finally`` blocks clean up."""
         if threading.current_thread() is not threading.main_thread():
             return
-
-        def stop(signum, frame):
-            if callable(signal.getsignal(signal.SIGINT)):
-                signal.raise_signal(signal.SIGINT)  # trio's handler, or Python's default one
-            else:  # SIGINT ignored: nothing would stop the run
-                raise KeyboardInterrupt(f"signal {signum}")
-
         for sig in (signal.SIGTERM, signal.SIGHUP):
-            self._old_handlers[sig] = signal.signal(sig, stop)
+            self._old_handlers[sig] = signal.signal(sig, stop_like_ctrl_c)
 
     def setup(self) -> None:
         clean_leftovers()

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .harness import stop_like_ctrl_c
+
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
@@ -119,11 +121,7 @@ def interrupt_on_sigterm() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def stop(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = signal.signal(signal.SIGTERM, stop)
+    old = signal.signal(signal.SIGTERM, stop_like_ctrl_c)
     try:
         yield
     finally:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import trio
 
@@ -45,48 +47,47 @@ def test_answered_changes_survive_a_kill_and_share_fsyncs(tmp_path):
         localcluster.down(d, timeout=5)
 
 
+@contextmanager
+def _with_sync_delay(tmp_path, shards: int, delay: float) -> Iterator[jpfs.Client]:
+    """A client of a synced cluster whose shards run with ``--sync-delay delay``, and ``/d``."""
+    d = tmp_path / "c"
+    localcluster.up(d, meta_shards=shards, storage_nodes=1, sync=True,
+                    extra_args={"meta": ["--sync-delay", str(delay)]})
+    try:
+        with jpfs.connect(d) as c:
+            c.makedirs("/d")
+            yield c
+    finally:
+        localcluster.down(d, timeout=5)
+
+
 def test_a_long_sync_delay_holds_back_no_waiter(tmp_path):
     """Changes nobody waits for are fsynced within ``--sync-delay``; ``sync`` (fsync(2)) and
     the durable steps of a cross-shard mkdir are fsynced at once whatever the delay."""
-    d = tmp_path / "c"
-    localcluster.up(d, meta_shards=2, storage_nodes=1, sync=True,
-                    extra_args={"meta": ["--sync-delay", "60"]})
-    try:
-        with jpfs.connect(d) as c:
-            c.makedirs("/d")
+    with _with_sync_delay(tmp_path, 2, 60) as c:
+        async def waiters(ac) -> int:
+            with trio.fail_after(20):  # none of them waits out the 60 s delay
+                await ac.sync()
+                for i in range(20):  # spread over both shards: two-phase commits
+                    await ac.mkdir(f"/d/sub{i}")
+                before = await syncs(ac)
+                await ac.create("/d/f")
+                await ac.sync()
+                return before
 
-            async def waiters(ac) -> int:
-                with trio.fail_after(20):  # none of them waits out the 60 s delay
-                    await ac.sync()
-                    for i in range(20):  # spread over both shards: two-phase commits
-                        await ac.mkdir(f"/d/sub{i}")
-                    before = await syncs(ac)
-                    await ac.create("/d/f")
-                    await ac.sync()
-                    return before
+        async def syncs(ac) -> int:
+            return sum([(await ac.meta.call(i, "shard_info"))["syncs"] for i in (0, 1)])
 
-            async def syncs(ac) -> int:
-                return sum([(await ac.meta.call(i, "shard_info"))["syncs"] for i in (0, 1)])
-
-            before = c.run(waiters)
-            assert c.run(syncs) > before
-    finally:
-        localcluster.down(d, timeout=5)
+        before = c.run(waiters)
+        assert c.run(syncs) > before
 
 
 def test_changes_nobody_waits_for_are_fsynced_within_the_delay(tmp_path):
-    d = tmp_path / "c"
-    localcluster.up(d, meta_shards=1, storage_nodes=1, sync=True,
-                    extra_args={"meta": ["--sync-delay", "0.2"]})
-    try:
-        with jpfs.connect(d) as c:
-            c.makedirs("/d")
-            c.sync()
-            before = _info(c)["syncs"]
-            c.create("/d/f")  # answered once committed; nobody calls sync
-            deadline = time.monotonic() + 10
-            while _info(c)["syncs"] == before and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert _info(c)["syncs"] > before
-    finally:
-        localcluster.down(d, timeout=5)
+    with _with_sync_delay(tmp_path, 1, 0.2) as c:
+        c.sync()
+        before = _info(c)["syncs"]
+        c.create("/d/f")  # answered once committed; nobody calls sync
+        deadline = time.monotonic() + 10
+        while _info(c)["syncs"] == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _info(c)["syncs"] > before
