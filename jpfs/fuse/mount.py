@@ -348,6 +348,33 @@ def _serve_metrics(ops: Operations, address: str) -> None:
     log.info("Prometheus metrics at http://%s:%d/metrics", host, port)
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+HEAP_BUFFERS_BELOW = 64 << 20
+"""Buffers smaller than this come from the heap, not from a fresh mapping of their own."""
+KEEP_FREED = 1 << 30
+"""Free memory at the top of the heap that the mount keeps for its next buffers."""
+
+
+def keep_freed_buffers() -> bool:
+    """Let freed receive buffers serve the next ones; False where the C library is not glibc.
+
+    The mount allocates a buffer per fetch (a 4 MiB chunk, a batch of small files) and frees it
+    once the kernel has the bytes. With glibc's defaults such buffers are often mapped afresh
+    and given back when freed, and then every byte costs a page fault and a zeroed page before
+    the fetch can write it (a fifth of the mount's CPU in a cold sequential read; docs/perf.md,
+    "Receive buffers"). Kept in the heap, the memory is reused warm; the memory cache's bound
+    still bounds what is in use."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc: its own policy stands
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BUFFERS_BELOW)) and \
+        bool(mallopt(M_TRIM_THRESHOLD, KEEP_FREED))
+
+
 def run_foreground(opts: MountOptions, ready_fd: int | None = None) -> int:
     """Serve in this process (``--foreground``); ``ready_fd`` gets "ok" once the mount is live."""
 
@@ -360,6 +387,8 @@ def run_foreground(opts: MountOptions, ready_fd: int | None = None) -> int:
                 pass
 
     _clear_dead_mount(opts.mountpoint)
+    if not keep_freed_buffers():
+        log.info("freed buffers go back to the system (the C library is not glibc)")
     trio.run(serve, opts, ready)
     return 0
 
