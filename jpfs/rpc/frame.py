@@ -44,13 +44,13 @@ service's methods (whose ids start at 1), so an answer proves the daemon's loop 
 
 _RECV_BUFFER = 256 << 10
 _SCATTER_DIRECT = 64 << 10
+"""Scatter-receive parts at least this big go straight from the socket into their buffer."""
 _IOV_MAX = 64
 """Buffers per ``recvmsg_into`` of a threaded receive."""
 _THREAD_RECV = 1 << 20
 """Payload parts of at least this many bytes are received in a worker thread: the copy out of
 the socket (and the first touch of fresh buffer pages) then runs in the kernel beside the event
 loop, on another core, not on the loop. Below it the thread hop costs more than the copy."""
-"""Scatter-receive parts at least this big go straight from the socket into their buffer."""
 
 
 @dataclass(frozen=True)
