@@ -14,6 +14,9 @@ The same files in the same order are read
   local            from the local copy (the baseline);
   fuse             through `jpfs mount --read-only` (dataset mode), prefetch on;
   fuse-noprefetch  the same mount with --no-prefetch;
+  fuse-hinted      the read-only mount told all of each epoch's paths, in order, through its hint
+                   socket before the epoch starts (ShardDataset on a mount announces its coming
+                   paths the same way, a bounded window at a time; only with --via fuse-hinted);
   fuse-open        the same mount with --open-requests (the kernel sends OPEN and RELEASE per
                    open, as before no-open mode; only with --via fuse-open);
   fuse-rw          a read-write mount (opens revalidate, FLUSH is answered): what unchanged
@@ -29,6 +32,7 @@ examples:
   jpfs bench mount                                  # 400 episodes x (1 parquet + 2 mp4s)
   jpfs bench mount --episodes 1000 --cameras 3 --readers 1,8 --orders shuffled,name
   jpfs bench mount --via local,fuse,fuse-noprefetch,fuse-rw --json
+  jpfs bench mount --via local,fuse,fuse-hinted --orders shuffled   # a loader that announces
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import statistics
 import tempfile
 import threading
@@ -50,7 +55,7 @@ log = logging.getLogger(__name__)
 
 HELP = "FUSE mount files/s and FUSE requests per file, cold and warm, prefetch on/off, vs local"
 DESCRIPTION = __doc__
-VIAS = ("local", "fuse", "fuse-noprefetch", "fuse-open", "fuse-rw")
+VIAS = ("local", "fuse", "fuse-noprefetch", "fuse-hinted", "fuse-open", "fuse-rw")
 PHASES = ("read", "namespace", "large")
 
 
@@ -187,6 +192,23 @@ class Mount:
     def stats(self) -> dict:
         return json.loads((self.mp / ".jpfs" / "stats").read_text())
 
+    def hint(self, paths: list[str], timeout: float = 60.0) -> int:
+        """Announce ``paths`` (absolute, under the mount point), in the order they will be
+        read, on the hint socket (a read-only mount takes no writes to ``.jpfs/prefetch``);
+        return once the mount has taken them, with how many it took."""
+        before = self.stats()["prefetch"]["hint_paths"]
+        where = (self.mp / ".jpfs" / "socket").read_text().strip()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(where)
+            s.sendall("".join(p + "\n" for p in paths).encode())
+        deadline = time.monotonic() + timeout
+        while (took := self.stats()["prefetch"]["hint_paths"] - before) < len(paths):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the mount took {took} of {len(paths)} hinted paths "
+                                   f"in {timeout:.0f} s")
+            time.sleep(0.01)
+        return took
+
     def close(self) -> None:
         from jpfs.fuse import mount as fm
 
@@ -238,9 +260,13 @@ def _measure(via: str, order_name: str, readers: int, ds, local_root: str, clust
         out = []
         for epoch in (1, 2):
             order = epoch_order(len(ds.units), order_name, args.seed, epoch)
+            hinted = mount.hint([os.path.join(root, rel) for i in order for rel in ds.units[i]]
+                                ) if mount and via == "fuse-hinted" else None
             before = mount.stats() if mount else None
             cpu0 = proc_cpu(mount.pid) if mount else 0.0
             r = read_epoch(root, ds, order, readers, args.read_size)
+            if hinted is not None:
+                r["hinted_paths"] = hinted
             r.update(via=via, order=order_name, readers=readers, epoch=epoch,
                      read_size=args.read_size,
                      cold=cold["cold"] if epoch == 1 else False)

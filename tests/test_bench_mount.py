@@ -1,6 +1,7 @@
-"""``jpfs bench mount --phases namespace`` end to end, at a tiny size: the workload runs on the
+"""``jpfs bench mount`` end to end, at a tiny size. The namespace phase: the workload runs on the
 local filesystem, through a naive pyfuse3 passthrough and through a JPFS mount in one run, every
-figure comes with its ratios, and nothing is left mounted."""
+figure comes with its ratios, and nothing is left mounted. The read phase with the order
+announced: every path reaches the mount through its hint socket before its epoch."""
 
 from __future__ import annotations
 
@@ -33,5 +34,26 @@ def test_namespace_phase_against_local_and_a_passthrough(tmp_path):
     # the passthrough wrote through to its directory, and everything was unmounted
     small = work / "passthrough-src" / "ns" / "p0" / "small" / "s00003"
     assert small.stat().st_size == 100 << 10
+    with open("/proc/mounts") as f:
+        assert str(work) not in f.read()
+
+
+@requires_fuse
+def test_read_phase_with_each_epochs_order_announced(tmp_path):
+    work = tmp_path / "w"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", "--episodes", "8",
+         "--cameras", "1", "--frames", "20", "--video-bytes", "16K", "--readers", "2",
+         "--orders", "shuffled", "--via", "local,fuse-hinted", "--dir", str(work), "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    files = res["dataset"]["files"]
+    runs = {(r["via"], r["epoch"]): r for r in res["runs"]}
+    for epoch in (1, 2):
+        assert runs[("local", epoch)]["files"] == files
+        hinted = runs[("fuse-hinted", epoch)]
+        assert hinted["files"] == files and hinted["hinted_paths"] == files
+    assert "fuse-hinted  1 (cold)" in proc.stdout
     with open("/proc/mounts") as f:
         assert str(work) not in f.read()
