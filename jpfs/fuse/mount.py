@@ -13,6 +13,7 @@ kernel connection (for a daemon that is alive but stuck).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
@@ -361,11 +362,9 @@ def keep_freed_buffers() -> bool:
     The mount allocates a buffer per fetch (a 4 MiB chunk, a batch of small files) and frees it
     once the kernel has the bytes. With glibc's defaults such buffers are often mapped afresh
     and given back when freed, and then every byte costs a page fault and a zeroed page before
-    the fetch can write it (a fifth of the mount's CPU in a cold sequential read; docs/perf.md,
+    the fetch can write it (a quarter of the mount's CPU in a cold sequential read; docs/perf.md,
     "Receive buffers"). Kept in the heap, the memory is reused warm; the memory cache's bound
     still bounds what is in use."""
-    import ctypes
-
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc: its own policy stands
