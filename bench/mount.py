@@ -25,8 +25,9 @@ The same files in the same order are read
 Reported per order, readers and via: files/s and MB/s of each epoch and their ratio to local in
 the same epoch, FUSE requests per file opened (the mount's own counters: the cost that bounds a
 pyfuse3 mount, see docs/perf.md), how opens were served (prefetched, kernel page cache,
-fetched), and the mount daemon's CPU per file. The targets of the mount issue are checked at
-the end.
+fetched), the mount daemon's CPU per file, the median and 99th percentile of one file's read
+time, and the share of the epoch the first tenth of its files took (0.10 at an even pace). The
+targets of the mount issue are checked at the end.
 
 examples:
   jpfs bench mount                                  # 400 episodes x (1 parquet + 2 mp4s)
@@ -125,11 +126,13 @@ def _read_units(root: str, units: list[tuple[str, ...]], sizes: dict[str, int], 
     mv = memoryview(buf)
     files = nbytes = 0
     errors: list[str] = []
+    spans: list[tuple[float, float]] = []  # (opened, read whole) per file
     barrier.wait()
     start = time.perf_counter()
     for unit in units:
         for rel in unit:
             want = sizes[rel]
+            began = time.perf_counter()
             try:
                 with open(os.path.join(root, rel), "rb", buffering=0) as f:
                     got = 0
@@ -144,9 +147,26 @@ def _read_units(root: str, units: list[tuple[str, ...]], sizes: dict[str, int], 
                 continue
             if got != want:
                 errors.append(f"{rel}: read {got} bytes, expected {want}")
+            spans.append((began, time.perf_counter()))
             files += 1
             nbytes += got
-    out.update(files=files, bytes=nbytes, start=start, end=time.perf_counter(), errors=errors)
+    out.update(files=files, bytes=nbytes, start=start, end=time.perf_counter(), errors=errors,
+               spans=spans)
+
+
+def file_times(spans: list[tuple[float, float]], start: float, seconds: float) -> dict:
+    """How the epoch's time was spread over its files: the median and 99th percentile of one
+    file's open-to-last-byte time (ms), and the share of the epoch that passed before the
+    first tenth of its files were read (0.1 for an even pace; a cold mount that waits for its
+    prefetch to catch up shows more)."""
+    if not spans:
+        return {}
+    took = sorted(e - b for b, e in spans)
+    ends = sorted(e for _, e in spans)
+    tenth = ends[max(0, len(ends) // 10 - 1)]
+    return {"file_ms_p50": took[len(took) // 2] * 1e3,
+            "file_ms_p99": took[min(len(took) - 1, len(took) * 99 // 100)] * 1e3,
+            "first_tenth_share": (tenth - start) / seconds if seconds > 0 else None}
 
 
 def read_epoch(root: str, ds, order: list[int], readers: int, read_size: int = 0) -> dict:
@@ -167,11 +187,13 @@ def read_epoch(root: str, ds, order: list[int], readers: int, read_size: int = 0
     errors = [e for r in results for e in r["errors"]]
     if errors:
         raise RuntimeError(f"{len(errors)} read errors, first: {errors[0]}")
-    seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
+    start = min(r["start"] for r in results)
+    seconds = max(r["end"] for r in results) - start
     files = sum(r["files"] for r in results)
     nbytes = sum(r["bytes"] for r in results)
     return {"files": files, "bytes": nbytes, "seconds": seconds, "files_s": files / seconds,
-            "MBps": nbytes / seconds / 1e6}
+            "MBps": nbytes / seconds / 1e6,
+            **file_times([s for r in results for s in r["spans"]], start, seconds)}
 
 
 # ---- mounts -----------------------------------------------------------------------------------
@@ -446,9 +468,14 @@ def report(result: dict, args) -> None:
                         is not None else "-",
                         f"{r['mount_cpu_us_per_file']:.0f}" if "mount_cpu_us_per_file" in r
                         else "-",
+                        f"{r['file_ms_p50']:.2f} / {r['file_ms_p99']:.1f}"
+                        if "file_ms_p50" in r else "-",
+                        f"{r['first_tenth_share']:.2f}"
+                        if r.get("first_tenth_share") is not None else "-",
                     ])
             print_table(["via", "epoch", "files/s", "MB/s", "vs local", "FUSE req/file",
-                         "prefetched", "mount CPU us/file"], rows,
+                         "prefetched", "mount CPU us/file", "ms/file p50 / p99",
+                         "first 10% took"], rows,
                         title=f"{order} order, {readers} reader thread(s), "
                         f"{result['dataset']['files']} files per epoch")
     rows = [[t["what"], t["goal"], "-" if t["value"] is None else f"{t['value']:.2f}",

@@ -1,7 +1,8 @@
 """``jpfs bench mount`` end to end, at a tiny size. The namespace phase: the workload runs on the
 local filesystem, through a naive pyfuse3 passthrough and through a JPFS mount in one run, every
 figure comes with its ratios, and nothing is left mounted. The read phase with the order
-announced: every path reaches the mount through its hint socket before its epoch."""
+announced: every path reaches the mount through its hint socket before its epoch, and each
+epoch reports how its time was spread over its files."""
 
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def test_read_phase_with_each_epochs_order_announced(tmp_path):
         assert runs[("local", epoch)]["files"] == files
         hinted = runs[("fuse-hinted", epoch)]
         assert hinted["files"] == files and hinted["hinted_paths"] == files
-    assert "fuse-hinted  1 (cold)" in proc.stdout
+        for r in (runs[("local", epoch)], hinted):  # how the epoch's time was spread
+            assert 0 < r["file_ms_p50"] <= r["file_ms_p99"]
+            assert 0 < r["first_tenth_share"] <= 1
+    assert "fuse-hinted  1 (cold)" in proc.stdout and "first 10% took" in proc.stdout
     with open("/proc/mounts") as f:
         assert str(work) not in f.read()
