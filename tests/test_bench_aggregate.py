@@ -206,6 +206,7 @@ def test_read_bench_exact_and_complete(tmp_path, capsys):
     assert not list((tmp_path / "w" / "cluster").glob("*.pid"))
 
 
+@pytest.mark.slow
 @requires_fuse
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_fuse_run_unmounts_and_stops_the_cluster(dataset, tmp_path, sig):

@@ -18,7 +18,8 @@ from jpfs_bench import netns
 from jpfs import localcluster
 
 REASON = netns.unavailable()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
+              pytest.mark.slow]
 
 
 def made_by(pid: int) -> dict[str, list]:

@@ -248,6 +248,7 @@ def _stopped(d, role: str, index: int):
     return lambda: os.kill(pid, signal.SIGCONT)
 
 
+@pytest.mark.slow
 def test_a_daemon_that_hangs_mid_call_is_found_within_the_deadline(cluster):
     """Connections already up when a daemon hangs: the probe finds it (not the 60 s call
     deadline), the error says so, and the client works again once the daemon resumes."""

@@ -24,7 +24,8 @@ from jpfs import config, localcluster
 from jpfs.cli.main import main as cli
 from jpfs.client import scrub
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
+              pytest.mark.slow]
 
 CHUNK = 256 << 10
 HEAL = ["--heal-interval", "0.5"]

@@ -100,6 +100,7 @@ def _import(cluster: Path, endpoint: str, *extra: str, progress: bool = False):
     return r if progress else json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_import_from_s3_copies_resumes_and_follows_changes(make_cluster, s3, uploaded):
     d = make_cluster(meta_shards=2, storage_nodes=2, chunk_size=CHUNK)
     first = _import(d, s3, "--parallel", "3")
@@ -213,6 +214,7 @@ def test_import_over_http_from_a_directory_listing(make_cluster, tmp_path):
         server.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_import_from_s3_killed_then_resumed(make_cluster, s3, tmp_path):
     fs = _fs(s3)
     local = tmp_path / "many"

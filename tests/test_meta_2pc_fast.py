@@ -167,6 +167,7 @@ def test_kill_at_each_step_of_cross_shard_rmdir(make_cluster, point):
         client.close()
 
 
+@pytest.mark.slow
 def test_a_prepared_record_its_coordinator_forgot_is_aborted_without_a_restart(make_cluster):
     """A participant holding a prepared record whose coordinator has no intent and runs no such
     transaction (its intent was lost, say to a power failure before the fsync) asks it again

@@ -18,7 +18,8 @@ from jpfs.coord import clustermap
 from jpfs.placement import shard_of
 from jpfs.proto import replica as R
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
+              pytest.mark.slow]
 
 
 def test_a_new_shard_takes_new_directories(tmp_path):

@@ -28,6 +28,7 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
     pytest.mark.skipif(netns.unavailable() is not None,
                        reason=f"simulated hosts: {netns.unavailable()}"),
+    pytest.mark.slow,
 ]
 
 COPIES = 3

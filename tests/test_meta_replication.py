@@ -23,7 +23,8 @@ from jpfs.errors import JPFSError
 from jpfs.placement import new_dir_shard
 from jpfs.proto import replica as R
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
+              pytest.mark.slow]
 
 COPIES = 3
 

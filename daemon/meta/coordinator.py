@@ -371,6 +371,9 @@ class Coordinator:
                         # act only on what a majority holds: one empty write, answered once a
                         # majority holds it and so everything before it
                         await self.store.write(_nothing, durable=False)
+                    # a decision committed just before a kill -9 may not be on the disk yet:
+                    # participants commit only on a durable one
+                    await self.store.sync()
                     for txid, intent in self.store.read(_intents):
                         if txid in self._active:
                             continue
