@@ -376,13 +376,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def report_phases(result: dict) -> None:
     from .harness import fmt_ratio, print_table
 
+    def cpu(r: dict) -> str:
+        c = r.get("cpu_ms_per_op")
+        if c is None:
+            return "-"
+        mine = " / ".join(f"{c[who]:.2f}" for who in ("mount", "shards", "storage"))
+        floor = r.get("passthrough_cpu_ms_per_op")
+        return mine + (f" ({floor:.2f})" if floor is not None else "")
+
     rows = [[r["phase"], r["what"], r["unit"], f"{r['local']:,.0f}",
              f"{r['passthrough']:,.0f}" if "passthrough" in r else "-", f"{r['fuse']:,.0f}",
-             fmt_ratio(r["ratio"]), fmt_ratio(r.get("ratio_passthrough"))]
+             fmt_ratio(r["ratio"]), fmt_ratio(r.get("ratio_passthrough")), cpu(r)]
             for r in result["phase_ratios"]]
     print_table(["phase", "what", "unit", "local", "passthrough", "mount", "vs local",
-                 "vs passthrough"], rows, title="writes, namespace changes and large files "
-                "(passthrough: a naive pyfuse3 mount of a local directory)")
+                 "vs passthrough", "CPU ms/op: mount / shards / storage (passthrough)"], rows,
+                title="writes, namespace changes and large files (passthrough: a naive pyfuse3 "
+                "mount of a local directory; CPU: each daemon's per operation)")
 
 
 def _median(reps: list[list[dict]]) -> list[dict]:

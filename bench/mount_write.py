@@ -9,7 +9,10 @@ measured on the local filesystem and through a read-write mount in the same run,
 phase's reads also through a read-only mount (no OPEN: its READs open files); ops/s and the
 ratio are reported. The namespace phase also runs through a naive pyfuse3 passthrough of a
 local directory (``passthrough.py``): what the FUSE round trips and a Python daemon alone cost
-here, so JPFS is measured against that floor as well as against the local filesystem.
+here, so JPFS is measured against that floor as well as against the local filesystem. Each
+namespace figure also says how much CPU each daemon spent per operation (the mount, the
+metadata shards, the storage nodes; the passthrough's one daemon as its "mount"): on a shared
+2-core machine that, more than the wait, is what bounds these rates.
 
 The mount's cluster keeps its metadata durable as configured by default (each change is synced
 before it is answered); the local filesystem's baseline is ext4 as mounted, which syncs at its
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 NAMESPACE_OPS = ("create", "mkdir", "stat", "rename", "remove", "rmdir")
+NAMESPACE_PHASES = (*NAMESPACE_OPS, "write_small", "layout_4k")
 
 
 def _namespace_worker(root: str, n: int, small: int, small_files: int, layout_files: int,
@@ -86,35 +90,57 @@ def _namespace_worker(root: str, n: int, small: int, small_files: int, layout_fi
                 for off in range(0, small, 4096):
                     f.write(blob[off:off + 4096])
 
-    for name, count, fn in (("create", n, create), ("mkdir", n, mkdir), ("stat", n, stat),
-                            ("rename", n, rename), ("remove", n, remove), ("rmdir", n, rmdir),
-                            ("write_small", small_files, write_small),
-                            ("layout_4k", layout_files, layout_4k)):
-        timed(name, count, fn)
+    counts = {"write_small": small_files, "layout_4k": layout_files}
+    for name, fn in zip(NAMESPACE_PHASES, (create, mkdir, stat, rename, remove, rmdir,
+                                           write_small, layout_4k), strict=True):
+        timed(name, counts.get(name, n), fn)
     results.put(out)
 
 
 def namespace_phase(root: Path, procs: int, n: int, small: int, small_files: int,
-                    layout_files: int) -> dict[str, dict]:
-    """Rates of each namespace phase over ``procs`` processes under ``root``."""
+                    layout_files: int, daemons: dict[str, list[int]] | None = None
+                    ) -> dict[str, dict]:
+    """Rates of each namespace phase over ``procs`` processes under ``root``; with
+    ``daemons`` (a name for each group of processes serving them: "mount", "shards", ...),
+    each group's CPU milliseconds per operation too. This process passes the workers' barrier
+    before each phase, so the CPU read there divides the run into its phases."""
+    from .readers import proc_cpu
+
+    def cpu() -> dict[str, float]:
+        return {name: sum(proc_cpu(pid) for pid in pids) for name, pids in (daemons or {}).items()}
+
     ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(procs)
+    barrier = ctx.Barrier(procs + 1)
     results = ctx.Queue()
     ps = [ctx.Process(target=_namespace_worker, args=(str(root / f"p{k}"), n, small,
                                                        small_files, layout_files, barrier,
                                                        results)) for k in range(procs)]
     for p in ps:
         p.start()
-    got = [results.get(timeout=1800) for _ in ps]
-    for p in ps:
-        p.join(timeout=60)
-        if p.exitcode != 0:
-            raise RuntimeError(f"a namespace worker failed (exit {p.exitcode})")
+    marks = []
+    try:
+        for _ in NAMESPACE_PHASES:
+            barrier.wait(timeout=1800)
+            marks.append(cpu())
+        got = [results.get(timeout=1800) for _ in ps]
+        marks.append(cpu())
+    except BaseException:
+        for p in ps:
+            p.kill()
+        raise
+    finally:
+        for p in ps:
+            p.join(timeout=60)
+    if any(p.exitcode != 0 for p in ps):
+        raise RuntimeError(f"a namespace worker failed (exits {[p.exitcode for p in ps]})")
     out = {}
-    for name in got[0]:
+    for i, name in enumerate(NAMESPACE_PHASES):
         count = sum(g[name][0] for g in got)
         seconds = max(g[name][2] for g in got) - min(g[name][1] for g in got)
         out[name] = {"ops": count, "seconds": seconds, "ops_s": count / seconds}
+        if daemons:
+            out[name]["cpu_ms_per_op"] = {
+                who: (marks[i + 1][who] - marks[i][who]) / count * 1e3 for who in daemons}
     return out
 
 
@@ -167,7 +193,8 @@ def large_phase(root: Path, large_bytes: int, small_files: int, drop) -> dict[st
 
 @contextmanager
 def passthrough_mount(source: Path, mountpoint: Path):
-    """A naive pyfuse3 passthrough of ``source`` mounted at ``mountpoint`` while in the block."""
+    """A naive pyfuse3 passthrough of ``source`` mounted at ``mountpoint`` while in the block;
+    gives the mountpoint and the daemon's pid."""
     source.mkdir(parents=True, exist_ok=True)
     mountpoint.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "jpfs_bench.passthrough", str(source),
@@ -177,7 +204,7 @@ def passthrough_mount(source: Path, mountpoint: Path):
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the passthrough mount at {mountpoint} did not start "
                                f"(exit {proc.wait()})")
-        yield mountpoint
+        yield mountpoint, proc.pid
     finally:
         subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True)
         try:
@@ -186,6 +213,17 @@ def passthrough_mount(source: Path, mountpoint: Path):
             proc.kill()
             proc.wait()
             subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
+
+
+def _daemons(cluster_dir: Path, mount_pid: int) -> dict[str, list[int]]:
+    """The processes that serve a mount of the local cluster in ``cluster_dir``, by role."""
+    from jpfs import localcluster
+
+    out: dict[str, list[int]] = {"mount": [mount_pid], "shards": [], "storage": []}
+    for d in localcluster.status(cluster_dir):
+        if d.pid is not None and d.role in ("meta", "storage"):
+            out["shards" if d.role == "meta" else "storage"].append(d.pid)
+    return out
 
 
 def run_phases(args, work: Path) -> dict[str, Any]:
@@ -211,11 +249,12 @@ def run_phases(args, work: Path) -> dict[str, Any]:
                 for p in sorted((src / "small").iterdir()):
                     c.put(p, f"/large/small/{p.name}")
         if "namespace" in phases:
-            with passthrough_mount(work / "passthrough-src", work / "mnt-passthrough") as mp_:
+            with passthrough_mount(work / "passthrough-src", work / "mnt-passthrough") as (
+                    mp_, pid):
                 (mp_ / "ns").mkdir()
                 out["passthrough"] = {"namespace": namespace_phase(
                     mp_ / "ns", args.write_procs, args.namespace_ops, 100 << 10,
-                    args.small_write_files, args.layout_files)}
+                    args.small_write_files, args.layout_files, {"mount": [pid]})}
         for via in ("local", "fuse-rw", "fuse"):
             if via == "fuse" and "large" not in phases:
                 continue
@@ -226,10 +265,10 @@ def run_phases(args, work: Path) -> dict[str, Any]:
                 if "namespace" in phases and via != "fuse":  # writes: not on read-only
                     ns_root = base / "ns"
                     ns_root.mkdir(parents=True, exist_ok=True)
-                    res["namespace"] = namespace_phase(ns_root, args.write_procs,
-                                                       args.namespace_ops, 100 << 10,
-                                                       args.small_write_files,
-                                                       args.layout_files)
+                    res["namespace"] = namespace_phase(
+                        ns_root, args.write_procs, args.namespace_ops, 100 << 10,
+                        args.small_write_files, args.layout_files,
+                        _daemons(cdir, mount.pid) if mount else None)
                 if "large" in phases:
                     res["large"] = large_phase(mount.mp / "large" if mount else src,
                                                args.large_bytes, args.small_read_files,
@@ -254,6 +293,10 @@ def ratios(phases: dict[str, Any]) -> list[dict]:
         if name in floor:
             row["passthrough"] = floor[name]["ops_s"]
             row["ratio_passthrough"] = r["ops_s"] / floor[name]["ops_s"]
+            if "cpu_ms_per_op" in floor[name]:
+                row["passthrough_cpu_ms_per_op"] = floor[name]["cpu_ms_per_op"]["mount"]
+        if "cpu_ms_per_op" in r:
+            row["cpu_ms_per_op"] = r["cpu_ms_per_op"]
         rows.append(row)
     for via, label in (("fuse-rw", ""), ("fuse", " read-only")):
         for name, r in phases.get(via, {}).get("large", {}).items():

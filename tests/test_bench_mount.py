@@ -1,6 +1,6 @@
 """``jpfs bench mount`` end to end, at a tiny size. The namespace phase: the workload runs on the
 local filesystem, through a naive pyfuse3 passthrough and through a JPFS mount in one run, every
-figure comes with its ratios, and nothing is left mounted. The read phase with the order
+figure comes with its ratios and each daemon's CPU per operation, and nothing is left mounted. The read phase with the order
 announced: every path reaches the mount through its hint socket before its epoch, and each
 epoch reports how its time was spread over its files."""
 
@@ -32,6 +32,14 @@ def test_namespace_phase_against_local_and_a_passthrough(tmp_path):
     rows = {r["what"]: r for r in res["phase_ratios"]}
     assert rows["create"]["ratio_passthrough"] == pytest.approx(
         rows["create"]["fuse"] / rows["create"]["passthrough"])
+    # what each daemon spent per operation (CPU clock ticks: a tiny run may read 0 for one)
+    cpu = [r["cpu_ms_per_op"] for r in res["phase_ratios"] if r["phase"] == "namespace"]
+    assert len(cpu) == 8 and all(set(c) == {"mount", "shards", "storage"} for c in cpu)
+    assert all(v >= 0 for c in cpu for v in c.values())
+    assert sum(c["mount"] for c in cpu) > 0 and sum(c["shards"] for c in cpu) > 0
+    assert sum(r["passthrough_cpu_ms_per_op"] for r in res["phase_ratios"]
+               if r["phase"] == "namespace") > 0
+    assert "CPU ms/op" in proc.stdout
     # the passthrough wrote through to its directory, and everything was unmounted
     small = work / "passthrough-src" / "ns" / "p0" / "small" / "s00003"
     assert small.stat().st_size == 100 << 10
