@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import threading
 import time
 
@@ -79,6 +80,31 @@ def test_a_create_in_a_directory_just_made_on_another_shard_waits_for_it(make_cl
         other.close()
 
 
+def test_a_mkdir_answers_the_attributes_a_stat_then_finds(make_cluster):
+    """A directory made on another shard is answered with the attributes its prepare will
+    commit there (nobody asks that shard, which would wait for the commit): a stat right
+    after finds the same ones, times to the nanosecond, and so does one after a restart."""
+    d = make_cluster(meta_shards=2)
+    c = jpfs.connect(d, dir_cache_ttl=0)
+    try:
+        c.mkdir("/q")
+        pino = c.stat("/q").ino
+        names = [_named_for(pino, s, 2, f"s{s}-") for s in (0, 1)]
+        names += [f"x{i}" for i in range(30)]
+        made = {n: c.mkdir(f"/q/{n}", 0o750) for n in names}
+        assert {shard_of(a.ino) for a in made.values()} == {0, 1}
+        for n, a in made.items():
+            assert c.stat(f"/q/{n}") == a
+            assert a.nlink == 2 and stat.S_ISDIR(a.mode)
+    finally:
+        c.close()
+    localcluster.down(d)
+    localcluster.up(d)
+    with jpfs.connect(d, dir_cache_ttl=0) as c:
+        for n, a in made.items():
+            assert c.stat(f"/q/{n}") == a
+
+
 def test_opposite_cross_shard_renames_do_not_deadlock(make_cluster):
     """Two clients at once: one renames a/xI over b/yI, the other b/yI over a/xI (shards 1 and
     2 coordinate one each). Each coordinator prepares the other shard first and applies its own
@@ -146,6 +172,9 @@ def test_kill_at_each_step_of_cross_shard_rmdir(make_cluster, point):
         pino = client.stat(f"/{parent}").ino
         child = _named_for(pino, 2, 3, "c")
         client.mkdir(f"/{parent}/{child}")
+        # answered once decided: its shard commits it in the background, and a stat of it
+        # waits for that, so the fault below meets the rmdir and not this commit
+        client.stat(f"/{parent}/{child}")
         victim = 1 if point.startswith("coordinator") else 2
         localcluster.stop(d, "meta", victim)
         localcluster.start(d, "meta", victim, sync=False, env={"JPFS_FAULTS": point})

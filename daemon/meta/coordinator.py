@@ -8,19 +8,25 @@ The shard that owns the directory being changed coordinates. For a cross-shard c
    locks, record the ops durably (shards creating inodes go first, so others can name the new
    inode);
 3. on success applies its own ops and records the decision (state ``committing``) in one
-   transaction, answered once durable: the commit point. Its own shard is the last agent and
-   never holds prepared locks. On failure it tells the prepared ones to *abort*;
+   transaction, durable before any participant commits: the commit point. Its own shard is
+   the last agent and never holds prepared locks. On failure it tells the prepared ones to
+   *abort*;
 4. tells the participants to *commit* (a participant lets its readers in once committed and
    answers once that is durable) and then deletes the intent (not waited for on disk: a lost
    deletion replays a commit that does nothing). The intent outlives every participant's
    unsynced commit, so one that loses its commit in a power failure finds the decision again.
    When every remote op changes only inodes its prepare locked (``_LOCKED_ONLY``: a mkdir's new
    inode, an rmdir's, a link count, a ctime), whoever reads or writes those there waits for the
-   commit: the caller is answered at once and step 4 runs in the background (a nursery this
-   object owns, at most ``BACKGROUND`` at once). Otherwise (an entry, whose directory's times
-   and link count change unlocked) after step 4, so the caller reads its own change.
+   commit: the caller is answered once the decision is committed, as a single-shard change is
+   (a new inode's attributes come from its prepare), and the decision's fsync and step 4 run in
+   the background (a nursery this object owns, at most ``BACKGROUND`` at once). A power
+   failure before that fsync takes the decision and this shard's ops with it, and the
+   participants' durable prepares are aborted (presumed abort): the change is lost whole,
+   within the window README gives for any answered change. Otherwise (an entry, whose
+   directory's times and link count change unlocked) the decision is durable and step 4 done
+   before the answer, so the caller reads its own change.
 
-Critical path: the remote prepares (their fsync) and the decision (ours), plus the commits
+Critical path: the remote prepares (their fsync), plus the decision's fsync and the commits
 where 4 says so; before, the intent, every prepare, the decision, the commits and the intent's
 deletion each waited for an fsync in turn.
 
@@ -190,12 +196,15 @@ class Coordinator:
         self._rename_owner = None
         self._rename_expiry = 0.0
 
-    async def run(self, plan: dict[int, list[list]], rid: bytes | None = None) -> list[int]:
+    async def run(self, plan: dict[int, list[list]], rid: bytes | None = None,
+                  made: dict[int, list] | None = None) -> list[int]:
         """Apply ``plan`` (ops per shard) atomically; returns the inodes it created.
 
         ``rid``: a request id recorded with the outcome, in the local transaction or in the
-        commit decision (so a retry after a failover finds it; see ``once``). Raises
-        ``ops.Stale`` (ESTALE) when an expectation failed: the caller plans again.
+        commit decision (so a retry after a failover finds it; see ``once``). ``made``: filled
+        with the attributes (wire form) of the inodes created on other shards, as they will
+        be once committed, so the caller need not ask those shards (and wait for the commit).
+        Raises ``ops.Stale`` (ESTALE) when an expectation failed: the caller plans again.
         """
         if list(plan) == [self.shard]:
             # one transaction, answered once committed like any single-shard change (durable
@@ -209,7 +218,7 @@ class Coordinator:
         self._active.add(txid)
         handed_off = False
         try:
-            created, handed_off = await self._two_phase(txid, plan, rid)
+            created, handed_off = await self._two_phase(txid, plan, rid, made)
             return created
         finally:
             if not handed_off:
@@ -222,7 +231,8 @@ class Coordinator:
             self._unfinished.set()
 
     async def _two_phase(self, txid: bytes, plan: dict[int, list[list]],
-                         rid: bytes | None = None) -> tuple[list[int], bool]:
+                         rid: bytes | None = None, made: dict[int, list] | None = None
+                         ) -> tuple[list[int], bool]:
         """Returns the created inodes, and whether a background task finishes the rest."""
         gen = self.gen
         shards = sorted(plan)
@@ -240,11 +250,14 @@ class Coordinator:
             await self.store.write(_put_intent, txid, "preparing", shards, durable=False)
             fault_point("coordinator.intent")
             created: list[int] = []
+            attrs: dict[int, list] = {}
             try:
                 for s in order:
                     new = created[0] if created else None
-                    created.extend(await self._participant(s, "prepare", txid,
-                                                           ops.substitute(plan[s], new)))
+                    for a in await self._participant(s, "prepare", txid,
+                                                     ops.substitute(plan[s], new)):
+                        created.append(a[0])
+                        attrs[a[0]] = a
                     fault_point("coordinator.prepared_one")
             except JPFSError:
                 # Abort everywhere: a prepare whose answer was lost may still have happened.
@@ -254,10 +267,24 @@ class Coordinator:
             if last_agent:
                 assert local is not None
                 local_ops = ops.substitute(local, created[0] if created else None)
+            remote = [s for s in shards if s != self.shard]
+            # Answered once decided if no reader can see the remote ops undone: each changes
+            # only inodes its prepare locked (a reader or writer there waits for the commit).
+            # The decision need not be durable before that answer: the participants commit
+            # only once it is, and a power failure before then takes it and this shard's ops
+            # together, and presumed abort rolls the durable prepares back. Others (an entry's
+            # directory's times, subdirs) are answered after the commits, so the caller reads
+            # its own change.
+            later = (self._bg is not None and self._in_bg < BACKGROUND
+                     and all(op[0] in _LOCKED_ONLY for s in remote for op in plan[s]))
+            if later:
+                self._in_bg += 1  # counted before the decision yields
             try:
                 created = await self.store.write(_decide, self, gen, txid, shards, rid, created,
-                                                 local_ops, local is not None and not last_agent)
+                                                 local_ops, local is not None and not last_agent,
+                                                 durable=not later)
             except _Busy as busy:
+                self._in_bg -= int(later)
                 await self._abort(txid, order)
                 await self.store.wait_resolved(busy.txid)
                 # Two changes that hold each other's keys both give way; a random pause keeps
@@ -266,24 +293,22 @@ class Coordinator:
                 raise ops.Stale(f"held by transaction {busy.txid.hex()}; planning again") \
                     from None
             except _Refused as refused:
+                self._in_bg -= int(later)
                 await self._abort(txid, order)
                 raise refused.cause from None
             except BaseException:
                 # committed or not (a write that failed after its commit: the fsync, the
                 # majority, the leadership): the resolver reads the intent and finishes it
+                self._in_bg -= int(later)
                 self._left.add(txid)
                 raise
             self.store.tx_resolved(txid)  # this shard's own prepared ops, if it had any
             fault_point("coordinator.decided")
             self.committed += 1
-            remote = [s for s in shards if s != self.shard]
-            # Answered now if no reader can see the remote ops undone: each changes only
-            # inodes its prepare locked (a reader or writer there waits for the commit).
-            # Others (an entry's directory's times, subdirs) once committed, so the caller
-            # reads its own change.
-            if (self._bg is not None and self._in_bg < BACKGROUND
-                    and all(op[0] in _LOCKED_ONLY for s in remote for op in plan[s])):
-                self._in_bg += 1
+            if made is not None:
+                made.update(attrs)
+            if later:
+                assert self._bg is not None
                 self._bg.start_soon(self._finish_later, txid, remote)
                 return created, True
             await self._finish(txid, remote)
@@ -331,7 +356,10 @@ class Coordinator:
             self._left.add(txid)  # the resolver finishes it
 
     async def _finish_later(self, txid: bytes, shards: list[int]) -> None:
+        """``_finish`` of a transaction answered once decided: the participants commit once
+        the decision is durable."""
         try:
+            await self.store.sync()
             await self._finish(txid, shards)
         except Exception as e:  # noqa: BLE001 - the resolver is the backstop; the nursery lives
             log.warning("transaction %s: finishing failed (%s); left to the resolver",
@@ -424,7 +452,8 @@ class Coordinator:
 
     # ---- participant side ----------------------------------------------------------------------
 
-    async def tx_prepare(self, txid: bytes, coordinator: int, plan_ops: list) -> list[int]:
+    async def tx_prepare(self, txid: bytes, coordinator: int, plan_ops: list) -> list[list]:
+        """Prepare: answers the attributes of the inodes the commit will make."""
         if len(txid) != 16:
             raise error(errno.EINVAL, "transaction ids are 16 bytes")
         ops.check_shapes(plan_ops)

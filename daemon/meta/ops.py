@@ -158,11 +158,14 @@ def apply(t: Txn, op: list) -> None:
     elif kind == "rmdir":
         t.delete_inode(op[1])
     elif kind == "mkinode":
-        _, mode, uid, gid, parent, target, ino = op
-        is_dir = stat.S_ISDIR(mode)
-        t.put_inode(Inode(ino, mode, 2 if is_dir else 1, uid, gid,
-                          len(target) if target else 0, t.now, t.now, t.now,
-                          parent=parent, target=target))
+        t.put_inode(new_inode(op, t.now))
+
+
+def new_inode(op: list, now: int) -> Inode:
+    """The inode an allocated mkinode op makes, with its times at ``now``."""
+    _, mode, uid, gid, parent, target, ino = op
+    return Inode(ino, mode, 2 if stat.S_ISDIR(mode) else 1, uid, gid,
+                 len(target) if target else 0, now, now, now, parent=parent, target=target)
 
 
 def _touch(t: Txn, ino: int) -> None:
@@ -208,14 +211,17 @@ def apply_local(t: Txn, ops: list[list]) -> list[int]:
 
 # ---- two-phase commit, participant side -------------------------------------------------------
 
-def prepare(t: Txn, txid: bytes, coordinator: int, ops: list[list]) -> list[int]:
-    """Check ``ops``, allocate inodes, hold locks and record everything durably.
+def prepare(t: Txn, txid: bytes, coordinator: int, ops: list[list]) -> list[list]:
+    """Check ``ops``, allocate inodes, hold locks and record everything durably. Returns
+    the attributes (wire form) of the inodes the commit will make: their times are the
+    prepare's, so the coordinator can answer with them before the commit.
 
     Idempotent: preparing a transaction again returns what the first prepare allocated.
     """
     prev = t.t.get(txid, db=t.db["prepared"])
     if prev is not None:
-        return new_inos(K.unpack(prev)["ops"])
+        rec = K.unpack(prev)
+        return _made(rec["ops"], rec.get("at", t.now))
     ops = allocate(t, ops)
     for op in ops:
         check(t, op)
@@ -224,7 +230,11 @@ def prepare(t: Txn, txid: bytes, coordinator: int, ops: list[list]) -> list[int]
             t.t.put(key, txid, db=t.db["lock"])
     t.t.put(txid, K.pack({"coordinator": coordinator, "ops": ops, "at": t.now}),
             db=t.db["prepared"])
-    return new_inos(ops)
+    return _made(ops, t.now)
+
+
+def _made(ops: list[list], at: int) -> list[list]:
+    return [new_inode(op, at).attr().to_wire() for op in ops if op[0] == "mkinode"]
 
 
 def commit(t: Txn, txid: bytes) -> bool:
@@ -232,10 +242,14 @@ def commit(t: Txn, txid: bytes) -> bool:
     rec = t.t.get(txid, db=t.db["prepared"])
     if rec is None:
         return False
-    ops = K.unpack(rec)["ops"]
+    prepared = K.unpack(rec)
+    ops = prepared["ops"]
     _release(t, txid, ops)
     for op in ops:
-        apply(t, op)
+        if op[0] == "mkinode":  # as its prepare answered the coordinator
+            t.put_inode(new_inode(op, prepared.get("at", t.now)))
+        else:
+            apply(t, op)
     return True
 
 

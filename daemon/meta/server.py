@@ -277,8 +277,10 @@ class MetaShard:
                              ["subdirs", parent, 1]],
             }
 
-        created = await self._run(plan, rid)
-        return await self._getattr(created[0])
+        made: dict[int, list] = {}
+        created = await self._run(plan, rid, made)
+        # made elsewhere: as its prepare answered (asking would wait for the commit there)
+        return made.get(created[0]) or await self._getattr(created[0])
 
     async def link(self, ino: int, parent: int, name: bytes, rid: bytes | None = None) -> list:
         self._mine(parent)
@@ -427,15 +429,16 @@ class MetaShard:
     async def _rename_lock(self, owner: bytes) -> None:
         await self._call(0, P.RENAME_LOCK, [owner, 30.0])
 
-    async def _run(self, planner, rid: bytes | None = None) -> list[int]:
+    async def _run(self, planner, rid: bytes | None = None,
+                   made: dict[int, list] | None = None) -> list[int]:
         """Plan and run; plan again when the namespace changed under the plan. ``rid``: the
-        request id recorded with the change (see ``once``)."""
+        request id recorded with the change (see ``once``); ``made``: see ``Coordinator.run``."""
         for attempt in range(REPLAN_ATTEMPTS):
             plan = await planner()
             if not plan:
                 return []
             try:
-                return await self.coord.run(plan, rid)
+                return await self.coord.run(plan, rid, made)
             except JPFSError as e:
                 if e.errno != errno.ESTALE:
                     raise
