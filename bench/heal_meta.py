@@ -93,7 +93,7 @@ def run_failover(args: argparse.Namespace) -> dict:
         async def first_create_after(kill, tag: int) -> float:
             async with trio.open_nursery() as nursery:
                 meta = MetaClient(nursery, cluster)
-                top = await meta.mkdir(1, f"k{tag}".encode())
+                top = (await meta.mkdir(1, f"k{tag}".encode())).attr
                 for i in range(20):  # a warm client that knows the leader
                     await meta.create(top.ino, f"warm-{i}".encode(), 0o644)
                 t0 = time.monotonic()
@@ -143,7 +143,7 @@ def _rates(d: Path, files: int, inflight: int, tag: str) -> dict:
             meta = MetaClient(nursery, cluster)
             for _ in range(100):  # the leader may still be being elected
                 try:
-                    top = await meta.mkdir(1, tag.encode())
+                    top = (await meta.mkdir(1, tag.encode())).attr
                     break
                 except OSError:
                     await trio.sleep(0.1)

@@ -1,6 +1,7 @@
 """What a read-write mount is asked and what it asks in turn: read opens send no FLUSH; the
 kernel's LOOKUP before each new name and its security.capability check before each write are
-answered from memory; and what other nodes change is still seen, within the entry timeout."""
+answered from memory, and so is the GETATTR of a directory after a mkdir in it; and what other
+nodes change is still seen, within the entry timeout."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fuse_support import mounted, requires_fuse
 
 import jpfs
 from jpfs import localcluster
+from jpfs.placement import shard_of
 
 CAP_V2 = struct.pack("<IIIII", 0x02000000, 0, 0, 0, 0)
 """An empty VFS_CAP_REVISION_2 security.capability value (the kernel checks the format)."""
@@ -88,6 +90,22 @@ def test_names_of_a_directory_being_written_are_answered_and_stay_right(cluster,
             os.open(d / "theirs", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         with pytest.raises(FileExistsError):
             os.mkdir(d / "theirs")
+
+
+@requires_fuse
+def test_a_directory_made_on_either_shard_leaves_its_parent_right(cluster, tmp_path):
+    """mkdir answers its parent's attributes after the change, wherever the new directory
+    lives (on the parent's shard or the other one): a stat of the parent right after shows
+    the link count and the times its shard holds."""
+    with mounted(cluster, tmp_path / "m") as m, jpfs.connect(cluster, dir_cache_ttl=0) as c:
+        (m / "mk").mkdir()
+        names = [f"d{i}" for i in range(16)]
+        for i, n in enumerate(names):
+            os.mkdir(m / "mk" / n)
+            st, theirs = os.stat(m / "mk"), c.stat("/mk")
+            assert st.st_nlink == theirs.nlink == 3 + i
+            assert (st.st_mtime_ns, st.st_ctime_ns) == (theirs.mtime_ns, theirs.ctime_ns)
+        assert {shard_of(c.stat(f"/mk/{n}").ino) for n in names} == {0, 1}
 
 
 @requires_fuse

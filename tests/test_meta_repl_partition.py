@@ -154,7 +154,7 @@ async def _scenario(d: Path, hosts: netns.SimHosts, cluster: config.Cluster) -> 
     async with trio.open_nursery() as nursery:
         meta = MetaClient(nursery, cluster, attempt_timeout=3.0)
         old = await _leader(meta)
-        top = await meta.mkdir(1, b"d")
+        top = (await meta.mkdir(1, b"d")).attr
         acked = []
         for i in range(20):
             await meta.create(top.ino, f"before-{i}".encode(), 0o644)

@@ -257,7 +257,7 @@ class MetaShard:
         check_name(name)
         got = self._recorded(rid)
         if isinstance(got, dict):
-            return await self._getattr(got["created"][0])
+            return [await self._getattr(got["created"][0]), self.store.read(ns.getattr_, parent)]
         if got is not once.MISSING:
             return got  # type: ignore[return-value]
         if new_dir_shard(parent, name, self.n_shards) == self.shard:
@@ -279,8 +279,10 @@ class MetaShard:
 
         made: dict[int, list] = {}
         created = await self._run(plan, rid, made)
-        # made elsewhere: as its prepare answered (asking would wait for the commit there)
-        return made.get(created[0]) or await self._getattr(created[0])
+        # made elsewhere: as its prepare answered (asking would wait for the commit there);
+        # with the parent's attributes after it (here: a read, no call)
+        return [made.get(created[0]) or await self._getattr(created[0]),
+                self.store.read(ns.getattr_, parent)]
 
     async def link(self, ino: int, parent: int, name: bytes, rid: bytes | None = None) -> list:
         self._mine(parent)

@@ -387,7 +387,7 @@ class AsyncClient:
         """Make a directory (``mode`` less the umask); EEXIST if the name is taken."""
         parent, name, p = await self._parent(path)
         try:
-            return await self.meta.mkdir(parent, name, mode & ~self.umask)
+            return (await self.meta.mkdir(parent, name, mode & ~self.umask)).attr
         except JPFSError as e:
             raise error(e.errno, e.strerror, p) from None
 

@@ -216,7 +216,7 @@ class MetaClient:
         return c.attr if c.attr is not None else await self.getattr(c.ino)
 
     async def mkdir(self, parent: int, name: bytes, mode: int = 0o755, uid: int | None = None,
-                    gid: int | None = None) -> Attr:
+                    gid: int | None = None) -> P.Made:
         return await self._ask(shard_of(parent), P.MKDIR,
                                P.MkdirReq(parent, name, mode, _uid(uid), _gid(gid), self._rid()))
 

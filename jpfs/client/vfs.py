@@ -316,8 +316,10 @@ class VFS:
         gid, mode = self._owner(parent, uid, gid, stat.S_IFDIR | (mode & 0o7777))
         sent = time.monotonic()
         with self._names_of(parent):
-            attr = await self.meta.mkdir(parent, name, mode & 0o7777, uid, gid)
+            attr, after = await self.meta.mkdir(parent, name, mode & 0o7777, uid, gid)
         self._made_in(parent, name, attr, subdir=True)
+        if after is not None:
+            self._post_op(parent, after)
         if self.known is not None:
             self.known.made(attr.ino, sent)
         return self.attr_of(self.inodes.remember(attr, parent, name))

@@ -61,6 +61,21 @@ class Created(NamedTuple):
         return cls(ino, kind, Attr.from_wire(attr) if attr is not None else None, created)
 
 
+class Made(NamedTuple):
+    """``mkdir``: the new directory's attributes and its parent's after the change (as NFS's
+    wcc data), so a client need not ask again. Wire: ``[attr, parent attr]`` (a bare attr
+    list from older shards)."""
+
+    attr: Attr
+    parent: Attr | None
+
+    @classmethod
+    def from_wire(cls, w: list) -> Made:
+        if len(w) == 2 and isinstance(w[0], list):
+            return cls(Attr.from_wire(w[0]), Attr.from_wire(w[1]) if w[1] is not None else None)
+        return cls(Attr.from_wire(w), None)
+
+
 class PostOp(NamedTuple):
     """``unlink``/``rmdir``: the directory's attributes after the change (as NFS's wcc data),
     so a client need not ask again. Wire: an attr list (None from older shards)."""
@@ -406,7 +421,7 @@ LISTXATTR = Method(10, "listxattr", InoReq, list, idempotent=True)
 # (durable within one fsync of the shard's; SYNC waits for that)
 CREATE = Method(11, "create", CreateReq, Created, inline=True)
 MKNOD = Method(12, "mknod", MknodReq, Created, inline=True)
-MKDIR = Method(13, "mkdir", MkdirReq, Attr)
+MKDIR = Method(13, "mkdir", MkdirReq, Made)
 SYMLINK = Method(14, "symlink", SymlinkReq, Attr, inline=True)
 LINK = Method(15, "link", LinkReq, Attr)
 UNLINK = Method(16, "unlink", RemoveReq, PostOp, inline=True)
