@@ -318,9 +318,11 @@ class Coordinator:
         steps: dict[str, tuple[Method, Callable[..., Awaitable[Any]]]] = {
             "prepare": (P.TX_PREPARE, self.tx_prepare),
             "commit": (P.TX_COMMIT, self.tx_commit),
+            "commit unhurried": (P.TX_COMMIT, self.tx_commit),
             "abort": (P.TX_ABORT, self.tx_abort)}
         method, local = steps[step]
-        args = [txid, self.shard, plan_ops] if step == "prepare" else [txid]
+        args = [txid, self.shard, plan_ops] if step == "prepare" else \
+            [txid, False] if step == "commit unhurried" else [txid]
         if shard == self.shard:
             return await local(*args)
         return await self.peers.call(shard, method, args, timeout=60.0)
@@ -344,11 +346,11 @@ class Coordinator:
         else:
             self._left.add(txid)
 
-    async def _finish(self, txid: bytes, shards: list[int]) -> None:
+    async def _finish(self, txid: bytes, shards: list[int], step: str = "commit") -> None:
         """Commit a decided transaction everywhere; the intent goes once every commit is
         durable (each participant answers only then). Until then a participant that lost its
         commit to a power failure still finds the decision (its prepared record was durable)."""
-        if await self._tell_all(txid, shards, "commit"):
+        if await self._tell_all(txid, shards, step):
             fault_point("coordinator.committed")
             await self.store.write(_drop_intent, txid, durable=False)
             fault_point("coordinator.finished")
@@ -357,10 +359,11 @@ class Coordinator:
 
     async def _finish_later(self, txid: bytes, shards: list[int]) -> None:
         """``_finish`` of a transaction answered once decided: the participants commit once
-        the decision is durable."""
+        the decision is durable (at once: readers wait for those commits), and answer once
+        their next fsync covers it (nobody waits for that but the intent's deletion)."""
         try:
             await self.store.sync()
-            await self._finish(txid, shards)
+            await self._finish(txid, shards, "commit unhurried")
         except Exception as e:  # noqa: BLE001 - the resolver is the backstop; the nursery lives
             log.warning("transaction %s: finishing failed (%s); left to the resolver",
                         txid.hex(), e)
@@ -463,14 +466,15 @@ class Coordinator:
             fault_point("participant.prepared")
         return created
 
-    async def tx_commit(self, txid: bytes) -> bool:
+    async def tx_commit(self, txid: bytes, hurry: bool = True) -> bool:
         """Readers and writers waiting for the transaction's locks go on once it is committed
         (replicated: on a majority); the coordinator is answered once it is durable, since it
-        forgets the decision then."""
+        forgets the decision then (``hurry=False``: by the next fsync as it comes, for a
+        commit its caller was answered without)."""
         applied = await self.store.write(ops.commit, txid, durable=False)
         self.store.tx_resolved(txid)
         fault_point("participant.committed")
-        await self.store.sync()
+        await self.store.sync(hurry)
         return applied
 
     async def tx_abort(self, txid: bytes) -> bool:

@@ -316,7 +316,7 @@ class Store:
         last = -math.inf
         while True:
             await self._dirty.wait()
-            if not self._pending:
+            if not self._waited.is_set():  # nobody in a hurry
                 with trio.move_on_at(last + self.sync_delay):
                     await self._waited.wait()
             self._dirty = trio.Event()
@@ -416,11 +416,17 @@ class Store:
         except Exception:  # an answer that fails to send must not stop commits
             log.exception("answering %s failed", slot.fn.__name__)
 
-    async def sync(self) -> int:
-        """Return once everything committed before the call is durable; the groups synced."""
+    async def sync(self, hurry: bool = True) -> int:
+        """Return once everything committed before the call is durable; the groups synced.
+        ``hurry=False``: by the syncer's next fsync as it comes (within the sync delay), not
+        one started for this call (for an answer nobody waits on)."""
         if self.durable and self._synced < self._committed:
             ev = trio.Event()
-            self._wait_synced(self._committed, ev)
+            if hurry:
+                self._wait_synced(self._committed, ev)
+            else:
+                self._pending.append((self._committed, ev))
+                self._dirty.set()
             await ev.wait()
         return self._synced
 

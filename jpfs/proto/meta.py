@@ -365,9 +365,17 @@ class TxPrepareReq(NamedTuple):
 
 
 class TxReq(NamedTuple):
-    """One cross-shard transaction: tx_commit, tx_abort, tx_status."""
+    """One cross-shard transaction: tx_abort, tx_status."""
 
     txid: bytes
+
+
+class TxCommitReq(NamedTuple):
+    """``tx_commit``: answered once the commit is durable; ``hurry=False`` lets the shard's
+    next delayed fsync cover it rather than start one (a commit nobody waits for)."""
+
+    txid: bytes
+    hurry: bool = True
 
 
 class RenameLockReq(NamedTuple):
@@ -440,7 +448,7 @@ BULK_CREATE = Method(26, "bulk_create", BulkCreateReq, AttrsOrErrors, inline=Tru
 # cross-shard transactions (shard to shard)
 TX_PREPARE = Method(27, "tx_prepare", TxPrepareReq, list, idempotent=True)
 """Answers the inodes the prepared ops created."""
-TX_COMMIT = Method(28, "tx_commit", TxReq, bool, idempotent=True)
+TX_COMMIT = Method(28, "tx_commit", TxCommitReq, bool, idempotent=True)
 TX_ABORT = Method(29, "tx_abort", TxReq, bool, idempotent=True)
 TX_STATUS = Method(30, "tx_status", TxReq, str, idempotent=True)
 RENAME_LOCK = Method(31, "rename_lock", RenameLockReq, bool, idempotent=True)
