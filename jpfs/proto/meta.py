@@ -447,7 +447,8 @@ WRITE_CHUNKS = Method(25, "write_chunks", WriteChunksReq, Attr, inline=True)
 BULK_CREATE = Method(26, "bulk_create", BulkCreateReq, AttrsOrErrors, inline=True)
 # cross-shard transactions (shard to shard)
 TX_PREPARE = Method(27, "tx_prepare", TxPrepareReq, list, idempotent=True)
-"""Answers the inodes the prepared ops created."""
+"""Answers the attributes (wire form) of the inodes the commit will make, their times the
+prepare's."""
 TX_COMMIT = Method(28, "tx_commit", TxCommitReq, bool, idempotent=True)
 TX_ABORT = Method(29, "tx_abort", TxReq, bool, idempotent=True)
 TX_STATUS = Method(30, "tx_status", TxReq, str, idempotent=True)
