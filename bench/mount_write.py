@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +37,17 @@ NAMESPACE_PHASES = (*NAMESPACE_OPS, "write_small", "layout_4k")
 
 def _namespace_worker(root: str, n: int, small: int, small_files: int, layout_files: int,
                       barrier, results) -> None:
-    """One process's share of every namespace phase, timed phase by phase."""
+    """One process's share of every namespace phase, timed phase by phase. A failure breaks
+    the barrier, so the others (and the parent) stop at once rather than wait for it."""
+    try:
+        _namespace_phases(root, n, small, small_files, layout_files, barrier, results)
+    except BaseException:
+        barrier.abort()
+        raise
+
+
+def _namespace_phases(root: str, n: int, small: int, small_files: int, layout_files: int,
+                      barrier, results) -> None:
     out: dict[str, tuple[int, float, float]] = {}
     os.makedirs(root, exist_ok=True)
 
@@ -124,6 +135,11 @@ def namespace_phase(root: Path, procs: int, n: int, small: int, small_files: int
             marks.append(cpu())
         got = [results.get(timeout=1800) for _ in ps]
         marks.append(cpu())
+    except threading.BrokenBarrierError:
+        for p in ps:
+            p.join(timeout=60)
+        raise RuntimeError(f"a namespace worker failed (exits {[p.exitcode for p in ps]})") \
+            from None
     except BaseException:
         for p in ps:
             p.kill()

@@ -1,7 +1,7 @@
 """``jpfs bench mount`` end to end, at a tiny size. The namespace phase: the workload runs on the
 local filesystem, through a naive pyfuse3 passthrough and through a JPFS mount in one run, every
-figure comes with its ratios and each daemon's CPU per operation, and nothing is left mounted.
-The read phase with the order announced: every path reaches the mount through its hint socket
+figure comes with its ratios and each daemon's CPU per operation, nothing is left mounted, and a
+worker that fails stops the phase at once. The read phase with the order announced: every path reaches the mount through its hint socket
 before its epoch, and each epoch reports how its time was spread over its files."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from fuse_support import requires_fuse
+from jpfs_bench.mount_write import namespace_phase
 
 
 @requires_fuse
@@ -45,6 +47,18 @@ def test_namespace_phase_against_local_and_a_passthrough(tmp_path):
     assert small.stat().st_size == 100 << 10
     with open("/proc/mounts") as f:
         assert str(work) not in f.read()
+
+
+def test_a_failing_namespace_worker_stops_the_phase_at_once(tmp_path):
+    """A worker that cannot work (a file lies where its directory should go) breaks the
+    phase's barrier: the run fails at once, naming the workers' exits, instead of waiting out
+    the barrier's 30-minute timeout."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="namespace worker failed"):
+        namespace_phase(blocker, 2, 5, 4096, 1, 1)
+    assert time.monotonic() - t0 < 120
 
 
 @requires_fuse
