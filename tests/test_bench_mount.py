@@ -1,8 +1,9 @@
 """``jpfs bench mount`` end to end, at a tiny size. The namespace phase: the workload runs on the
 local filesystem, through a naive pyfuse3 passthrough and through a JPFS mount in one run, every
 figure comes with its ratios and each daemon's CPU per operation, nothing is left mounted, and a
-worker that fails stops the phase at once. The read phase with the order announced: every path reaches the mount through its hint socket
-before its epoch, and each epoch reports how its time was spread over its files."""
+worker that fails stops the phase at once. The read phase with the order announced: every path
+reaches the mount through its hint socket before its epoch, and each epoch reports how its time
+was spread over its files."""
 
 from __future__ import annotations
 
