@@ -277,14 +277,11 @@ class Coordinator:
             # its own change.
             later = (self._bg is not None and self._in_bg < BACKGROUND
                      and all(op[0] in _LOCKED_ONLY for s in remote for op in plan[s]))
-            if later:
-                self._in_bg += 1  # counted before the decision yields
             try:
                 created = await self.store.write(_decide, self, gen, txid, shards, rid, created,
                                                  local_ops, local is not None and not last_agent,
                                                  durable=not later)
             except _Busy as busy:
-                self._in_bg -= int(later)
                 await self._abort(txid, order)
                 await self.store.wait_resolved(busy.txid)
                 # Two changes that hold each other's keys both give way; a random pause keeps
@@ -293,13 +290,11 @@ class Coordinator:
                 raise ops.Stale(f"held by transaction {busy.txid.hex()}; planning again") \
                     from None
             except _Refused as refused:
-                self._in_bg -= int(later)
                 await self._abort(txid, order)
                 raise refused.cause from None
             except BaseException:
                 # committed or not (a write that failed after its commit: the fsync, the
                 # majority, the leadership): the resolver reads the intent and finishes it
-                self._in_bg -= int(later)
                 self._left.add(txid)
                 raise
             self.store.tx_resolved(txid)  # this shard's own prepared ops, if it had any
@@ -307,10 +302,12 @@ class Coordinator:
             self.committed += 1
             if made is not None:
                 made.update(attrs)
-            if later:
-                assert self._bg is not None
+            if later and self._bg is not None:
+                self._in_bg += 1  # (transactions deciding meanwhile may pass the bound a little)
                 self._bg.start_soon(self._finish_later, txid, remote)
                 return created, True
+            if later:  # the resolver stopped meanwhile: finish here, once decided durably
+                await self.store.sync()
             await self._finish(txid, remote)
         return created, False
 

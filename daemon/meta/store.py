@@ -341,12 +341,13 @@ class Store:
                     w.exc = failure
                 self._answer(w)
 
-    def _wait_synced(self, group: int, waiter: _Slot | trio.Event) -> None:
+    def _wait_synced(self, group: int, waiter: _Slot | trio.Event, hurry: bool = True) -> None:
         """Answer ``waiter`` (set it, for an event) once ``group`` is durable; the syncer
-        syncs at once rather than waiting for more commits."""
+        syncs at once rather than waiting for more commits, unless not in a ``hurry``."""
         self._pending.append((group, waiter))
         self._dirty.set()
-        self._waited.set()
+        if hurry:
+            self._waited.set()
 
     def _settle(self, group: int, slot: _Slot) -> None:
         """Answer a committed slot now, or once its group is fsynced where that is asked."""
@@ -422,11 +423,7 @@ class Store:
         one started for this call (for an answer nobody waits on)."""
         if self.durable and self._synced < self._committed:
             ev = trio.Event()
-            if hurry:
-                self._wait_synced(self._committed, ev)
-            else:
-                self._pending.append((self._committed, ev))
-                self._dirty.set()
+            self._wait_synced(self._committed, ev, hurry)
             await ev.wait()
         return self._synced
 
