@@ -160,8 +160,9 @@ def run(args: argparse.Namespace, main: Callable[[], Awaitable[None]]) -> None:
 
     try:
         trio.run(supervised)
-    except OSError as e:
-        if e.errno != errno.EADDRINUSE:
+    except BaseException as exc:
+        e = _address_in_use(exc)
+        if e is None:
             raise
         log.error("cannot listen: %s", e)
         print(f"{sys.argv[0]}: cannot listen: {e}", file=sys.stderr)
@@ -174,3 +175,16 @@ def run(args: argparse.Namespace, main: Callable[[], Awaitable[None]]) -> None:
             except OSError:
                 pass
         log.info("stopped")
+
+
+def _address_in_use(exc: BaseException) -> OSError | None:
+    """The EADDRINUSE error in ``exc``, also inside the exception groups trio nurseries raise
+    (a server bound in ``nursery.start``), or None."""
+    if isinstance(exc, OSError):
+        return exc if exc.errno == errno.EADDRINUSE else None
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = _address_in_use(sub)
+            if found is not None:
+                return found
+    return None

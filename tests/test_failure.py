@@ -279,3 +279,28 @@ def test_a_daemon_that_hangs_mid_call_is_found_within_the_deadline(cluster):
         finally:
             resume()
         assert c.listdir(d) == []
+
+
+def test_a_shard_whose_port_was_taken_while_stopped_restarts_on_another(tmp_path):
+    """Something took a stopped shard's port (another program, or a client's outgoing port):
+    the shard exits with the address-in-use status and `up` moves it to a free port, rather
+    than failing. Its data is there on the new port."""
+    d = tmp_path / "c"
+    localcluster.up(d, meta_shards=1, storage_nodes=1)
+    try:
+        with jpfs.connect(d) as c:
+            c.mkdir("/kept")
+        (shard,) = [x for x in localcluster.status(d) if x.role == "meta"]
+        localcluster.stop(d, "meta", 0)
+        host, port = shard.address.rsplit(":", 1)
+        with socket.socket() as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind((host, int(port)))
+            squatter.listen()
+            localcluster.up(d)
+            (moved,) = [x for x in localcluster.status(d) if x.role == "meta"]
+            assert moved.alive and moved.address != shard.address
+            with jpfs.connect(d) as c:
+                assert c.listdir("/") == ["kept"]
+    finally:
+        localcluster.down(d, timeout=5)
