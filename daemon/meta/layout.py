@@ -125,6 +125,7 @@ def bulk_create(t: Txn, parent: int, entries: list, replace: bool, chunk_size: i
     if len(entries) > MAX_BULK:
         raise error(errno.E2BIG, f"at most {MAX_BULK} entries per bulk_create")
     pdir = t.need_dir(parent)
+    t.check_lease(parent)
     out: list = []
     for e in entries:
         try:

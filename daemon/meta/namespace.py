@@ -11,7 +11,7 @@ import errno
 import stat
 
 from jpfs.errors import errno_name, error
-from jpfs.placement import shard_of
+from jpfs.placement import COUNTER_MASK, shard_of
 from jpfs.proto.meta import XATTR_CREATE, XATTR_REPLACE, check_name
 
 from . import keys as K
@@ -153,6 +153,7 @@ def _new_entry_checks(t: Txn, parent: int, name: bytes) -> Inode:
     pdir = t.need_dir(parent)
     if t.dentry(parent, name) is not None:
         raise error(errno.EEXIST, f"{name.decode(errors='replace')!r} exists")
+    t.check_lease(parent)
     return pdir
 
 
@@ -198,6 +199,7 @@ def _make(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int, exclu
         if d[1] == stat.S_IFDIR:
             raise error(errno.EISDIR, f"{name.decode(errors='replace')!r} is a directory")
         return [d[0], d[1], _local_attr(t, d[0]), False]
+    t.check_lease(parent)
     ino = t.alloc_ino()
     node = Inode(ino, mode, 1, uid, gid, 0, t.now, t.now, t.now, rdev=rdev, parent=parent)
     t.put_inode(node)
@@ -230,6 +232,65 @@ def symlink(t: Txn, parent: int, name: bytes, target: bytes, uid: int, gid: int)
     t.put_dentry(parent, name, ino, stat.S_IFLNK)
     touch(t, pdir)
     return node.attr().to_wire()
+
+
+def create_batch(t: Txn, parent: int, session: bytes, entries: list) -> list:
+    """Regular files a mount holding ``parent``'s lease already answered (``leases.py``),
+    each ``[name, ino, mode, uid, gid, time_ns]`` with an inode number the lease reserved.
+    Per entry its attributes, or an errno name (EEXIST: the name was taken while the lease was
+    lost). An entry already made (a retry after a lost answer) answers its attributes."""
+    pdir = t.need_dir(parent)
+    t.check_lease(parent, session)
+    top = t.next_counter()
+    out: list = []
+    for e in entries:
+        try:
+            if not isinstance(e, list) or len(e) != 6 or not all(
+                    type(v) is int for v in e[1:]):
+                raise error(errno.EINVAL, "malformed entry")
+            name, ino, mode, uid, gid, time_ns = e
+            check_name(name)
+            if shard_of(ino) != t.store.shard or not 0 < ino & COUNTER_MASK < top:
+                raise error(errno.EINVAL, f"inode {ino:#x} was not reserved on this shard")
+            if stat.S_IFMT(mode) != stat.S_IFREG or not (0 <= uid < 1 << 32
+                                                        and 0 <= gid < 1 << 32):
+                raise error(errno.EINVAL, "a batched create makes a regular file")
+            d = t.dentry(parent, name)
+            if d is not None:
+                node = t.inode(d[0], lock=False) if d[0] == ino else None
+                if node is None:
+                    raise error(errno.EEXIST, f"{name.decode(errors='replace')!r} exists")
+                out.append(node.attr().to_wire())  # made by an earlier attempt
+                continue
+            if t.inode(ino, lock=False) is not None:
+                raise error(errno.EEXIST, f"inode {ino:#x} is in use")
+            node = Inode(ino, mode, 1, uid, gid, 0, time_ns, time_ns, time_ns, parent=parent)
+            t.put_inode(node)
+            t.put_dentry(parent, name, ino, stat.S_IFREG)
+            out.append(node.attr().to_wire())
+        except OSError as err:
+            out.append(errno_name(err.errno))
+    touch(t, pdir)
+    return out
+
+
+def lease_grant(t: Txn, parent: int, limit: int) -> list[bytes] | None:
+    """A directory's names for a lease's grant (None: more than ``limit``); raises ``Locked``
+    while a cross-shard change holds one of its entries."""
+    t.need_dir(parent)
+    t.check_dir_lock(parent)
+    prefix = K.dentry_prefix(parent)
+    names: list[bytes] = []
+    with t.t.cursor(db=t.db["dentry"]) as cur:
+        if cur.set_range(prefix):
+            for key in cur.iternext(values=False):
+                key = bytes(key)
+                if not key.startswith(prefix):
+                    break
+                if len(names) >= limit:
+                    return None
+                names.append(key[len(prefix):])
+    return names
 
 
 def setattr_(t: Txn, ino: int, fields: dict, chunk_size: int) -> list:

@@ -95,6 +95,8 @@ def check(t: Txn, op: list) -> None:
     kind = op[0]
     for key in lock_keys(op):
         t.check_lock(key)
+    if kind in ("mkdent", "rmdent", "rmdir"):
+        t.check_lease(op[1])  # a mount that holds the directory's lease gives it back first
     if kind == "mkdent":
         _, parent, name, ino, _kind, replaces = op
         t.need_dir(parent)

@@ -40,6 +40,7 @@ from . import maintenance as M
 from . import namespace as ns
 from .coordinator import Coordinator
 from .keys import Inode
+from .leases import LEASE_INODES, LEASE_MAX_NAMES, Leases
 from .ops import NEW, apply_local
 from .replica import RENEW, STALL, TTL, Replication
 from .store import SYNC_DELAY, Locked, Store, Txn
@@ -88,6 +89,10 @@ def _unlink_here(t: Txn, parent: int, name: bytes) -> list:
     return t.need_inode(parent).attr().to_wire()  # the directory after: post-op attributes
 
 
+def _alloc_range(t: Txn, n: int) -> int:
+    return t.alloc_range(n)
+
+
 def _getparent(t: Txn, ino: int) -> int:
     return t.need_inode(ino).parent
 
@@ -104,6 +109,7 @@ class MetaShard:
         self.chunk_size = chunk_size
         self.repl: Replication | None = None
         """This copy's replication (None: the shard has one copy)."""
+        self.leases = Leases(store)
         self._local: dict[Method, Callable[..., Awaitable[Any]]] = {
             P.LOOKUP: self.lookup, P.GETATTR: self.getattr, P.GETPARENT: self.getparent,
             P.RENAME_LOCK: self.rename_lock, P.RENAME_UNLOCK: self.rename_unlock}
@@ -221,7 +227,42 @@ class MetaShard:
             P.REPAIR: Handler(self.repair),
             P.SHARD_INFO: Handler(self.shard_info),
             P.SYNC: Handler(self.sync),
+            P.LEASE: Handler(self.lease),
+            P.LEASE_RETURN: Handler(self.lease_return),
+            P.LEASE_WAIT: Handler(self.lease_wait),
+            P.CREATE_BATCH: self._write(P.CREATE_BATCH, ns.create_batch),
         }
+
+    # ---- directory write leases (leases.py)
+
+    async def lease(self, parent: int, session: bytes) -> list:
+        """Grant (or renew) ``session``'s lease on ``parent``, with the directory's names and
+        a range of inode numbers; refused on replicated shards, for directories with more
+        than ``LEASE_MAX_NAMES`` names, while a cross-shard change holds an entry, or while
+        another session holds it."""
+        self._mine(parent)
+        if self.repl is not None:
+            return [False, [], 0, 0]
+        renew = self.leases.held.get(parent) == session
+        try:
+            names = self.store.read(ns.lease_grant, parent, LEASE_MAX_NAMES)
+        except Locked:
+            return [False, [], 0, 0]
+        if names is None or not self.leases.grant(session, parent):
+            return [False, [], 0, 0]
+        try:
+            first = await self.store.write(_alloc_range, LEASE_INODES)
+        except BaseException:
+            if not renew:
+                self.leases.give_back(session, parent)
+            raise
+        return [True, [] if renew else names, first, LEASE_INODES]
+
+    async def lease_return(self, parent: int, session: bytes) -> bool:
+        return self.leases.give_back(session, self._mine(parent))
+
+    async def lease_wait(self, session: bytes, seconds: float) -> list:
+        return await self.leases.wait(session, seconds)
 
     # ---- reads that are not answered inline ------------------------------------------------------
 
@@ -493,6 +534,7 @@ class MetaShard:
                 "transactions_committed": self.coord.committed,
                 "transactions_aborted": self.coord.aborted, **counts,
                 "db_bytes": os.path.getsize(self.store.path / "data.mdb"), "pid": os.getpid(),
+                **self.leases.info(),
                 **(C.replication_info(self.repl) if self.repl is not None else {})}
 
 
@@ -504,7 +546,8 @@ def _merge(*parts: tuple[int, list]) -> dict[int, list[list]]:
     return plan
 
 
-COUNTERS = frozenset({"commits", "ops", "transactions_committed", "transactions_aborted"})
+COUNTERS = frozenset({"commits", "ops", "transactions_committed", "transactions_aborted",
+                      "leases_granted", "leases_recalled", "leases_given_back", "leases_revoked"})
 """shard_info keys that only grow (Prometheus counters); the rest are gauges."""
 
 
@@ -535,6 +578,7 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
                 shard = MetaShard(store, peers, chunk_size)
                 await nursery.start(shard.coord.resolver)
                 nursery.start_soon(shard.coord.orphan_checker)
+                await nursery.start(shard.leases.start)
             else:
                 if store.created and replica != 0:
                     store.mark_new_copy()

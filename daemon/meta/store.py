@@ -95,6 +95,13 @@ class Txn:
         if txid is not None:
             raise Locked(bytes(txid))
 
+    def check_lease(self, parent: int, holder: bytes | None = None) -> None:
+        """Raise ``Leased`` (and recall the lease) if a change of ``parent``'s names must wait
+        for a mount's lease on it (``leases.py``); ``holder``: the session making it."""
+        leases = self.store.leases
+        if leases is not None and leases.held:
+            leases.check(parent, holder)
+
     def check_dir_lock(self, parent: int) -> None:
         """Wait-worthy if any entry of ``parent`` is held (readdir)."""
         prefix = K.lock_dir(parent)
@@ -141,6 +148,19 @@ class Txn:
             raise error(errno.ENOSPC, "this shard has used all its inode numbers")
         self.t.put(b"next", (counter + 1).to_bytes(8, "big"), db=self.db["state"])
         return make_ino(self.store.shard, counter)
+
+    def alloc_range(self, n: int) -> int:
+        """Reserve ``n`` inode numbers (a lease's, made later by ``create_batch``): the first
+        counter of the range."""
+        counter = self.next_counter()
+        if counter + n > COUNTER_MASK:
+            raise error(errno.ENOSPC, "this shard has used all its inode numbers")
+        self.t.put(b"next", (counter + n).to_bytes(8, "big"), db=self.db["state"])
+        return counter
+
+    def next_counter(self) -> int:
+        """The counter the next inode number allocated here will take."""
+        return int.from_bytes(self.t.get(b"next", b"\0" * 8, db=self.db["state"]), "big")
 
     # ---- directory entries
     def dentry(self, parent: int, name: bytes, *, lock: bool = True) -> tuple[int, int] | None:
@@ -202,6 +222,8 @@ class Store:
         self._check_identity()
         self._send, self._recv = trio.open_memory_channel(math.inf)
         self._tx_done: dict[bytes, trio.Event] = {}
+        self.leases: Any = None
+        """The shard's directory leases (``leases.Leases``; None: none are granted)."""
         self.commits = 0
         self.ops = 0
         # replication (None: a single copy, exactly the old path): see replica.py

@@ -69,6 +69,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-admit", choices=("second", "all"), default="second",
                    help="what the disk cache keeps: blobs fetched a second time or pushed out "
                    "of memory unread (second, the default), or every blob fetched (all)")
+    p.add_argument("--dir-leases", action=argparse.BooleanOptionalAction, default=True,
+                   help="read-write mounts: take a lease on a directory this mount is filling "
+                   "and answer its creates at once, committing them in batches behind (default "
+                   "on; other nodes see a new name once its batch commits, within "
+                   "milliseconds; a killed mount loses the creates it had not sent)")
     p.add_argument("--nonempty", action="store_true",
                    help="mount over a directory that has files (they are hidden while mounted)")
     p.add_argument("--max-tasks", type=int, default=256, help=argparse.SUPPRESS)
@@ -106,7 +111,8 @@ def _options(args: argparse.Namespace):
         open_cache=args.open_cache, read_ahead=args.read_ahead, small_file=args.small_file,
         notify_store=args.notify_store, metrics=args.metrics,
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
-        max_tasks=args.max_tasks, nonempty=args.nonempty, cache_admit=args.cache_admit)
+        max_tasks=args.max_tasks, nonempty=args.nonempty, cache_admit=args.cache_admit,
+        dir_leases=args.dir_leases)
 
 
 def cmd_mount(args: argparse.Namespace) -> int:

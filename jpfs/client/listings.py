@@ -16,6 +16,7 @@ complete, then dropped (and listed again if lookups keep missing).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from contextlib import aclosing
@@ -233,6 +234,18 @@ class KnownDirs:
     def made(self, ino: int, since: float) -> None:
         """This VFS made directory ``ino`` (``since``: the time the request left): empty."""
         self._add(ino, Names(set(), since))
+
+    def pin(self, ino: int, names: list[bytes]) -> None:
+        """This VFS holds ``ino``'s lease: ``names`` are its names (as the shard granted it)
+        until ``unpin``, whatever their age (nobody else changes them meanwhile)."""
+        self._misses.pop(ino, None)
+        self._add(ino, Names(set(names), math.inf))
+
+    def unpin(self, ino: int) -> None:
+        """The lease is given back: the names age from now as any set does."""
+        k = self._dirs.get(ino)
+        if k is not None and k.since == math.inf:
+            k.since = time.monotonic()
 
     def changed(self, ino: int, added: bytes | None = None, removed: bytes | None = None
                 ) -> None:

@@ -269,6 +269,25 @@ class MetaClient:
         return await self._ask(shard_of(parent), P.BULK_CREATE,
                                P.BulkCreateReq(parent, entries, replace, self._rid()))
 
+    # ---- directory write leases (jpfs/client/leases.py)
+
+    async def lease(self, parent: int, session: bytes) -> P.Lease:
+        return await self._ask(shard_of(parent), P.LEASE, P.LeaseReq(parent, session))
+
+    async def lease_return(self, parent: int, session: bytes) -> bool:
+        return await self._ask(shard_of(parent), P.LEASE_RETURN, P.LeaseReq(parent, session))
+
+    async def lease_wait(self, shard: int, session: bytes, seconds: float) -> list[int]:
+        """The directories of ``shard`` recalled from ``session`` (after at most ``seconds``)."""
+        m = P.LEASE_WAIT
+        return m.decode(await self.pool.call(shard, m, P.LeaseWaitReq(session, seconds),
+                                             timeout=seconds + 10.0))
+
+    async def create_batch(self, parent: int, session: bytes, entries: list) -> list:
+        """Files a lease holder answered: per entry its Attr or the OSError why not."""
+        return await self._ask(shard_of(parent), P.CREATE_BATCH,
+                               P.CreateBatchReq(parent, session, entries, self._rid()))
+
     def close(self) -> None:
         self.pool.close()
 

@@ -47,6 +47,7 @@ from .cache import BlobCache
 from .client import AsyncClient
 from .handles import DirHandle, FileHandle, Handles
 from .inodes import Inodes, Node
+from .leases import DirLeases
 from .listings import KnownDirs
 from .prefetch import PrefetchConfig
 from .reader import chunk_map
@@ -100,7 +101,13 @@ class VFS:
         self.known: KnownDirs | None = None if self.ro or config.entry_timeout <= 0 else \
             KnownDirs(self.meta, config.entry_timeout)
         """Names of directories being written (None on read-only mounts: listings do it)."""
+        self.leases: DirLeases | None = None
+        """Directories whose creates this VFS answers from memory (``leases.py``)."""
+        if self.known is not None and config.dir_leases:
+            self.leases = DirLeases(self.meta, client.nursery, self._lease_granted,
+                                    self._lease_ended, self._lease_failed)
         self.xattrs = Xattrs(self.meta, inodes, self.stats, self._attr_age, self._writable)
+        self.xattrs.settle = self._settle
         self._unopened: OrderedDict[int, tuple[int, int]] = OrderedDict()
         """Inode -> (the handle its first READ opened, the bytes it holds), where the kernel
         sends no OPEN."""
@@ -222,12 +229,59 @@ class VFS:
     def snapshot(self) -> dict:
         return {"inodes": len(self.inodes), "handles": len(self.handles),
                 **self.stats.as_dict(),
-                "names": self.known.as_dict() if self.known is not None else {}}
+                "names": self.known.as_dict() if self.known is not None else {},
+                "leases": self.leases.as_dict() if self.leases is not None else {}}
+
+    # ------------------------------------------------------------------ leases
+
+    async def _settle(self, *inos: int) -> None:
+        """Files this VFS answered from a lease and directories holding them: known to the
+        shard before it is asked about them."""
+        leases = self.leases
+        if leases is not None and leases.dirs:
+            await leases.settle(*inos)
+
+    async def _give_back(self, *dirs: int) -> None:
+        """Before this VFS changes these directories' names through the shard."""
+        leases = self.leases
+        if leases is not None and leases.dirs:
+            for d in dirs:
+                if d in leases.dirs:
+                    await leases.give_back(d)
+
+    def _lease_granted(self, parent: int, names: list[bytes]) -> None:
+        assert self.known is not None
+        self.known.pin(parent, names)
+
+    def _lease_ended(self, parent: int, lost: bool) -> None:
+        assert self.known is not None
+        if lost:
+            self.known.drop(parent)
+        else:
+            self.known.unpin(parent)
+
+    def _lease_failed(self, parent: int, name: bytes, attr: Attr, err: OSError) -> None:
+        node = self.inodes.get(attr.ino)
+        what = self.name_of(node) if node is not None else f"{name!r} in directory {parent:#x}"
+        log.error("%s: the metadata shard refused the new file (%s); it is lost", what,
+                  err.strerror or err)
+        if self.known is not None:
+            self.known.drop(parent)
+        self.inodes.stale(attr.ino)
+        self._changed_dir(parent)
 
     # ------------------------------------------------------------------ names
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
         """The entry ``name`` in ``parent`` (the kernel counts one more lookup of it)."""
+        leases = self.leases
+        if leases is not None and leases.dirs:
+            new = leases.entry(parent, name)
+            if new is not None:  # answered from the lease, not committed yet
+                held = self.inodes.get(new.ino)
+                node = self.inodes.remember(held.attr if held is not None else new, parent,
+                                            name, fetched=held.fetched if held else None)
+                return self.attr_of(node)
         lst = self.prefetcher.listings.get(parent, self._listing_age)
         if lst is not None:
             i = lst.pos.get(name)
@@ -258,6 +312,7 @@ class VFS:
         node = self.inodes.get(ino)
         if node is not None and time.monotonic() - node.fetched < self._attr_age:
             return self.attr_of(node)
+        await self._settle(ino)
         try:
             attr = await self.meta.getattr(ino)
         except JPFSError as e:
@@ -271,6 +326,7 @@ class VFS:
     async def setattr(self, ino: int, changes: dict[str, int], size: int | None = None) -> Attr:
         """Change ``mode``/``uid``/``gid``/``atime_ns``/``mtime_ns``/``ctime_ns`` and the size."""
         self._writable()
+        await self._settle(ino)
         node = self.inodes.get(ino)
         w = node.writer if node is not None else None
         before = node.attr.version if node is not None else None
@@ -304,6 +360,7 @@ class VFS:
         """A regular file, FIFO, socket or block/character device (metadata only: type, mode
         and device number; the kernel does their I/O)."""
         self._writable()
+        await self._give_back(parent)
         gid, mode = self._owner(parent, uid, gid, mode)
         with self._names_of(parent):
             attr = await self.meta.mknod(parent, name, mode,
@@ -313,6 +370,7 @@ class VFS:
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
         self._writable()
+        await self._give_back(parent)
         gid, mode = self._owner(parent, uid, gid, stat.S_IFDIR | (mode & 0o7777))
         sent = time.monotonic()
         with self._names_of(parent):
@@ -327,6 +385,7 @@ class VFS:
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int
                       ) -> Attr:
         self._writable()
+        await self._give_back(parent)
         gid, _ = self._owner(parent, uid, gid, stat.S_IFLNK)
         with self._names_of(parent):
             attr = await self.meta.symlink(parent, name, target, uid, gid)
@@ -335,6 +394,8 @@ class VFS:
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
         self._writable()
+        await self._settle(ino)
+        await self._give_back(parent)
         with self._names_of(parent):
             attr = await self.meta.link(ino, parent, name)
         self._changed_dir(parent)
@@ -344,6 +405,7 @@ class VFS:
 
     async def unlink(self, parent: int, name: bytes) -> None:
         self._writable()
+        await self._give_back(parent)
         with self._names_of(parent):
             after = await self.meta.unlink(parent, name)
         gone = self.inodes.unname(parent, name)
@@ -355,6 +417,10 @@ class VFS:
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         self._writable()
+        await self._give_back(parent)
+        child = self.inodes.child(parent, name)
+        if child is not None:
+            await self._give_back(child.ino)  # its own entries, which it must not have
         with self._names_of(parent):
             after = await self.meta.rmdir(parent, name)
         gone = self.inodes.unname(parent, name)
@@ -371,6 +437,7 @@ class VFS:
                      flags: int) -> None:
         """Rename as ``rename(2)``, with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2)."""
         self._writable()
+        await self._give_back(parent_old, parent_new)
         with self._names_of(parent_old, parent_new):
             src_after, dst_after = await self.meta.rename(parent_old, name_old, parent_new,
                                                           name_new, flags)
@@ -398,6 +465,7 @@ class VFS:
 
     async def open(self, ino: int, flags: int, stream: int = 0) -> OpenFile:
         """Open a file; ``stream`` identifies the reader (a thread or process) for prefetch."""
+        await self._settle(ino)
         node = self.inodes.get(ino) or await self._node(ino)
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             return await self._open_write(node, flags)
@@ -546,6 +614,7 @@ class VFS:
             if w is None:
                 w = node.writer = FileWriter(self.data, self.reader, layout, node.parent,
                                              self.name_of(node))
+                w.settle = self._settle
                 self.inodes.update(layout.attr)
         w.refs += 1
         node.opens += 1
@@ -571,7 +640,13 @@ class VFS:
         self._writable()
         gid, mode = self._owner(parent, uid, gid, mode)
         sent = time.monotonic()
-        with self._names_of(parent):
+        leases = self.leases
+        if leases is not None and stat.S_IFMT(mode) in (0, stat.S_IFREG):
+            ld = await leases.take(parent)
+            if ld is not None and self.known is not None and \
+                    self.known.absent(parent, check_name(name)):
+                return await self._create_leased(ld, parent, name, mode, flags, uid, gid, sent)
+        with self._names_of(parent), self._creating(parent):
             attr, created = await self.meta.create(parent, name, mode, uid, gid,
                                                    exclusive=bool(flags & os.O_EXCL))
         if created:
@@ -589,6 +664,38 @@ class VFS:
             self.inodes.forget(node.ino, 1)  # the kernel never saw the entry
             raise
         return opened, self.attr_of(node)
+
+    async def _create_leased(self, ld, parent: int, name: bytes, mode: int, flags: int,
+                             uid: int, gid: int, sent: float) -> tuple[OpenFile, Attr]:
+        """``create`` in a directory this VFS holds the lease of: answered now, committed
+        behind (``leases.py``)."""
+        assert self.leases is not None
+        attr = self.leases.add(ld, name, mode, uid, gid)
+        self._made_in(parent, name, attr)
+        self.xattrs.none_since(attr.ino, sent)
+        node = self.inodes.remember(attr, parent, name)
+        node.kernel_version = attr.version
+        try:
+            opened = await self._open_write(node, flags,
+                                            new=Layout(attr, self.data.chunk_size, ()))
+        except BaseException:
+            self.inodes.forget(node.ino, 1)
+            raise
+        return opened, self.attr_of(node)
+
+    @contextmanager
+    def _creating(self, parent: int) -> Iterator[None]:
+        """Around a create sent to the shard: a lease is not asked for meanwhile (the create
+        would meet it and recall it)."""
+        leases = self.leases
+        if leases is None:
+            yield
+            return
+        leases.begin(parent)
+        try:
+            yield
+        finally:
+            leases.end(parent)
 
     async def read(self, fh: int, off: int, size: int) -> memoryview | bytearray | bytes:
         h = self._handle(fh)
@@ -676,10 +783,12 @@ class VFS:
         h = self._handle(fh)
         if h.writer is not None:
             await self._commit(h.node, h.writer)
+        await self._settle(h.node.ino)
         await self.meta.sync([shard_of(h.node.ino)])
 
     async def fsyncdir(self, ino: int) -> None:
         """Return once the directory's entries are durable."""
+        await self._settle(ino)
         await self.meta.sync([shard_of(ino)])
 
     async def release(self, fh: int) -> None:
@@ -752,6 +861,8 @@ class VFS:
                 except JPFSError as e:
                     log.error("could not commit %s before unmounting: %s",
                               self.name_of(h.node), e.strerror)
+        if self.leases is not None:
+            await self.leases.close()
         if not self.ro:
             try:
                 await self.meta.sync()
@@ -771,6 +882,7 @@ class VFS:
         h = self.handles.get(fh)
         if type(h) is not DirHandle:
             raise error(errno.EBADF, "not a directory handle")
+        await self._settle(h.ino)  # names this VFS answered from a lease: listed by the shard
         # positions: 1 after ".", 2 after "..", then 3 + i after entry i
         if start == 0:
             yield b".", self.attr_of(await self._node(h.ino)), 1

@@ -45,6 +45,9 @@ class VFSConfig:
     """Hand small files to the kernel's page cache and drop them from the memory cache (at
     open, or where the kernel opens files itself once its READs have covered the file)."""
     readdir_page: int = 1000
+    dir_leases: bool = True
+    """Read-write: answer creates in directories this mount writes from memory under a lease
+    and commit them behind (``leases.py``)."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -27,6 +28,10 @@ from .data import DataPath
 from .reader import Reader, chunk_map
 
 log = logging.getLogger(__name__)
+
+
+async def _nothing(ino: int) -> None:
+    return None
 
 FLUSH_BYTES = 64 << 20
 """Dirty chunk bytes after which a writer commits on its own (bounds a writer's memory)."""
@@ -57,6 +62,8 @@ class FileWriter:
         self.discarded = False
         """The file was removed while open: its unwritten bytes go with it, as in POSIX."""
         self.commits = 0
+        self.settle: Callable[[int], Awaitable[None]] = _nothing
+        """Awaited before the shard is asked about the file (a mount's lease settle)."""
 
     @property
     def dirty(self) -> bool:
@@ -168,6 +175,7 @@ class FileWriter:
         if size < 0:
             raise error(errno.EINVAL, "negative size", self.name)
         await self.commit()
+        await self.settle(self.ino)
         attr = await self.data.meta.setattr(self.ino, size=size)
         layout = await self.data.meta.get_layout(self.ino)
         self.size, self.version = attr.size, attr.version
@@ -183,6 +191,7 @@ class FileWriter:
         pieces = [(i, memoryview(b)) for i, b in sorted(self.dirty_chunks.items())]
         total = n_chunks(self.size, self.cs)
         stored = await self.data.store(self.ino, self.parent, pieces, total)
+        await self.settle(self.ino)  # a file made under a lease is known to the shard first
         try:
             attr = await self.data.meta.write_chunks(self.ino, stored, self.size,
                                                      expect_version=self.version)

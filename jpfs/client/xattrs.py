@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import errno
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from ..errors import JPFSError, error
 from .inodes import Inodes
 from .meta import MetaClient
 from .vfs_types import VFSStats
+
+
+async def _nothing(ino: int) -> None:
+    return None
 
 _ACL = b"system.posix_acl_"
 _CAPS = b"security.capability"
@@ -32,6 +36,8 @@ class Xattrs:
         self.stats = stats
         self._attr_age = attr_age
         self._writable = writable
+        self.settle: Callable[[int], Awaitable[None]] = _nothing
+        """Awaited before the shard is asked about an inode (the VFS's lease settle)."""
         self._no_caps: dict[int, float] = {}
         """Inodes known to have no security.capability, and since when (time.monotonic())."""
         self._changes = 0
@@ -40,6 +46,7 @@ class Xattrs:
         if name.startswith(_ACL):  # asked by ls and cp for every file; never stored
             raise error(errno.ENODATA, "no such attribute")
         if name != _CAPS:
+            await self.settle(ino)
             return await self.meta.getxattr(ino, name)
         since = self._no_caps.get(ino)
         sent = time.monotonic()
@@ -48,6 +55,7 @@ class Xattrs:
             raise error(errno.ENODATA, "no such attribute")
         changes = self._changes
         try:
+            await self.settle(ino)
             return await self.meta.getxattr(ino, name)
         except JPFSError as e:
             if e.errno == errno.ENODATA and changes == self._changes:
@@ -67,18 +75,21 @@ class Xattrs:
         self._changes += 1
         self._no_caps.pop(ino, None)
         try:
+            await self.settle(ino)
             await self.meta.setxattr(ino, name, value, flags)
         finally:
             self._changes += 1
         self.inodes.stale(ino)
 
     async def list(self, ino: int) -> list[bytes]:
+        await self.settle(ino)
         return await self.meta.listxattr(ino)
 
     async def remove(self, ino: int, name: bytes) -> None:
         self._writable()
         self._changes += 1
         try:
+            await self.settle(ino)
             await self.meta.removexattr(ino, name)
         finally:
             self._changes += 1

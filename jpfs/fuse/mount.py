@@ -74,6 +74,7 @@ class MountOptions:
     max_tasks: int = 256
     nonempty: bool = False
     cache_admit: str = "second"
+    dir_leases: bool = True
 
     def child_argv(self) -> list[str]:
         """Arguments for ``jpfs`` that run this mount in the foreground."""
@@ -92,7 +93,8 @@ class MountOptions:
                          ("--open-requests", self.open_requests),
                          ("--allow-other", self.allow_other),
                          ("--no-notify-store", not self.notify_store),
-                         ("--nonempty", self.nonempty)):
+                         ("--nonempty", self.nonempty),
+                         ("--no-dir-leases", not self.dir_leases)):
             if on:
                 a.append(flag)
         return a
@@ -234,7 +236,8 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
             await cache.open(nursery)
             vfs = await VFS.connect(nursery, cluster, cache, VFSConfig(
                 read_only=opts.read_only, attr_timeout=attr_t, entry_timeout=entry_t,
-                open_cache=opts.open_cache, small_file=small, notify_store=opts.notify_store),
+                open_cache=opts.open_cache, small_file=small, notify_store=opts.notify_store,
+                dir_leases=opts.dir_leases),
                 KernelNotifier(), prefetch=opts.prefetch)
             sock = hints.socket_path(state_dir(), mp)
             if len(sock) > hints.MAX_PATH:

@@ -236,6 +236,7 @@ class Operations(pyfuse3.Operations):
             "cache": vfs.cache.as_dict(),
             "prefetch": vfs.prefetcher.as_dict(),
             "names": v["names"],
+            "leases": v["leases"],
         }
 
     # ------------------------------------------------------------------ names

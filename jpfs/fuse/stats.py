@@ -53,6 +53,7 @@ _GAUGES = frozenset({
     "memory_bytes", "memory_used", "memory_blobs", "disk_bytes", "disk_used", "disk_blobs",
     "prefetched_unused_bytes", "write_queue_bytes", "inflight_bytes", "hints_queued",
     "hinted_unopened", "listing_dirs", "listing_entries_kept", "enabled", "dirs", "names",
+    "held", "unsent",
 })
 
 
@@ -82,7 +83,7 @@ def families(snap: dict) -> list:
                 "capability_checks", "layouts_refreshed"):
         out.append(CounterMetricFamily(f"jpfs_fuse_{key}", key.replace("_", " "),
                                        value=fuse[key]))
-    for section in ("cache", "prefetch", "names"):
+    for section in ("cache", "prefetch", "names", "leases"):
         for key, v in snap.get(section, {}).items():
             if isinstance(v, bool):
                 v = int(v)

@@ -356,6 +356,47 @@ class BulkCreateReq(NamedTuple):
     """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
+class LeaseReq(NamedTuple):
+    """``lease``/``lease_return``: a mount's (``session``) write lease on a directory."""
+
+    parent: int
+    session: bytes
+
+
+class Lease(NamedTuple):
+    """``lease``: whether it was granted and, if so, the directory's names then and a range
+    of inode numbers reserved for the holder (``count`` counters from ``first``). Wire:
+    ``[granted, names, first, count]``."""
+
+    granted: bool
+    names: list[bytes]
+    first: int
+    count: int
+
+    @classmethod
+    def from_wire(cls, w: list) -> Lease:
+        granted, names, first, count = w
+        return cls(granted, names, first, count)
+
+
+class LeaseWaitReq(NamedTuple):
+    """``lease_wait``: a session's long call, answered with the directories recalled from it."""
+
+    session: bytes
+    seconds: float
+
+
+class CreateBatchReq(NamedTuple):
+    """``create_batch``: files a lease holder already answered, committed behind."""
+
+    parent: int
+    session: bytes
+    entries: list
+    """``[name, ino, mode, uid, gid, time_ns]`` each (the inode number from the lease)."""
+    rid: bytes | None = None
+    """Request id (replicated shards): a retry after a failover answers the first result."""
+
+
 class TxPrepareReq(NamedTuple):
     """``tx_prepare``: a participant's ops of a cross-shard transaction."""
 
@@ -462,20 +503,28 @@ REPAIR = Method(35, "repair", RepairReq, object)
 SHARD_INFO = Method(36, "shard_info", NoArgs, dict, idempotent=True)
 SYNC = Method(37, "sync", NoArgs, int, idempotent=True)
 """Answered once every change this shard answered before is durable (fsync(2), unmount)."""
+# directory write leases (daemon/meta/leases.py)
+LEASE = Method(38, "lease", LeaseReq, Lease)
+LEASE_RETURN = Method(39, "lease_return", LeaseReq, bool, idempotent=True)
+LEASE_WAIT = Method(40, "lease_wait", LeaseWaitReq, list, idempotent=True)
+"""The directories recalled from the session (empty after ``seconds`` with none)."""
+CREATE_BATCH = Method(41, "create_batch", CreateBatchReq, AttrsOrErrors, idempotent=True,
+                      inline=True)
+"""Idempotent: an entry already made answers its attributes."""
 
 METHODS = method_table(
     LOOKUP, BATCH_LOOKUP, GETATTR, BATCH_GETATTR, READDIR, READLINK, GETPARENT, STATFS, GETXATTR,
     LISTXATTR, CREATE, MKNOD, MKDIR, SYMLINK, LINK, UNLINK, RMDIR, RENAME, SETATTR, SETXATTR,
     REMOVEXATTR, GET_LAYOUT, BATCH_LAYOUT, LOOKUP_LAYOUTS, WRITE_CHUNKS, BULK_CREATE, TX_PREPARE,
     TX_COMMIT, TX_ABORT, TX_STATUS, RENAME_LOCK, RENAME_UNLOCK, SCAN, PENDING, REPAIR, SHARD_INFO,
-    SYNC,
+    SYNC, LEASE, LEASE_RETURN, LEASE_WAIT, CREATE_BATCH,
 )
 """Every metadata method by name (the replication methods of ``replica.py`` included)."""
 METHODS.update(_REPLICA_METHODS)
 METHODS.update(method_table(*HEAL_METHODS))  # the healer's (jpfs/proto/heal.py, ids 80-99)
 
 CHANGES = frozenset({CREATE, MKNOD, MKDIR, SYMLINK, LINK, UNLINK, RMDIR, RENAME, SETATTR,
-                     SETXATTR, REMOVEXATTR, WRITE_CHUNKS, BULK_CREATE})
+                     SETXATTR, REMOVEXATTR, WRITE_CHUNKS, BULK_CREATE, CREATE_BATCH})
 """Namespace changes: their request records end with ``rid`` (see ``CreateReq.rid``)."""
 
 # rename flags (as renameat2)

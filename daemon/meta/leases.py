@@ -1,0 +1,200 @@
+"""Directory write leases: one mount at a time may answer creates in a directory from memory.
+
+A mount filling a directory (``cp -r``, a dataset being written, a training run's checkpoints)
+pays a metadata round trip per create. With a lease on the directory it knows the directory's
+names for certain and holds a range of inode numbers of this shard, so it answers CREATE at
+once and commits the new entries behind, many per transaction (``create_batch``;
+``jpfs/client/leases.py``).
+
+What makes that safe is that nobody else changes the directory's names while the lease is held:
+every change that adds or removes a name here (``Txn.check_lease``: a create, mknod, symlink,
+mkdir, link, unlink, rmdir, rename, bulk create or 2PC prepare, from any client or shard) first
+*recalls* the lease and waits for it, as it waits for a cross-shard transaction's lock
+(``Leased`` is a ``Locked``): the holder commits what it has pending, gives the lease back, and
+the change runs. A holder that does not give it back within ``RECALL_GRACE`` loses it.
+Reads never wait: other clients see a new name once its batch commits (milliseconds).
+
+A lease lives in this process's memory and belongs to a *session* (a mount), which is alive
+while it has a ``lease_wait`` call in flight (the call through which recalls reach it) or had
+one within ``SESSION_GRACE``: a killed mount's connection closes, the call is cancelled, and its
+leases go a few seconds later. A restarted shard has none. A holder that lost its lease still
+sends its pending entries; each is made if its name is still free (per-entry answers), which
+is the usual case. Replicated shards grant no leases (a new leader would not know them).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import trio
+
+from .store import Locked
+
+log = logging.getLogger(__name__)
+
+LEASE_INODES = 1024
+"""Inode numbers granted with a lease (and with each renewal that asks for more)."""
+LEASE_MAX_NAMES = 20_000
+"""A directory with more names than this is not leased (the grant carries its names)."""
+RECALL_GRACE = 5.0
+"""Seconds a holder has to give a recalled lease back before it is taken."""
+SESSION_GRACE = 5.0
+"""Seconds a session with no ``lease_wait`` in flight keeps its leases."""
+WAIT_MAX = 10.0
+"""The longest a ``lease_wait`` waits for a recall before it answers none."""
+
+
+def lease_txid(parent: int) -> bytes:
+    """The id a change waiting for ``parent``'s lease waits on (as on a transaction's)."""
+    return b"lease" + parent.to_bytes(8, "big")
+
+
+class Leased(Locked):
+    """Raised inside an operation that would change the names of a directory leased to
+    another session; the operation waits for the lease to come back and runs again."""
+
+    def __init__(self, parent: int):
+        super().__init__(lease_txid(parent))
+        self.parent = parent
+
+
+@dataclass
+class Session:
+    """A mount that holds (or may hold) leases on this shard."""
+
+    sid: bytes
+    leases: set[int] = field(default_factory=set)
+    recalled: set[int] = field(default_factory=set)
+    """Leases recalled and not yet given back."""
+    told: set[int] = field(default_factory=set)
+    """Recalls a ``lease_wait`` already answered."""
+    wake: trio.Event = field(default_factory=trio.Event)
+    waiting: int = 0
+    idle: int = 0
+    """Bumped when the last wait ends: an expiry timer started then acts only if unchanged."""
+
+
+class Leases:
+    """This shard's directory leases (see the module docstring). ``store.leases`` is set to
+    it, so ``Txn.check_lease`` finds it; ``start`` gives it the nursery its timers run in."""
+
+    def __init__(self, store):
+        self.store = store
+        self.held: dict[int, bytes] = {}
+        """Directory -> the session holding its lease."""
+        self.sessions: dict[bytes, Session] = {}
+        self._nursery: trio.Nursery | None = None
+        self._grants = 0
+        self.stats = {"granted": 0, "recalled": 0, "given_back": 0, "revoked": 0}
+        store.leases = self
+
+    async def start(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run the leases' timers until cancelled (``nursery.start``)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep(math.inf)
+
+    # ---- checked inside transactions (no awaits)
+
+    def check(self, parent: int, holder: bytes | None) -> None:
+        """Raise ``Leased`` if ``parent`` is leased to a session other than ``holder``, and
+        recall the lease (once per recall)."""
+        sid = self.held.get(parent)
+        if sid is None or sid == holder:
+            return
+        s = self.sessions[sid]
+        if parent not in s.recalled:
+            s.recalled.add(parent)
+            s.wake.set()
+            self.stats["recalled"] += 1
+            if self._nursery is not None:
+                self._nursery.start_soon(self._take_back_late, parent, sid)
+        raise Leased(parent)
+
+    # ---- the handlers' side
+
+    def grant(self, sid: bytes, parent: int) -> bool:
+        """Lease ``parent`` to ``sid`` unless another session holds it or it is being
+        recalled. The caller checked that it is a directory of this shard."""
+        holder = self.held.get(parent)
+        if holder is not None:
+            return holder == sid and parent not in self.sessions[sid].recalled
+        s = self._session(sid)
+        self.held[parent] = sid
+        s.leases.add(parent)
+        self.store.tx_begun(lease_txid(parent))  # what a recalled change waits on
+        self.stats["granted"] += 1
+        return True
+
+    def give_back(self, sid: bytes, parent: int) -> bool:
+        """The holder is done with ``parent`` (or was recalled and committed what it had)."""
+        if self.held.get(parent) != sid:
+            return False
+        self._end(parent)
+        self.stats["given_back"] += 1
+        return True
+
+    async def wait(self, sid: bytes, seconds: float) -> list[int]:
+        """A session's long call: the directories recalled from it since the last answer,
+        once there are any or after ``seconds`` (at most ``WAIT_MAX``)."""
+        s = self._session(sid)
+        s.waiting += 1
+        try:
+            with trio.move_on_after(min(max(seconds, 0.0), WAIT_MAX)):
+                while not s.recalled - s.told:
+                    s.wake = trio.Event()
+                    await s.wake.wait()
+            out = sorted(s.recalled - s.told)
+            s.told |= set(out)
+            return out
+        finally:
+            s.waiting -= 1
+            if s.waiting == 0:
+                s.idle += 1
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._expire_late, s, s.idle)
+
+    def _session(self, sid: bytes) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            s = self.sessions[sid] = Session(sid)
+            if self._nursery is not None:  # no wait may ever come: it expires unless one does
+                self._nursery.start_soon(self._expire_late, s, s.idle)
+        return s
+
+    def _end(self, parent: int) -> None:
+        sid = self.held.pop(parent)
+        s = self.sessions.get(sid)
+        if s is not None:
+            s.leases.discard(parent)
+            s.recalled.discard(parent)
+            s.told.discard(parent)
+        self.store.tx_resolved(lease_txid(parent))  # the waiting changes run again
+
+    async def _take_back_late(self, parent: int, sid: bytes) -> None:
+        await trio.sleep(RECALL_GRACE)
+        s = self.sessions.get(sid)
+        if self.held.get(parent) == sid and s is not None and parent in s.recalled:
+            log.warning("a mount did not give back its lease on directory %#x within %g s of "
+                        "its recall: taken back", parent, RECALL_GRACE)
+            self.stats["revoked"] += 1
+            self._end(parent)
+
+    async def _expire_late(self, s: Session, idle: int) -> None:
+        await trio.sleep(SESSION_GRACE)
+        if s.waiting or s.idle != idle or self.sessions.get(s.sid) is not s:
+            return
+        del self.sessions[s.sid]
+        if s.leases:
+            log.info("a mount's session ended (no lease_wait for %g s): %d leases taken back",
+                     SESSION_GRACE, len(s.leases))
+        for parent in list(s.leases):
+            self.stats["revoked"] += 1
+            self._end(parent)
+
+    def info(self) -> dict:
+        return {"leases": len(self.held), "lease_sessions": len(self.sessions),
+                **{f"leases_{k}": v for k, v in self.stats.items()}}

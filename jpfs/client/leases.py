@@ -1,0 +1,320 @@
+"""A mount's directory write leases: creates answered from memory, committed behind in batches.
+
+A create through the mount costs a metadata round trip in the FUSE request's path. A mount that
+holds a directory's *lease* (``daemon/meta/leases.py``: nobody else changes its names until it
+gives the lease back) knows the directory's names for certain and holds a range of inode numbers
+of the directory's shard, so it answers a create at once (the VFS checks the name against
+``KnownDirs``, pinned while leased) and commits the new entries behind with ``create_batch``,
+as many as arrived while the previous batch was in flight.
+
+Until its batch commits, a new file exists in this mount only. Whatever would show the shard
+that it is missing waits for the batch first (``settle``): the file's own metadata calls (its
+first commit, getattr, setattr, open, xattrs) and this mount's listings of the directory. A
+change of the directory's names by this mount (unlink, rename, mkdir, ...) gives the lease back
+first (``give_back``); another client's change recalls it (the shard answers ``lease_wait``),
+and the shard runs that change once the lease is back. A killed mount loses the creates it had
+not sent (as a local filesystem loses files its journal had not committed); ``fsync`` of the
+file or the directory, ``syncfs`` and unmount send them first.
+
+A lease is asked for once a directory saw ``LEASE_AFTER`` creates answered by the shard, and not
+again for ``RETRY_AFTER`` seconds after a refusal or a recall (so two mounts writing one
+directory settle on round trips rather than trade the lease).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from collections import deque
+from collections.abc import Callable
+
+import trio
+
+from ..errors import JPFSError
+from ..placement import make_ino, shard_of
+from ..types import Attr
+from .meta import MetaClient
+
+log = logging.getLogger(__name__)
+
+LEASE_AFTER = 3
+"""Creates answered by the shard in a directory before the mount asks for its lease."""
+RETRY_AFTER = 2.0
+"""Seconds after a refusal, a recall or a give-back before a directory's lease is asked again."""
+BATCH_MAX = 512
+"""Entries per ``create_batch``."""
+WAIT_SECONDS = 5.0
+"""How long one ``lease_wait`` waits for a recall before it answers none (and is sent again)."""
+
+
+class LeasedDir:
+    """A directory this mount holds the lease of."""
+
+    __slots__ = ("parent", "shard", "inos", "pending", "sending", "idle", "ending", "lost",
+                 "renewing", "gone")
+
+    def __init__(self, parent: int):
+        self.parent = parent
+        self.shard = shard_of(parent)
+        self.inos: deque[int] = deque()
+        """Reserved inode numbers not used yet."""
+        self.pending: dict[bytes, Attr] = {}
+        """Files answered and not sent yet, by name."""
+        self.sending: dict[bytes, Attr] = {}
+        """Files in the batch in flight."""
+        self.idle = trio.Event()
+        """Set while nothing is pending or in flight."""
+        self.idle.set()
+        self.ending = False
+        """Being given back (or lost): no more creates from memory."""
+        self.lost = False
+        self.renewing: trio.Event | None = None
+        self.gone = trio.Event()
+        """Set once the lease has ended."""
+
+    def entry(self, name: bytes) -> Attr | None:
+        return self.pending.get(name) or self.sending.get(name)
+
+
+class DirLeases:
+    """This mount's leases (see the module docstring).
+
+    Args:
+        meta: the metadata client.
+        nursery: runs the batches and the per-shard ``lease_wait`` loops.
+        granted: called with (directory, its names) when a lease is granted: the VFS pins its
+            known names of the directory.
+        ended: called with (directory, lost) when a lease ends: the VFS lets the names age as
+            usual (or forgets them, if the lease was lost).
+        failed: called with (directory, name, attr, error) for a file the shard refused.
+    """
+
+    def __init__(self, meta: MetaClient, nursery: trio.Nursery,
+                 granted: Callable[[int, list[bytes]], None],
+                 ended: Callable[[int, bool], None],
+                 failed: Callable[[int, bytes, Attr, OSError], None]):
+        self.meta = meta
+        self.nursery = nursery
+        self.session = os.urandom(16)
+        self.dirs: dict[int, LeasedDir] = {}
+        self.unsent: dict[int, int] = {}
+        """Inode -> directory, for files answered whose batch has not committed."""
+        self._granted, self._ended, self._failed = granted, ended, failed
+        self._creates: dict[int, int] = {}
+        self._not_before: dict[int, float] = {}
+        self._asking: dict[int, trio.Event] = {}
+        self._waiting: set[int] = set()
+        self._inflight: dict[int, int] = {}
+        """Directory -> creates sent to the shard and not answered yet."""
+        self._drained: dict[int, trio.Event] = {}
+        self.stats = {"granted": 0, "refused": 0, "recalled": 0, "given_back": 0, "lost": 0,
+                      "answered": 0, "batches": 0, "failed": 0}
+
+    # ---- creates
+
+    async def take(self, parent: int) -> LeasedDir | None:
+        """The lease on ``parent`` with an inode number free, for a create: held, renewed or
+        asked for now; None to create through the shard."""
+        ld = self.dirs.get(parent)
+        if ld is None:
+            if not await self._ask(parent):
+                return None
+            ld = self.dirs.get(parent)
+        while ld is not None and not ld.ending and not ld.inos:
+            await self._renew(ld)
+            ld = self.dirs.get(parent)
+        return ld if ld is not None and not ld.ending else None
+
+    def add(self, ld: LeasedDir, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        """A new regular file in ``ld``, answered now and committed behind: its attributes."""
+        now = time.time_ns()
+        attr = Attr(ld.inos.popleft(), stat.S_IFREG | (mode & 0o7777), 1, uid, gid, 0,
+                    now, now, now)
+        ld.pending[name] = attr
+        self.unsent[attr.ino] = ld.parent
+        self.stats["answered"] += 1
+        if ld.idle.is_set():
+            ld.idle = trio.Event()
+            self.nursery.start_soon(self._send, ld)
+        return attr
+
+    def entry(self, parent: int, name: bytes) -> Attr | None:
+        """A file answered in ``parent`` and not committed yet, by name."""
+        ld = self.dirs.get(parent)
+        return ld.entry(name) if ld is not None else None
+
+    async def settle(self, *inos: int) -> None:
+        """Return once the files ``inos`` (and directories, for their entries) are known to
+        the shard: what this mount answered there has committed."""
+        for ino in inos:
+            parent = self.unsent.get(ino, ino)
+            ld = self.dirs.get(parent)
+            if ld is not None:
+                await ld.idle.wait()
+
+    async def give_back(self, parent: int) -> None:
+        """Commit what is pending in ``parent`` and give its lease back (before this mount
+        changes the directory's names itself, or when the shard recalls it)."""
+        ld = self.dirs.get(parent)
+        if ld is None:
+            return
+        if ld.ending:
+            await ld.gone.wait()  # another call is giving it back
+            return
+        ld.ending = True
+        self._not_before[parent] = time.monotonic() + RETRY_AFTER
+        try:
+            await ld.idle.wait()
+            if not ld.lost:
+                try:
+                    await self.meta.lease_return(parent, self.session)
+                except JPFSError as e:  # the shard takes it back when the session ends
+                    log.info("could not give back the lease on directory %#x: %s", parent,
+                             e.strerror)
+            self.stats["given_back"] += 1
+        finally:
+            self._end(ld)
+
+    async def close(self) -> None:
+        """Commit everything pending and give every lease back (before an unmount)."""
+        async with trio.open_nursery() as nursery:
+            for parent in list(self.dirs):
+                nursery.start_soon(self.give_back, parent)
+
+    def as_dict(self) -> dict:
+        return {**self.stats, "held": len(self.dirs), "unsent": len(self.unsent)}
+
+    def begin(self, parent: int) -> None:
+        """A create in ``parent`` was sent to the shard (a lease is not asked for until it is
+        answered: it would meet the lease and recall it)."""
+        self._inflight[parent] = self._inflight.get(parent, 0) + 1
+
+    def end(self, parent: int) -> None:
+        n = self._inflight.pop(parent) - 1
+        if n:
+            self._inflight[parent] = n
+        else:
+            ev = self._drained.pop(parent, None)
+            if ev is not None:
+                ev.set()
+
+    # ---- the lease's life
+
+    async def _ask(self, parent: int) -> bool:
+        asking = self._asking.get(parent)
+        if asking is not None:
+            await asking.wait()
+            return parent in self.dirs
+        n = self._creates.get(parent, 0) + 1
+        if n < LEASE_AFTER or time.monotonic() < self._not_before.get(parent, 0.0):
+            if len(self._creates) > 4096:
+                self._creates.clear()
+            self._creates[parent] = n
+            return False
+        self._creates.pop(parent, None)
+        done = self._asking[parent] = trio.Event()
+        try:
+            if self._inflight.get(parent):
+                drained = self._drained.setdefault(parent, trio.Event())
+                await drained.wait()
+            ld = LeasedDir(parent)
+            if ld.shard not in self._waiting:
+                self._waiting.add(ld.shard)
+                self.nursery.start_soon(self._wait_loop, ld.shard)
+            try:
+                lease = await self.meta.lease(parent, self.session)
+            except JPFSError as e:
+                log.debug("no lease on directory %#x: %s", parent, e.strerror)
+                lease = None
+            if lease is None or not lease.granted:
+                self.stats["refused"] += 1
+                self._not_before[parent] = time.monotonic() + RETRY_AFTER
+                return False
+            ld.inos.extend(make_ino(ld.shard, c) for c in range(lease.first,
+                                                                lease.first + lease.count))
+            self.dirs[parent] = ld
+            self.stats["granted"] += 1
+            self._granted(parent, lease.names)
+            return True
+        finally:
+            del self._asking[parent]
+            done.set()
+
+    async def _renew(self, ld: LeasedDir) -> None:
+        """More inode numbers for ``ld`` (the same call renews the lease)."""
+        if ld.renewing is not None:
+            await ld.renewing.wait()
+            return
+        ld.renewing = trio.Event()
+        try:
+            lease = await self.meta.lease(ld.parent, self.session)
+            if lease.granted:
+                ld.inos.extend(make_ino(ld.shard, c) for c in range(lease.first,
+                                                                    lease.first + lease.count))
+            else:
+                ld.ending = True  # recalled meanwhile: the recall gives it back
+        except JPFSError as e:
+            log.info("could not renew the lease on directory %#x: %s", ld.parent, e.strerror)
+            ld.ending = True
+            self.nursery.start_soon(self.give_back, ld.parent)
+        finally:
+            ld.renewing.set()
+            ld.renewing = None
+
+    async def _wait_loop(self, shard: int) -> None:
+        """Hear the shard's recalls while this mount holds (or asks for) leases there."""
+        try:
+            while any(ld.shard == shard for ld in self.dirs.values()) or any(
+                    shard_of(p) == shard for p in self._asking):
+                recalled = await self.meta.lease_wait(shard, self.session, WAIT_SECONDS)
+                for parent in recalled:
+                    self.stats["recalled"] += 1
+                    self.nursery.start_soon(self.give_back, parent)
+        except JPFSError as e:
+            mine = [ld for ld in self.dirs.values() if ld.shard == shard]
+            if mine:
+                log.warning("lost the leases on %d directories of metadata shard %d (%s); "
+                            "their new files are sent without them", len(mine), shard,
+                            e.strerror)
+            for ld in mine:
+                ld.lost = True
+                self.stats["lost"] += 1
+                self.nursery.start_soon(self.give_back, ld.parent)
+        finally:
+            self._waiting.discard(shard)
+
+    def _end(self, ld: LeasedDir) -> None:
+        ld.gone.set()
+        if self.dirs.get(ld.parent) is ld:
+            del self.dirs[ld.parent]
+            self._ended(ld.parent, ld.lost)
+
+    # ---- batches
+
+    async def _send(self, ld: LeasedDir) -> None:
+        """Commit ``ld``'s pending files, a batch at a time, until none is left."""
+        try:
+            while ld.pending:
+                names = list(ld.pending)[:BATCH_MAX]
+                batch = ld.sending = {n: ld.pending.pop(n) for n in names}
+                entries = [[n, a.ino, a.mode, a.uid, a.gid, a.ctime_ns]
+                           for n, a in batch.items()]
+                try:
+                    results: list = await self.meta.create_batch(ld.parent, self.session,
+                                                                 entries)
+                except JPFSError as e:
+                    results = [e] * len(entries)
+                self.stats["batches"] += 1
+                for (name, attr), r in zip(batch.items(), results, strict=True):
+                    self.unsent.pop(attr.ino, None)
+                    if isinstance(r, OSError):
+                        self.stats["failed"] += 1
+                        self._failed(ld.parent, name, attr, r)
+                ld.sending = {}
+        finally:
+            ld.idle.set()
+
+
+__all__ = ["DirLeases", "LeasedDir"]

@@ -1,0 +1,165 @@
+"""Directory write leases, as users see them: a mount filling a directory answers its creates at
+once and commits them behind, and still every other client sees the files (at once after an
+fsync of the directory, within milliseconds otherwise), another client's change in the
+directory waits only for the lease to come back, two mounts writing one directory lose
+nothing, and a killed mount's lease does not block the directory for long."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from fuse_support import mounted, requires_fuse
+
+import jpfs
+from jpfs import localcluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    d = tmp_path_factory.mktemp("leasecluster")
+    localcluster.up(d, meta_shards=2, storage_nodes=1, sync=False)
+    yield d
+    localcluster.down(d, timeout=5)
+
+
+def _eventually(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.05)
+
+
+def _fill(d, names, data: bytes = b"") -> None:
+    for n in names:
+        fd = os.open(d / n, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o640)
+        try:
+            if data:
+                os.write(fd, data + n.encode())
+        finally:
+            os.close(fd)
+
+
+@requires_fuse
+def test_a_directory_filled_through_a_lease_is_what_every_client_sees(cluster, tmp_path):
+    with mounted(cluster, tmp_path / "m") as m, jpfs.connect(cluster, dir_cache_ttl=0) as c:
+        d = m / "fill"
+        d.mkdir()
+        empty = [f"e{i:03d}" for i in range(150)]
+        full = [f"f{i:03d}" for i in range(150)]
+        _fill(d, empty)
+        _fill(d, full, b"payload:")
+        leases = m.stats()["leases"]
+        assert leases["granted"] >= 1 and leases["answered"] >= 250, leases
+        # the mount itself: every name, its type and mode, its bytes, O_EXCL still exclusive
+        assert sorted(os.listdir(d)) == sorted(empty + full)
+        st = os.stat(d / "f007")
+        assert st.st_mode == 0o100640 and st.st_size == len(b"payload:f007")
+        assert (d / "f149").read_bytes() == b"payload:f149"
+        with pytest.raises(FileExistsError):
+            os.open(d / "e000", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        # after an fsync of the directory every name is committed, for every client
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        assert sorted(c.listdir("/fill")) == sorted(empty + full)
+        assert c.read_bytes("/fill/f042") == b"payload:f042"
+        assert c.stat("/fill/e042").size == 0
+        # a file written and closed is committed by its close, name and bytes together
+        _fill(d, ["late"], b"closed:")
+        assert c.read_bytes("/fill/late") == b"closed:late"
+        # the directory's own attributes agree across clients once settled
+        assert os.stat(d).st_nlink == c.stat("/fill").nlink
+
+
+@requires_fuse
+def test_another_clients_change_recalls_the_lease_and_loses_nothing(cluster, tmp_path):
+    with mounted(cluster, tmp_path / "m") as m, jpfs.connect(cluster, dir_cache_ttl=0) as c:
+        d = m / "shared"
+        d.mkdir()
+        mine = [f"m{i:03d}" for i in range(100)]
+        _fill(d, mine)
+        assert m.stats()["leases"]["held"] >= 1
+        t0 = time.monotonic()
+        c.write_bytes("/shared/theirs", b"theirs")  # waits for the lease to come back
+        assert time.monotonic() - t0 < 5.0
+        assert set(c.listdir("/shared")) == set(mine) | {"theirs"}
+        m.wait_for(lambda s: s["leases"]["recalled"] >= 1 and s["leases"]["held"] == 0,
+                   what="the lease given back")
+        with pytest.raises(FileExistsError):
+            os.open(d / "theirs", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        # their removal and rename of files this mount made under the lease
+        c.remove("/shared/m000")
+        c.rename("/shared/m001", "/shared/renamed")
+        _eventually(lambda: not (d / "m000").exists(), "their removal is seen")
+        _eventually(lambda: (d / "renamed").exists(), "their rename is seen")
+        # and this mount's own changes in a leased directory: it gives the lease back first
+        more = [f"n{i:03d}" for i in range(40)]
+        _fill(d, more)
+        os.unlink(d / "n000")
+        os.rename(d / "n001", d / "n001.r")
+        os.mkdir(d / "sub")
+        assert sorted(c.listdir("/shared")) == sorted(
+            set(mine) - {"m000", "m001"} | {"theirs", "renamed", "n001.r", "sub"}
+            | set(more) - {"n000", "n001"})
+        assert m.stats()["leases"]["failed"] == 0
+
+
+@requires_fuse
+def test_two_mounts_filling_one_directory_make_every_file(cluster, tmp_path):
+    with mounted(cluster, tmp_path / "a") as a, mounted(cluster, tmp_path / "b") as b, \
+            jpfs.connect(cluster, dir_cache_ttl=0) as c:
+        (a / "both").mkdir()
+        _eventually(lambda: (b / "both").is_dir(), "the directory is seen by the other mount")
+        errors: list[BaseException] = []
+
+        def writer(m, prefix: str) -> None:
+            try:
+                for i in range(300):
+                    p = m / "both" / f"{prefix}{i:03d}"
+                    with open(p, "wb") as f:
+                        if i % 3 == 0:
+                            f.write(p.name.encode())
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                errors.append(e)
+
+        threads = [threading.Thread(target=writer, args=(a, "a")),
+                   threading.Thread(target=writer, args=(b, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        for m in (a, b):
+            fd = os.open(m / "both", os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        want = {f"{p}{i:03d}" for p in "ab" for i in range(300)}
+        assert set(c.listdir("/both")) == want
+        assert c.read_bytes("/both/b150") == b"b150" and c.read_bytes("/both/a297") == b"a297"
+        assert a.stats()["leases"]["failed"] == 0 and b.stats()["leases"]["failed"] == 0
+
+
+@requires_fuse
+def test_a_killed_mounts_lease_does_not_hold_the_directory(cluster, tmp_path):
+    with jpfs.connect(cluster, dir_cache_ttl=0) as c:
+        with mounted(cluster, tmp_path / "m") as m:
+            d = m / "orphan"
+            d.mkdir()
+            _fill(d, [f"k{i:03d}" for i in range(50)], b"kept:")  # closed: committed
+            assert m.stats()["leases"]["held"] >= 1
+            os.kill(m.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            c.write_bytes("/orphan/after", b"after")  # the shard takes the lease back
+            assert time.monotonic() - t0 < 20.0
+        names = set(c.listdir("/orphan"))
+        assert {f"k{i:03d}" for i in range(50)} | {"after"} <= names
+        assert c.read_bytes("/orphan/k049") == b"kept:k049"
