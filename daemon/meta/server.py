@@ -230,7 +230,7 @@ class MetaShard:
             P.LEASE: Handler(self.lease),
             P.LEASE_RETURN: Handler(self.lease_return),
             P.LEASE_WAIT: Handler(self.lease_wait),
-            P.CREATE_BATCH: self._write(P.CREATE_BATCH, ns.create_batch),
+            P.CREATE_BATCH: self._write(P.CREATE_BATCH, L.create_batch, cs),
         }
 
     # ---- directory write leases (leases.py)

@@ -23,6 +23,7 @@ directory settle on round trips rather than trade the lease).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -32,7 +33,7 @@ from collections.abc import Callable
 
 import trio
 
-from ..errors import JPFSError
+from ..errors import JPFSError, error
 from ..placement import make_ino, shard_of
 from ..types import Attr
 from .meta import MetaClient
@@ -45,25 +46,56 @@ RETRY_AFTER = 2.0
 """Seconds after a refusal, a recall or a give-back before a directory's lease is asked again."""
 BATCH_MAX = 512
 """Entries per ``create_batch``."""
+SEND_DELAY = 0.005
+"""Seconds new files wait for more to share their batch, and for their first commit to go with
+them (a file written and closed at once: one metadata call for both), unless something waits
+for them (``settle``)."""
 WAIT_SECONDS = 5.0
 """How long one ``lease_wait`` waits for a recall before it answers none (and is sent again)."""
+
+
+class NewFile:
+    """A file answered from a lease and not committed yet; ``chunks`` and ``size`` once its
+    first commit is to go with it, ``answer`` what the shard said then."""
+
+    __slots__ = ("attr", "chunks", "size", "answer")
+
+    def __init__(self, attr: Attr):
+        self.attr = attr
+        self.chunks: list | None = None
+        self.size = 0
+        self.answer: Attr | OSError | None = None
+
+    def entry(self, name: bytes) -> list:
+        a = self.attr
+        e = [name, a.ino, a.mode, a.uid, a.gid, a.ctime_ns]
+        if self.chunks is not None:
+            e += [self.size, [c.to_wire() for c in self.chunks]]
+        return e
 
 
 class LeasedDir:
     """A directory this mount holds the lease of."""
 
     __slots__ = ("parent", "shard", "inos", "pending", "sending", "idle", "ending", "lost",
-                 "renewing", "gone")
+                 "renewing", "gone", "kick", "next_done", "sent_done")
 
     def __init__(self, parent: int):
         self.parent = parent
         self.shard = shard_of(parent)
         self.inos: deque[int] = deque()
         """Reserved inode numbers not used yet."""
-        self.pending: dict[bytes, Attr] = {}
+        self.pending: dict[bytes, NewFile] = {}
         """Files answered and not sent yet, by name."""
-        self.sending: dict[bytes, Attr] = {}
+        self.sending: dict[bytes, NewFile] = {}
         """Files in the batch in flight."""
+        self.kick = trio.Event()
+        """Set when somebody waits for the pending files: send them now."""
+        self.next_done = trio.Event()
+        """Set once the batch that takes the pending files has its answer."""
+        self.sent_done = trio.Event()
+        """... and the batch in flight."""
+        self.sent_done.set()
         self.idle = trio.Event()
         """Set while nothing is pending or in flight."""
         self.idle.set()
@@ -75,7 +107,21 @@ class LeasedDir:
         """Set once the lease has ended."""
 
     def entry(self, name: bytes) -> Attr | None:
-        return self.pending.get(name) or self.sending.get(name)
+        f = self.pending.get(name) or self.sending.get(name)
+        return f.attr if f is not None else None
+
+    def done_event(self, name: bytes | None) -> trio.Event | None:
+        """What to wait on for ``name`` (None: everything now pending or in flight) to be
+        answered; None when nothing is."""
+        if name is None:
+            if self.pending:
+                self.kick.set()
+                return self.next_done
+            return None if self.sent_done.is_set() else self.sent_done
+        if name in self.pending:
+            self.kick.set()
+            return self.next_done
+        return self.sent_done if name in self.sending else None
 
 
 class DirLeases:
@@ -99,8 +145,8 @@ class DirLeases:
         self.nursery = nursery
         self.session = os.urandom(16)
         self.dirs: dict[int, LeasedDir] = {}
-        self.unsent: dict[int, int] = {}
-        """Inode -> directory, for files answered whose batch has not committed."""
+        self.unsent: dict[int, tuple[int, bytes]] = {}
+        """Inode -> (directory, name), for files answered whose batch has not committed."""
         self._granted, self._ended, self._failed = granted, ended, failed
         self._creates: dict[int, int] = {}
         self._not_before: dict[int, float] = {}
@@ -132,8 +178,8 @@ class DirLeases:
         now = time.time_ns()
         attr = Attr(ld.inos.popleft(), stat.S_IFREG | (mode & 0o7777), 1, uid, gid, 0,
                     now, now, now)
-        ld.pending[name] = attr
-        self.unsent[attr.ino] = ld.parent
+        ld.pending[name] = NewFile(attr)
+        self.unsent[attr.ino] = (ld.parent, name)
         self.stats["answered"] += 1
         if ld.idle.is_set():
             ld.idle = trio.Event()
@@ -149,10 +195,38 @@ class DirLeases:
         """Return once the files ``inos`` (and directories, for their entries) are known to
         the shard: what this mount answered there has committed."""
         for ino in inos:
-            parent = self.unsent.get(ino, ino)
-            ld = self.dirs.get(parent)
-            if ld is not None:
-                await ld.idle.wait()
+            while True:
+                where = self.unsent.get(ino)
+                ld = self.dirs.get(where[0] if where is not None else ino)
+                ev = ld.done_event(where[1] if where is not None else None) \
+                    if ld is not None else None
+                if ev is None or ev.is_set():
+                    break
+                await ev.wait()
+                if where is None:
+                    break  # a directory: what was pending when asked
+
+    async def attach(self, ino: int, chunks: list, size: int) -> Attr | None:
+        """The first commit of a file answered from a lease and not sent yet: it goes with the
+        file's create, in one batch. The file's attributes after it, or None when the file
+        is no longer waiting (commit it as usual, after ``settle``)."""
+        where = self.unsent.get(ino)
+        ld = self.dirs.get(where[0]) if where is not None else None
+        f = ld.pending.get(where[1]) if ld is not None and where is not None else None
+        if f is None or ld is None:
+            return None
+        f.chunks, f.size = chunks, size
+        while f.answer is None:
+            ev = ld.done_event(where[1])
+            if ev is None or ev.is_set():
+                break
+            await ev.wait()
+        answer = f.answer
+        if answer is None:
+            raise error(errno.EIO, "the mount stopped before the file was committed")
+        if isinstance(answer, OSError):
+            raise answer
+        return answer
 
     async def give_back(self, parent: int) -> None:
         """Commit what is pending in ``parent`` and give its lease back (before this mount
@@ -297,24 +371,36 @@ class DirLeases:
         """Commit ``ld``'s pending files, a batch at a time, until none is left."""
         try:
             while ld.pending:
+                if not ld.ending:
+                    with trio.move_on_after(SEND_DELAY):
+                        await ld.kick.wait()
+                ld.kick = trio.Event()
                 names = list(ld.pending)[:BATCH_MAX]
                 batch = ld.sending = {n: ld.pending.pop(n) for n in names}
-                entries = [[n, a.ino, a.mode, a.uid, a.gid, a.ctime_ns]
-                           for n, a in batch.items()]
+                done = ld.sent_done = ld.next_done
+                ld.next_done = trio.Event()
+                if ld.pending:  # more than a batch: the rest goes next, at once
+                    ld.kick.set()
+                entries = [f.entry(n) for n, f in batch.items()]
                 try:
                     results: list = await self.meta.create_batch(ld.parent, self.session,
                                                                  entries)
                 except JPFSError as e:
                     results = [e] * len(entries)
                 self.stats["batches"] += 1
-                for (name, attr), r in zip(batch.items(), results, strict=True):
-                    self.unsent.pop(attr.ino, None)
+                for (name, f), r in zip(batch.items(), results, strict=True):
+                    self.unsent.pop(f.attr.ino, None)
+                    f.answer = r
                     if isinstance(r, OSError):
                         self.stats["failed"] += 1
-                        self._failed(ld.parent, name, attr, r)
+                        self._failed(ld.parent, name, f.attr, r)
                 ld.sending = {}
+                done.set()
         finally:
             ld.idle.set()
+            ld.sent_done.set()
+            if ld.pending:  # cancelled (the mount is stopping): release who waits
+                ld.next_done.set()
 
 
 __all__ = ["DirLeases", "LeasedDir"]

@@ -615,6 +615,8 @@ class VFS:
                 w = node.writer = FileWriter(self.data, self.reader, layout, node.parent,
                                              self.name_of(node))
                 w.settle = self._settle
+                if self.leases is not None:
+                    w.attach = self.leases.attach
                 self.inodes.update(layout.attr)
         w.refs += 1
         node.opens += 1

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 async def _nothing(ino: int) -> None:
     return None
 
+
+async def _not_attached(ino: int, chunks: list, size: int) -> Attr | None:
+    return None
+
 FLUSH_BYTES = 64 << 20
 """Dirty chunk bytes after which a writer commits on its own (bounds a writer's memory)."""
 
@@ -64,6 +68,9 @@ class FileWriter:
         self.commits = 0
         self.settle: Callable[[int], Awaitable[None]] = _nothing
         """Awaited before the shard is asked about the file (a mount's lease settle)."""
+        self.attach: Callable[[int, list, int], Awaitable[Attr | None]] = _not_attached
+        """The first commit of a file a lease made and has not sent: sent with it (its
+        attributes after), or None."""
 
     @property
     def dirty(self) -> bool:
@@ -191,10 +198,12 @@ class FileWriter:
         pieces = [(i, memoryview(b)) for i, b in sorted(self.dirty_chunks.items())]
         total = n_chunks(self.size, self.cs)
         stored = await self.data.store(self.ino, self.parent, pieces, total)
-        await self.settle(self.ino)  # a file made under a lease is known to the shard first
         try:
-            attr = await self.data.meta.write_chunks(self.ino, stored, self.size,
-                                                     expect_version=self.version)
+            attr = await self.attach(self.ino, stored, self.size)  # with a lease's create
+            if attr is None:
+                await self.settle(self.ino)  # a file made under a lease is known first
+                attr = await self.data.meta.write_chunks(self.ino, stored, self.size,
+                                                         expect_version=self.version)
         except OSError as e:
             if e.errno == errno.ESTALE:
                 raise error(errno.ESTALE, "the file was changed by another writer since it was "

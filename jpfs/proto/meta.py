@@ -392,7 +392,8 @@ class CreateBatchReq(NamedTuple):
     parent: int
     session: bytes
     entries: list
-    """``[name, ino, mode, uid, gid, time_ns]`` each (the inode number from the lease)."""
+    """``[name, ino, mode, uid, gid, time_ns]`` each (the inode number from the lease), with
+    ``size, [Chunk.to_wire(), ...]`` after it for a file whose first commit goes with it."""
     rid: bytes | None = None
     """Request id (replicated shards): a retry after a failover answers the first result."""
 
