@@ -137,10 +137,15 @@ class Leases:
         self.stats["given_back"] += 1
         return True
 
-    async def wait(self, sid: bytes, seconds: float) -> list[int]:
+    async def wait(self, sid: bytes, held: list[int], seconds: float) -> list[int]:
         """A session's long call: the directories recalled from it since the last answer,
-        once there are any or after ``seconds`` (at most ``WAIT_MAX``)."""
+        once there are any or after ``seconds`` (at most ``WAIT_MAX``); at once, those of
+        ``held`` (what the session believes it holds) that it does not hold (this process
+        restarted, or took them back)."""
         s = self._session(sid)
+        gone = [p for p in held if self.held.get(p) != sid]
+        if gone:
+            return sorted(gone)
         s.waiting += 1
         try:
             with trio.move_on_after(min(max(seconds, 0.0), WAIT_MAX)):

@@ -244,10 +244,12 @@ class MetaShard:
         if self.repl is not None:
             return [False, [], 0, 0]
         renew = self.leases.held.get(parent) == session
-        try:
-            names = self.store.read(ns.lease_grant, parent, LEASE_MAX_NAMES)
-        except Locked:
-            return [False, [], 0, 0]
+        names: list[bytes] | None = []
+        if not renew:  # a renewal needs no names
+            try:
+                names = self.store.read(ns.lease_grant, parent, LEASE_MAX_NAMES)
+            except Locked:
+                return [False, [], 0, 0]
         if names is None or not self.leases.grant(session, parent):
             return [False, [], 0, 0]
         try:
@@ -256,13 +258,13 @@ class MetaShard:
             if not renew:
                 self.leases.give_back(session, parent)
             raise
-        return [True, [] if renew else names, first, LEASE_INODES]
+        return [True, names, first, LEASE_INODES]
 
     async def lease_return(self, parent: int, session: bytes) -> bool:
         return self.leases.give_back(session, self._mine(parent))
 
-    async def lease_wait(self, session: bytes, seconds: float) -> list:
-        return await self.leases.wait(session, seconds)
+    async def lease_wait(self, session: bytes, held: list, seconds: float) -> list:
+        return await self.leases.wait(session, held, seconds)
 
     # ---- reads that are not answered inline ------------------------------------------------------
 

@@ -238,7 +238,7 @@ class DirLeases:
             await ld.gone.wait()  # another call is giving it back
             return
         ld.ending = True
-        self._not_before[parent] = time.monotonic() + RETRY_AFTER
+        self._hold_off(parent)
         try:
             await ld.idle.wait()
             if not ld.lost:
@@ -304,7 +304,7 @@ class DirLeases:
                 lease = None
             if lease is None or not lease.granted:
                 self.stats["refused"] += 1
-                self._not_before[parent] = time.monotonic() + RETRY_AFTER
+                self._hold_off(parent)
                 return False
             ld.inos.extend(make_ino(ld.shard, c) for c in range(lease.first,
                                                                 lease.first + lease.count))
@@ -327,12 +327,13 @@ class DirLeases:
             if lease.granted:
                 ld.inos.extend(make_ino(ld.shard, c) for c in range(lease.first,
                                                                     lease.first + lease.count))
-            else:
-                ld.ending = True  # recalled meanwhile: the recall gives it back
+            else:  # recalled meanwhile, or lost
+                self.nursery.start_soon(self.give_back, ld.parent)
+                await ld.gone.wait()
         except JPFSError as e:
             log.info("could not renew the lease on directory %#x: %s", ld.parent, e.strerror)
-            ld.ending = True
             self.nursery.start_soon(self.give_back, ld.parent)
+            await ld.gone.wait()
         finally:
             ld.renewing.set()
             ld.renewing = None
@@ -342,7 +343,8 @@ class DirLeases:
         try:
             while any(ld.shard == shard for ld in self.dirs.values()) or any(
                     shard_of(p) == shard for p in self._asking):
-                recalled = await self.meta.lease_wait(shard, self.session, WAIT_SECONDS)
+                held = [p for p, ld in self.dirs.items() if ld.shard == shard and not ld.ending]
+                recalled = await self.meta.lease_wait(shard, self.session, held, WAIT_SECONDS)
                 for parent in recalled:
                     self.stats["recalled"] += 1
                     self.nursery.start_soon(self.give_back, parent)
@@ -358,6 +360,13 @@ class DirLeases:
                 self.nursery.start_soon(self.give_back, ld.parent)
         finally:
             self._waiting.discard(shard)
+
+    def _hold_off(self, parent: int) -> None:
+        """Do not ask for ``parent``'s lease again for a while."""
+        now = time.monotonic()
+        if len(self._not_before) > 4096:
+            self._not_before = {p: t for p, t in self._not_before.items() if t > now}
+        self._not_before[parent] = now + RETRY_AFTER
 
     def _end(self, ld: LeasedDir) -> None:
         ld.gone.set()

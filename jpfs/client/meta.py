@@ -277,10 +277,12 @@ class MetaClient:
     async def lease_return(self, parent: int, session: bytes) -> bool:
         return await self._ask(shard_of(parent), P.LEASE_RETURN, P.LeaseReq(parent, session))
 
-    async def lease_wait(self, shard: int, session: bytes, seconds: float) -> list[int]:
-        """The directories of ``shard`` recalled from ``session`` (after at most ``seconds``)."""
+    async def lease_wait(self, shard: int, session: bytes, held: list[int], seconds: float
+                         ) -> list[int]:
+        """The directories of ``shard`` recalled from ``session``, or of ``held`` (those it
+        believes it holds) that it does not (after at most ``seconds``)."""
         m = P.LEASE_WAIT
-        return m.decode(await self.pool.call(shard, m, P.LeaseWaitReq(session, seconds),
+        return m.decode(await self.pool.call(shard, m, P.LeaseWaitReq(session, held, seconds),
                                              timeout=seconds + 10.0))
 
     async def create_batch(self, parent: int, session: bytes, entries: list) -> list:

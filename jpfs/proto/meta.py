@@ -380,9 +380,11 @@ class Lease(NamedTuple):
 
 
 class LeaseWaitReq(NamedTuple):
-    """``lease_wait``: a session's long call, answered with the directories recalled from it."""
+    """``lease_wait``: a session's long call, answered with the directories recalled from it
+    and those of ``held`` it does not hold (a restarted shard's, or taken back)."""
 
     session: bytes
+    held: list[int]
     seconds: float
 
 

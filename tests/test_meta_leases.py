@@ -1,0 +1,148 @@
+"""The shard's side of directory write leases (daemon/meta/leases.py), spoken to as a mount
+would: one session at a time holds a directory; another client's change of its names recalls
+the lease and runs once it is given back (or taken back); a batch commits files with the inode
+numbers the lease reserved and refuses any other; a session whose calls stop loses its leases;
+a session that believes it holds a lease the shard does not is told at once; and malformed
+requests get clear errors while the shard serves on."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+import trio
+
+from jpfs import config
+from jpfs.client.meta import MetaClient
+from jpfs.errors import JPFSError
+from jpfs.placement import make_ino, shard_of
+
+
+@pytest.fixture(scope="module")
+def cluster(meta_cluster):
+    return config.load(meta_cluster)
+
+
+def _run(cluster, scenario):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            meta = MetaClient(nursery, cluster)
+            try:
+                await scenario(meta, nursery)
+            finally:
+                meta.close()
+                nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+async def _dir(meta: MetaClient, name: str) -> int:
+    return (await meta.mkdir(1, name.encode(), 0o755)).attr.ino
+
+
+def _entry(name: str, ino: int, t: int = 1_700_000_000_000_000_000) -> list:
+    return [name.encode(), ino, stat.S_IFREG | 0o644, 0, 0, t]
+
+
+def test_a_lease_reserves_inodes_and_a_batch_makes_the_files(cluster):
+    async def scenario(meta: MetaClient, nursery):
+        d = await _dir(meta, "lease-batch")
+        await meta.create(d, b"before", 0o644)
+        me = os.urandom(16)
+        lease = await meta.lease(d, me)
+        assert lease.granted and lease.names == [b"before"] and lease.count > 0
+        assert not (await meta.lease(d, os.urandom(16))).granted  # one holder at a time
+        inos = [make_ino(shard_of(d), lease.first + i) for i in range(3)]
+        got = await meta.create_batch(d, me, [_entry("a", inos[0]), _entry("b", inos[1]),
+                                              _entry("before", inos[2])])
+        assert [g.ino for g in got[:2]] == inos[:2] and got[0].mode == stat.S_IFREG | 0o644
+        assert isinstance(got[2], OSError) and got[2].errno == errno.EEXIST
+        # a retry of an entry already made answers its attributes (the answer was lost)
+        again = await meta.create_batch(d, me, [_entry("a", inos[0])])
+        assert again[0].ino == inos[0]
+        # inode numbers the shard never reserved, malformed entries, other file types
+        bad = await meta.create_batch(d, me, [
+            _entry("c", make_ino(shard_of(d), lease.first + lease.count + 10_000)),
+            [b"d", inos[2]], _entry("e", inos[1]),
+            [b"f", inos[2], stat.S_IFDIR | 0o755, 0, 0, 1], _entry("x/y", inos[2])])
+        assert [e.errno for e in bad] == [errno.EINVAL, errno.EINVAL, errno.EEXIST,
+                                          errno.EINVAL, errno.EINVAL]
+        assert sorted(e.name for e in await _listing(meta, d)) == [b"a", b"b", b"before"]
+        # the first commit of a file can go with its create
+        blobs = await meta.create_batch(d, me, [_entry("g", inos[2]) + [0, []]])
+        assert blobs[0].size == 0 and blobs[0].version == 1
+        assert await meta.lease_return(d, me) and not await meta.lease_return(d, me)
+
+    _run(cluster, scenario)
+
+
+async def _listing(meta: MetaClient, d: int) -> list:
+    out = []
+    async for e in meta.readdir(d, plus=False, page=100):
+        out.append(e)
+    return out
+
+
+def test_another_clients_change_recalls_the_lease_and_waits_for_it(cluster):
+    async def scenario(meta: MetaClient, nursery):
+        d = await _dir(meta, "lease-recall")
+        me = os.urandom(16)
+        lease = await meta.lease(d, me)
+        assert lease.granted
+        ino = make_ino(shard_of(d), lease.first)
+        made = trio.Event()
+
+        async def theirs():
+            await meta.create(d, b"theirs", 0o644)
+            made.set()
+
+        nursery.start_soon(theirs)
+        with trio.fail_after(5):
+            assert await meta.lease_wait(shard_of(d), me, [d], 5.0) == [d]
+        await trio.sleep(0.05)
+        assert not made.is_set()  # it waits while the holder commits what it has
+        assert (await meta.create_batch(d, me, [_entry("mine", ino)]))[0].ino == ino
+        await meta.lease_return(d, me)
+        with trio.fail_after(5):
+            await made.wait()
+        assert sorted(e.name for e in await _listing(meta, d)) == [b"mine", b"theirs"]
+        # a session that believes it holds a lease the shard does not is told at once
+        with trio.fail_after(2):
+            assert await meta.lease_wait(shard_of(d), me, [d], 5.0) == [d]
+        # and with nothing recalled a wait ends empty after its time
+        assert await meta.lease_wait(shard_of(d), me, [], 0.1) == []
+
+    _run(cluster, scenario)
+
+
+def test_a_session_that_stops_calling_loses_its_leases(cluster):
+    async def scenario(meta: MetaClient, nursery):
+        d = await _dir(meta, "lease-orphan")
+        gone = os.urandom(16)
+        assert (await meta.lease(d, gone)).granted  # and never a lease_wait
+        with trio.fail_after(20):
+            await meta.create(d, b"after", 0o644)  # waits until the session expires
+        assert (await meta.lease(d, os.urandom(16))).granted
+
+    _run(cluster, scenario)
+
+
+def test_bad_lease_requests_get_clear_errors(cluster):
+    async def scenario(meta: MetaClient, nursery):
+        d = await _dir(meta, "lease-bad")
+        f = (await meta.create(d, b"file", 0o644))[0].ino
+        with pytest.raises(JPFSError) as e:
+            await meta.lease(f, os.urandom(16))
+        assert e.value.errno == errno.ENOTDIR
+        with pytest.raises(JPFSError) as e:
+            await meta.create_batch(f, os.urandom(16), [])
+        assert e.value.errno == errno.ENOTDIR
+        for raw in (["not bytes", [], 1.0], [b"s", "not a list", 1.0], [b"s", [b"x"], 1.0],
+                    [b"s", []]):
+            with pytest.raises(JPFSError) as e:
+                await meta.call(shard_of(d), "lease_wait", *raw)
+            assert e.value.errno == errno.EINVAL
+        assert (await meta.getattr(d)).ino == d  # the shard serves on
+
+    _run(cluster, scenario)
