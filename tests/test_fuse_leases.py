@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from fuse_support import mounted, requires_fuse
+from fuse_support import jpfs_cli, mounted, requires_fuse
 
 import jpfs
 from jpfs import localcluster
@@ -163,3 +163,23 @@ def test_a_killed_mounts_lease_does_not_hold_the_directory(cluster, tmp_path):
         names = set(c.listdir("/orphan"))
         assert {f"k{i:03d}" for i in range(50)} | {"after"} <= names
         assert c.read_bytes("/orphan/k049") == b"kept:k049"
+
+
+@requires_fuse
+def test_unmount_commits_what_a_lease_answered_and_idle_leases_go_back(cluster, tmp_path):
+    with jpfs.connect(cluster, dir_cache_ttl=0) as c:
+        with mounted(cluster, tmp_path / "m") as m:
+            (m / "idle").mkdir()
+            _fill(m / "idle", [f"i{i:02d}" for i in range(20)])
+            assert m.stats()["leases"]["held"] >= 1
+            # a lease nobody uses goes back within seconds: another client then waits for
+            # nothing
+            m.wait_for(lambda s: s["leases"]["held"] == 0, timeout=20.0,
+                       what="the idle lease given back")
+            assert m.stats()["leases"]["idle_returned"] >= 1
+            (m / "last").mkdir()
+            names = [f"u{i:03d}" for i in range(200)]
+            _fill(m / "last", names)
+            jpfs_cli("umount", str(m.path))  # right away: what is pending is sent first
+        assert sorted(c.listdir("/last")) == names
+        assert len(c.listdir("/idle")) == 20

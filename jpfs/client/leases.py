@@ -52,6 +52,11 @@ them (a file written and closed at once: one metadata call for both), unless som
 for them (``settle``)."""
 WAIT_SECONDS = 5.0
 """How long one ``lease_wait`` waits for a recall before it answers none (and is sent again)."""
+IDLE_RETURN = 5.0
+"""A lease no create used for this long is given back (when its shard's ``lease_wait``
+answers), so a mount holds leases only on directories it is filling."""
+MAX_LEASES = 256
+"""Leases one mount holds at most."""
 
 
 class NewFile:
@@ -78,7 +83,7 @@ class LeasedDir:
     """A directory this mount holds the lease of."""
 
     __slots__ = ("parent", "shard", "inos", "pending", "sending", "idle", "ending", "lost",
-                 "renewing", "gone", "kick", "next_done", "sent_done")
+                 "renewing", "gone", "kick", "next_done", "sent_done", "used")
 
     def __init__(self, parent: int):
         self.parent = parent
@@ -96,6 +101,8 @@ class LeasedDir:
         self.sent_done = trio.Event()
         """... and the batch in flight."""
         self.sent_done.set()
+        self.used = time.monotonic()
+        """When a create last used the lease."""
         self.idle = trio.Event()
         """Set while nothing is pending or in flight."""
         self.idle.set()
@@ -156,7 +163,7 @@ class DirLeases:
         """Directory -> creates sent to the shard and not answered yet."""
         self._drained: dict[int, trio.Event] = {}
         self.stats = {"granted": 0, "refused": 0, "recalled": 0, "given_back": 0, "lost": 0,
-                      "answered": 0, "batches": 0, "failed": 0}
+                      "idle_returned": 0, "answered": 0, "batches": 0, "failed": 0}
 
     # ---- creates
 
@@ -179,6 +186,7 @@ class DirLeases:
         attr = Attr(ld.inos.popleft(), stat.S_IFREG | (mode & 0o7777), 1, uid, gid, 0,
                     now, now, now)
         ld.pending[name] = NewFile(attr)
+        ld.used = time.monotonic()
         self.unsent[attr.ino] = (ld.parent, name)
         self.stats["answered"] += 1
         if ld.idle.is_set():
@@ -238,6 +246,7 @@ class DirLeases:
             await ld.gone.wait()  # another call is giving it back
             return
         ld.ending = True
+        ld.kick.set()  # what is pending goes now
         self._hold_off(parent)
         try:
             await ld.idle.wait()
@@ -282,7 +291,8 @@ class DirLeases:
             await asking.wait()
             return parent in self.dirs
         n = self._creates.get(parent, 0) + 1
-        if n < LEASE_AFTER or time.monotonic() < self._not_before.get(parent, 0.0):
+        if n < LEASE_AFTER or time.monotonic() < self._not_before.get(parent, 0.0) or \
+                len(self.dirs) >= MAX_LEASES:
             if len(self._creates) > 4096:
                 self._creates.clear()
             self._creates[parent] = n
@@ -348,6 +358,11 @@ class DirLeases:
                 for parent in recalled:
                     self.stats["recalled"] += 1
                     self.nursery.start_soon(self.give_back, parent)
+                idle = time.monotonic() - IDLE_RETURN
+                for ld in list(self.dirs.values()):
+                    if ld.shard == shard and ld.used < idle and not ld.ending and ld.idle.is_set():
+                        self.stats["idle_returned"] += 1
+                        self.nursery.start_soon(self.give_back, ld.parent)
         except JPFSError as e:
             mine = [ld for ld in self.dirs.values() if ld.shard == shard]
             if mine:
