@@ -7,6 +7,7 @@ nothing, and a killed mount's lease does not block the directory for long."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -183,3 +184,40 @@ def test_unmount_commits_what_a_lease_answered_and_idle_leases_go_back(cluster, 
             jpfs_cli("umount", str(m.path))  # right away: what is pending is sent first
         assert sorted(c.listdir("/last")) == names
         assert len(c.listdir("/idle")) == 20
+
+
+@requires_fuse
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
+def test_leases_on_replicated_shards_survive_a_leader_kill(tmp_path):
+    """Shards in 3 copies: the leader grants the lease; killed with -9 while the mount fills
+    the directory, the next leader knows no lease, the mount learns it and gives it back, and
+    every file written and closed is there, whoever writes next."""
+    from test_meta_replication import _leader
+
+    c = tmp_path / "c"
+    localcluster.up(c, meta_shards=1, storage_nodes=1, etcd=True, meta_replicas=3)
+    try:
+        with mounted(c, tmp_path / "m") as m, jpfs.connect(c, dir_cache_ttl=0) as other:
+            d = m / "rep"
+            d.mkdir()
+            first = [f"a{i:03d}" for i in range(100)]
+            _fill(d, first, b"one:")
+            assert m.stats()["leases"]["granted"] >= 1
+            victim = _leader(other, 0)
+            localcluster.stop(c, "meta", 0, sig=signal.SIGKILL, replica=victim)
+            assert _leader(other, 0) != victim
+            second = [f"b{i:03d}" for i in range(100)]
+            _fill(d, second, b"two:")  # through the failover
+            other.write_bytes("/rep/theirs", b"theirs")
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            assert set(other.listdir("/rep")) == set(first) | set(second) | {"theirs"}
+            assert other.read_bytes("/rep/b099") == b"two:b099"
+            assert m.stats()["leases"]["failed"] == 0
+            localcluster.start(c, "meta", 0, replica=victim)
+    finally:
+        localcluster.down(c, timeout=5)

@@ -19,7 +19,10 @@ while it has a ``lease_wait`` call in flight (the call through which recalls rea
 one within ``SESSION_GRACE``: a killed mount's connection closes, the call is cancelled, and its
 leases go a few seconds later. A restarted shard has none. A holder that lost its lease still
 sends its pending entries; each is made if its name is still free (per-entry answers), which
-is the usual case. Replicated shards grant no leases (a new leader would not know them).
+is the usual case. On a replicated shard the leader grants leases; a copy that stops leading
+ends them all (``clear``), telling every session through its ``lease_wait``, and a new leader
+starts with none: a holder learns it at its next ``lease_wait`` (which names the leases it
+believes it holds), gives them back, and its files go to the new leader as above.
 """
 
 from __future__ import annotations
@@ -92,10 +95,13 @@ class Leases:
 
     async def start(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the leases' timers until cancelled (``nursery.start``)."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep(math.inf)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep(math.inf)
+        finally:
+            self._nursery = None
 
     # ---- checked inside transactions (no awaits)
 
@@ -125,6 +131,8 @@ class Leases:
         s = self._session(sid)
         self.held[parent] = sid
         s.leases.add(parent)
+        s.recalled.discard(parent)  # told before, of an earlier lease
+        s.told.discard(parent)
         self.store.tx_begun(lease_txid(parent))  # what a recalled change waits on
         self.stats["granted"] += 1
         return True
@@ -154,6 +162,9 @@ class Leases:
                     await s.wake.wait()
             out = sorted(s.recalled - s.told)
             s.told |= set(out)
+            ended = {p for p in out if self.held.get(p) != sid}  # no give-back to wait for
+            s.recalled -= ended
+            s.told -= ended
             return out
         finally:
             s.waiting -= 1
@@ -161,6 +172,18 @@ class Leases:
                 s.idle += 1
                 if self._nursery is not None:
                     self._nursery.start_soon(self._expire_late, s, s.idle)
+
+    def clear(self) -> None:
+        """This copy stopped leading: every lease ends, and each session is told (its
+        ``lease_wait`` answers them as recalled) so it gives them back to the next leader."""
+        for s in self.sessions.values():
+            s.recalled |= s.leases
+            s.leases.clear()
+            s.wake.set()
+        for parent in list(self.held):
+            self.store.tx_resolved(lease_txid(parent))
+        self.stats["revoked"] += len(self.held)
+        self.held.clear()
 
     def _session(self, sid: bytes) -> Session:
         s = self.sessions.get(sid)
@@ -171,7 +194,9 @@ class Leases:
         return s
 
     def _end(self, parent: int) -> None:
-        sid = self.held.pop(parent)
+        sid = self.held.pop(parent, None)
+        if sid is None:
+            return
         s = self.sessions.get(sid)
         if s is not None:
             s.leases.discard(parent)

@@ -170,6 +170,7 @@ class MetaShard:
         assert self.repl is not None
         self.coord.reset()
         await self.store.write(_lead_init, self.chunk_size, self.store.term)
+        await nursery.start(self.leases.start)
         self.repl.became_ready()
         await nursery.start(self.coord.resolver)
         nursery.start_soon(self.coord.orphan_checker)
@@ -237,12 +238,12 @@ class MetaShard:
 
     async def lease(self, parent: int, session: bytes) -> list:
         """Grant (or renew) ``session``'s lease on ``parent``, with the directory's names and
-        a range of inode numbers; refused on replicated shards, for directories with more
-        than ``LEASE_MAX_NAMES`` names, while a cross-shard change holds an entry, or while
-        another session holds it."""
+        a range of inode numbers; refused for directories with more than ``LEASE_MAX_NAMES``
+        names, while a cross-shard change holds an entry, or while another session holds
+        it."""
         self._mine(parent)
-        if self.repl is not None:
-            return [False, [], 0, 0]
+        if not self.store.leading:
+            raise self.repl.not_leader()
         renew = self.leases.held.get(parent) == session
         names: list[bytes] | None = []
         if not renew:  # a renewal needs no names

@@ -424,6 +424,8 @@ class Store:
         cross-shard transactions (the next leader finishes those)."""
         self.leading = False
         self._acked = 0
+        if self.leases is not None:
+            self.leases.clear()
         self.fail_waiting(exc)
         done, self._tx_done = self._tx_done, {}
         for ev in done.values():
