@@ -5,7 +5,7 @@ holds a directory's *lease* (``daemon/meta/leases.py``: nobody else changes its 
 gives the lease back) knows the directory's names for certain and holds a range of inode numbers
 of the directory's shard, so it answers a create at once (the VFS checks the name against
 ``KnownDirs``, pinned while leased) and commits the new entries behind with ``create_batch``,
-as many as arrived while the previous batch was in flight.
+one transaction for the files of the next few milliseconds (``SEND_DELAY``).
 
 Until its batch commits, a new file exists in this mount only. Whatever would show the shard
 that it is missing waits for the batch first (``settle``): the file's own metadata calls (its
@@ -14,7 +14,7 @@ change of the directory's names by this mount (unlink, rename, mkdir, ...) gives
 first (``give_back``); another client's change recalls it (the shard answers ``lease_wait``),
 and the shard runs that change once the lease is back. A killed mount loses the creates it had
 not sent (as a local filesystem loses files its journal had not committed); ``fsync`` of the
-file or the directory, ``syncfs`` and unmount send them first.
+file or the directory and unmount send them first.
 
 A lease is asked for once a directory saw ``LEASE_AFTER`` creates answered by the shard, and not
 again for ``RETRY_AFTER`` seconds after a refusal or a recall (so two mounts writing one

@@ -643,6 +643,10 @@ class VFS:
         gid, mode = self._owner(parent, uid, gid, mode)
         sent = time.monotonic()
         leases = self.leases
+        if leases is not None and leases.dirs and leases.entry(parent, name) is not None:
+            if flags & os.O_EXCL:  # made from the lease, not sent yet: it exists all the same
+                raise error(errno.EEXIST, "file exists")
+            return await self._open_pending(parent, name, flags)
         if leases is not None and stat.S_IFMT(mode) in (0, stat.S_IFREG):
             ld = await leases.take(parent)
             if ld is not None and self.known is not None and \
@@ -680,6 +684,21 @@ class VFS:
         try:
             opened = await self._open_write(node, flags,
                                             new=Layout(attr, self.data.chunk_size, ()))
+        except BaseException:
+            self.inodes.forget(node.ino, 1)
+            raise
+        return opened, self.attr_of(node)
+
+    async def _open_pending(self, parent: int, name: bytes, flags: int
+                            ) -> tuple[OpenFile, Attr]:
+        """``create`` of a name this VFS made from a lease and has not sent: open that file."""
+        attr = await self.lookup(parent, name)  # the kernel counts the entry create answers
+        node = self.inodes.get(attr.ino)
+        assert node is not None
+        if node.writer is None:
+            await self._settle(node.ino)  # its layout is read from the shard
+        try:
+            opened = await self._open_write(node, flags)
         except BaseException:
             self.inodes.forget(node.ino, 1)
             raise
