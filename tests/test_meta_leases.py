@@ -51,7 +51,7 @@ def test_a_lease_reserves_inodes_and_a_batch_makes_the_files(cluster):
         await meta.create(d, b"before", 0o644)
         me = os.urandom(16)
         lease = await meta.lease(d, me)
-        assert lease.granted and lease.names == [b"before"] and lease.count > 0
+        assert lease.granted and lease.names == [b"before"] and lease.n_inodes > 0
         assert not (await meta.lease(d, os.urandom(16))).granted  # one holder at a time
         inos = [make_ino(shard_of(d), lease.first + i) for i in range(3)]
         got = await meta.create_batch(d, me, [_entry("a", inos[0]), _entry("b", inos[1]),
@@ -63,7 +63,7 @@ def test_a_lease_reserves_inodes_and_a_batch_makes_the_files(cluster):
         assert again[0].ino == inos[0]
         # inode numbers the shard never reserved, malformed entries, other file types
         bad = await meta.create_batch(d, me, [
-            _entry("c", make_ino(shard_of(d), lease.first + lease.count + 10_000)),
+            _entry("c", make_ino(shard_of(d), lease.first + lease.n_inodes + 10_000)),
             [b"d", inos[2]], _entry("e", inos[1]),
             [b"f", inos[2], stat.S_IFDIR | 0o755, 0, 0, 1], _entry("x/y", inos[2])])
         assert [e.errno for e in bad] == [errno.EINVAL, errno.EINVAL, errno.EEXIST,

@@ -90,6 +90,8 @@ class Leases:
         self.sessions: dict[bytes, Session] = {}
         self._nursery: trio.Nursery | None = None
         self._grants = 0
+        self._grant_of: dict[int, int] = {}
+        """Directory -> the number of its current grant (a late timer acts on its own only)."""
         self.stats = {"granted": 0, "recalled": 0, "given_back": 0, "revoked": 0}
         store.leases = self
 
@@ -117,7 +119,7 @@ class Leases:
             s.wake.set()
             self.stats["recalled"] += 1
             if self._nursery is not None:
-                self._nursery.start_soon(self._take_back_late, parent, sid)
+                self._nursery.start_soon(self._take_back_late, parent, self._grant_of[parent])
         raise Leased(parent)
 
     # ---- the handlers' side
@@ -130,6 +132,8 @@ class Leases:
             return holder == sid and parent not in self.sessions[sid].recalled
         s = self._session(sid)
         self.held[parent] = sid
+        self._grants += 1
+        self._grant_of[parent] = self._grants
         s.leases.add(parent)
         s.recalled.discard(parent)  # told before, of an earlier lease
         s.told.discard(parent)
@@ -184,6 +188,7 @@ class Leases:
             self.store.tx_resolved(lease_txid(parent))
         self.stats["revoked"] += len(self.held)
         self.held.clear()
+        self._grant_of.clear()
 
     def _session(self, sid: bytes) -> Session:
         s = self.sessions.get(sid)
@@ -197,6 +202,7 @@ class Leases:
         sid = self.held.pop(parent, None)
         if sid is None:
             return
+        del self._grant_of[parent]
         s = self.sessions.get(sid)
         if s is not None:
             s.leases.discard(parent)
@@ -204,10 +210,9 @@ class Leases:
             s.told.discard(parent)
         self.store.tx_resolved(lease_txid(parent))  # the waiting changes run again
 
-    async def _take_back_late(self, parent: int, sid: bytes) -> None:
+    async def _take_back_late(self, parent: int, grant: int) -> None:
         await trio.sleep(RECALL_GRACE)
-        s = self.sessions.get(sid)
-        if self.held.get(parent) == sid and s is not None and parent in s.recalled:
+        if self._grant_of.get(parent) == grant:
             log.warning("a mount did not give back its lease on directory %#x within %g s of "
                         "its recall: taken back", parent, RECALL_GRACE)
             self.stats["revoked"] += 1

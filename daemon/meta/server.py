@@ -242,7 +242,7 @@ class MetaShard:
         names, while a cross-shard change holds an entry, or while another session holds
         it."""
         self._mine(parent)
-        if not self.store.leading:
+        if not self.store.leading and self.repl is not None:
             raise self.repl.not_leader()
         renew = self.leases.held.get(parent) == session
         names: list[bytes] | None = []

@@ -219,13 +219,16 @@ class DirLeases:
         file's create, in one batch. The file's attributes after it, or None when the file
         is no longer waiting (commit it as usual, after ``settle``)."""
         where = self.unsent.get(ino)
-        ld = self.dirs.get(where[0]) if where is not None else None
-        f = ld.pending.get(where[1]) if ld is not None and where is not None else None
+        if where is None:
+            return None
+        parent, name = where
+        ld = self.dirs.get(parent)
+        f = ld.pending.get(name) if ld is not None else None
         if f is None or ld is None:
             return None
         f.chunks, f.size = chunks, size
         while f.answer is None:
-            ev = ld.done_event(where[1])
+            ev = ld.done_event(name)
             if ev is None or ev.is_set():
                 break
             await ev.wait()
@@ -317,7 +320,7 @@ class DirLeases:
                 self._hold_off(parent)
                 return False
             ld.inos.extend(make_ino(ld.shard, c) for c in range(lease.first,
-                                                                lease.first + lease.count))
+                                                                lease.first + lease.n_inodes))
             self.dirs[parent] = ld
             self.stats["granted"] += 1
             self._granted(parent, lease.names)
@@ -336,7 +339,7 @@ class DirLeases:
             lease = await self.meta.lease(ld.parent, self.session)
             if lease.granted:
                 ld.inos.extend(make_ino(ld.shard, c) for c in range(lease.first,
-                                                                    lease.first + lease.count))
+                                                                    lease.first + lease.n_inodes))
             else:  # recalled meanwhile, or lost
                 self.nursery.start_soon(self.give_back, ld.parent)
                 await ld.gone.wait()

@@ -365,18 +365,18 @@ class LeaseReq(NamedTuple):
 
 class Lease(NamedTuple):
     """``lease``: whether it was granted and, if so, the directory's names then and a range
-    of inode numbers reserved for the holder (``count`` counters from ``first``). Wire:
-    ``[granted, names, first, count]``."""
+    of inode numbers reserved for the holder (``n_inodes`` counters from ``first``). Wire:
+    ``[granted, names, first, n_inodes]``."""
 
     granted: bool
     names: list[bytes]
     first: int
-    count: int
+    n_inodes: int
 
     @classmethod
     def from_wire(cls, w: list) -> Lease:
-        granted, names, first, count = w
-        return cls(granted, names, first, count)
+        granted, names, first, n_inodes = w
+        return cls(granted, names, first, n_inodes)
 
 
 class LeaseWaitReq(NamedTuple):
