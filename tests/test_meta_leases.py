@@ -146,3 +146,85 @@ def test_bad_lease_requests_get_clear_errors(cluster):
         assert (await meta.getattr(d)).ino == d  # the shard serves on
 
     _run(cluster, scenario)
+
+
+def test_lease_traffic_under_concurrency_and_dropped_connections_leaves_the_shard_whole(
+        cluster, meta_cluster):
+    """Many sessions asking for the same directories, batching, waiting and returning at once,
+    ordinary creates recalling them, malformed batches, and clients whose connections drop
+    with a ``lease_wait`` in flight: every call gets an answer or an error, the shard serves
+    on, and every file any call reported made is there exactly once."""
+    async def scenario(meta: MetaClient, nursery):
+        dirs = [await _dir(meta, f"lease-stress-{i}") for i in range(3)]
+        made: set[tuple[int, bytes]] = set()
+        errors: list[str] = []
+
+        async def holder(k: int) -> None:
+            me = os.urandom(16)
+            for round_ in range(15):
+                d = dirs[(k + round_) % len(dirs)]
+                try:
+                    lease = await meta.lease(d, me)
+                    if lease.granted:
+                        names = [f"h{k}-{round_}-{i}".encode() for i in range(3)]
+                        entries = [[n, make_ino(shard_of(d), lease.first + i),
+                                    stat.S_IFREG | 0o600, 0, 0, 1] for i, n in enumerate(names)]
+                        entries.append([b"bad", 1])  # malformed: its own error only
+                        got = await meta.create_batch(d, me, entries)
+                        for n, g in zip(names, got, strict=False):
+                            if not isinstance(g, OSError):
+                                made.add((d, n))
+                        assert isinstance(got[-1], OSError) and got[-1].errno == errno.EINVAL
+                    await meta.lease_wait(shard_of(d), me, [d] if lease.granted else [], 0.01)
+                    await meta.lease_return(d, me)
+                except JPFSError as e:
+                    errors.append(f"holder {k}: {e}")
+
+        async def creator(k: int) -> None:
+            for i in range(20):
+                d = dirs[i % len(dirs)]
+                n = f"c{k}-{i}".encode()
+                await meta.create(d, n, 0o644)  # recalls whoever holds d
+                made.add((d, n))
+
+        async def dropper(k: int) -> None:
+            for _ in range(5):
+                async with trio.open_nursery() as inner:
+                    other = MetaClient(inner, cluster)
+                    me = os.urandom(16)
+                    d = dirs[k % len(dirs)]
+                    await other.lease(d, me)
+                    with trio.move_on_after(0.05):
+                        await other.lease_wait(shard_of(d), me, [d], 5.0)
+                    other.close()  # the connection drops; the shard takes the lease back
+                    inner.cancel_scope.cancel()
+
+        async def garbage() -> None:
+            for raw in (["create_batch", dirs[0], b"s", "x"], ["lease", dirs[0]],
+                        ["lease_wait", b"s", [dirs[0]], -1.0],
+                        ["create_batch", dirs[0], b"s", [[b"n", 2 ** 64 - 1, 0, 0, 0, 0]]]):
+                try:
+                    await meta.call(shard_of(dirs[0]), *raw)
+                except JPFSError:
+                    pass
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as crowd:
+                for k in range(6):
+                    crowd.start_soon(holder, k)
+                for k in range(3):
+                    crowd.start_soon(creator, k)
+                for k in range(3):
+                    crowd.start_soon(dropper, k)
+                crowd.start_soon(garbage)
+        assert not errors, errors[:5]
+        for d in dirs:
+            names = [e.name for e in await _listing(meta, d)]
+            assert len(names) == len(set(names))
+            assert {n for dd, n in made if dd == d} <= set(names)
+        info = await meta.call(0, "shard_info")
+        assert info["leases_granted"] >= 1 and (await meta.getattr(1)).ino == 1
+
+    _run(cluster, scenario)
+    for log in (meta_cluster / "logs").glob("meta-*.log"):
+        assert "Traceback" not in log.read_text(), log  # every failure was an answer
