@@ -221,3 +221,42 @@ def test_leases_on_replicated_shards_survive_a_leader_kill(tmp_path):
             localcluster.start(c, "meta", 0, replica=victim)
     finally:
         localcluster.down(c, timeout=5)
+
+
+@requires_fuse
+def test_removes_under_a_lease_are_what_every_client_sees(cluster, tmp_path):
+    with mounted(cluster, tmp_path / "m") as m, jpfs.connect(cluster, dir_cache_ttl=0) as c:
+        d = m / "rm"
+        d.mkdir()
+        names = [f"r{i:03d}" for i in range(120)]
+        _fill(d, names, b"x:")
+        for n in names[::2]:
+            os.unlink(d / n)
+        _fill(d, names[:20:2], b"again:")  # made again, after their removes
+        # removed while open: still readable through the descriptor, nlink 0
+        fd = os.open(d / "r001", os.O_RDONLY)
+        try:
+            os.unlink(d / "r001")
+            assert os.fstat(fd).st_nlink == 0 and os.read(fd, 100) == b"x:r001"
+        finally:
+            os.close(fd)
+        st = m.stats()["leases"]
+        assert st["removes"] + st["cancelled"] >= 50 and st["failed"] == 0, st
+        want = sorted(set(names[1::2]) - {"r001"} | set(names[:20:2]))
+        assert sorted(os.listdir(d)) == want
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        assert sorted(c.listdir("/rm")) == want
+        assert c.read_bytes("/rm/r010") == b"again:r010"
+        # rm -r of a tree another client wrote: listed, then removed from a lease
+        c.makedirs("/theirs")
+        for i in range(60):
+            c.write_bytes(f"/theirs/t{i:02d}", b"t")
+        for p in sorted((m / "theirs").iterdir()):
+            p.unlink()
+        (m / "theirs").rmdir()
+        assert not c.exists("/theirs")
+        assert m.stats()["leases"]["failed"] == 0

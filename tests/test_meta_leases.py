@@ -64,14 +64,19 @@ def test_a_lease_reserves_inodes_and_a_batch_makes_the_files(cluster):
         # inode numbers the shard never reserved, malformed entries, other file types
         bad = await meta.create_batch(d, me, [
             _entry("c", make_ino(shard_of(d), lease.first + lease.n_inodes + 10_000)),
-            [b"d", inos[2]], _entry("e", inos[1]),
-            [b"f", inos[2], stat.S_IFDIR | 0o755, 0, 0, 1], _entry("x/y", inos[2])])
+            [b"d"], _entry("e", inos[1]),
+            [b"f", inos[2], stat.S_IFDIR | 0o755, 0, 0, 1], _entry("x/y", inos[2]),
+            [b"a", inos[1]], [b"nothing", inos[2]], [b"a", "x"]])
         assert [e.errno for e in bad] == [errno.EINVAL, errno.EINVAL, errno.EEXIST,
-                                          errno.EINVAL, errno.EINVAL]
+                                          errno.EINVAL, errno.EINVAL,
+                                          errno.ENOENT, errno.ENOENT, errno.EINVAL]
         assert sorted(e.name for e in await _listing(meta, d)) == [b"a", b"b", b"before"]
-        # the first commit of a file can go with its create
+        # the first commit of a file can go with its create; removes go ahead of creates
         blobs = await meta.create_batch(d, me, [_entry("g", inos[2]) + [0, []]])
         assert blobs[0].size == 0 and blobs[0].version == 1
+        gone = await meta.create_batch(d, me, [[b"b", inos[1]]])
+        assert gone[0].nlink == 0
+        assert sorted(e.name for e in await _listing(meta, d)) == [b"a", b"before", b"g"]
         assert await meta.lease_return(d, me) and not await meta.lease_return(d, me)
 
     _run(cluster, scenario)
@@ -169,7 +174,7 @@ def test_lease_traffic_under_concurrency_and_dropped_connections_leaves_the_shar
                         names = [f"h{k}-{round_}-{i}".encode() for i in range(3)]
                         entries = [[n, make_ino(shard_of(d), lease.first + i),
                                     stat.S_IFREG | 0o600, 0, 0, 1] for i, n in enumerate(names)]
-                        entries.append([b"bad", 1])  # malformed: its own error only
+                        entries.append([b"bad"])  # malformed: its own error only
                         got = await meta.create_batch(d, me, entries)
                         for n, g in zip(names, got, strict=False):
                             if not isinstance(g, OSError):

@@ -160,17 +160,22 @@ def bulk_create(t: Txn, parent: int, entries: list, replace: bool, chunk_size: i
 
 
 def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size: int) -> list:
-    """Regular files a mount holding ``parent``'s lease already answered (``leases.py``),
-    each ``[name, ino, mode, uid, gid, time_ns]`` with an inode number the lease reserved, or
-    with ``size, chunks`` after it: the file's first commit, made with it. Per entry its
-    attributes, or an errno name (EEXIST: the name was taken while the lease was lost). An
-    entry already made (a retry after a lost answer) answers its attributes."""
+    """Changes a mount holding ``parent``'s lease already answered (``leases.py``), in order:
+    new regular files, each ``[name, ino, mode, uid, gid, time_ns]`` with an inode number the
+    lease reserved, or with ``size, chunks`` after it (the file's first commit, made with
+    it); and removes, ``[name, ino]`` (an unlink of a file whose inode lives here). Per entry
+    the file's attributes after it, or an errno name (EEXIST, ENOENT: the name changed while
+    the lease was lost). An entry already made (a retry after a lost answer) answers its
+    attributes."""
     pdir = t.need_dir(parent)
     t.check_lease(parent, session)
     top = t.next_counter()
     out: list = []
     for e in entries:
         try:
+            if isinstance(e, list) and len(e) == 2:
+                out.append(_remove_entry(t, parent, e))
+                continue
             if not isinstance(e, list) or len(e) not in (6, 8) or not all(
                     type(v) is int for v in e[1:7]):
                 raise error(errno.EINVAL, "malformed entry")
@@ -208,3 +213,27 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
             out.append("EINVAL")
     touch(t, pdir)
     return out
+
+
+def _remove_entry(t: Txn, parent: int, e: list) -> list:
+    """One remove of a ``create_batch``: ``[name, ino]``, the entry must still name ``ino``."""
+    name, ino = e
+    check_name(name)
+    if type(ino) is not int:
+        raise error(errno.EINVAL, "malformed entry")
+    d = t.dentry(parent, name)
+    if d is None or d[0] != ino:
+        raise error(errno.ENOENT, f"{name.decode(errors='replace')!r} is not that file")
+    if d[1] == stat.S_IFDIR:
+        raise error(errno.EISDIR, f"{name.decode(errors='replace')!r} is a directory")
+    node = t.inode(ino)
+    if node is None:
+        raise error(errno.EXDEV, "a batched remove takes a file whose inode lives here")
+    t.delete_dentry(parent, name)
+    node.nlink -= 1
+    node.ctime_ns = t.now
+    if node.nlink <= 0:
+        t.delete_inode(ino)
+    else:
+        t.put_inode(node)
+    return node.attr().to_wire()

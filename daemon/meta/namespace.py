@@ -234,23 +234,25 @@ def symlink(t: Txn, parent: int, name: bytes, target: bytes, uid: int, gid: int)
     return node.attr().to_wire()
 
 
-def lease_grant(t: Txn, parent: int, limit: int) -> list[bytes] | None:
-    """A directory's names for a lease's grant (None: more than ``limit``); raises ``Locked``
-    while a cross-shard change holds one of its entries."""
+def lease_grant(t: Txn, parent: int, limit: int) -> tuple[list[bytes], list[int]] | None:
+    """A directory's names and their inodes for a lease's grant (None: more than ``limit``);
+    raises ``Locked`` while a cross-shard change holds one of its entries."""
     t.need_dir(parent)
     t.check_dir_lock(parent)
     prefix = K.dentry_prefix(parent)
     names: list[bytes] = []
+    inos: list[int] = []
     with t.t.cursor(db=t.db["dentry"]) as cur:
         if cur.set_range(prefix):
-            for key in cur.iternext(values=False):
+            for key, value in cur:
                 key = bytes(key)
                 if not key.startswith(prefix):
                     break
                 if len(names) >= limit:
                     return None
                 names.append(key[len(prefix):])
-    return names
+                inos.append(K.split_dentry_value(value)[0])
+    return names, inos
 
 
 def setattr_(t: Txn, ino: int, fields: dict, chunk_size: int) -> list:

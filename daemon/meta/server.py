@@ -245,21 +245,21 @@ class MetaShard:
         if not self.store.leading and self.repl is not None:
             raise self.repl.not_leader()
         renew = self.leases.held.get(parent) == session
-        names: list[bytes] | None = []
+        known: tuple[list[bytes], list[int]] | None = ([], [])
         if not renew:  # a renewal needs no names
             try:
-                names = self.store.read(ns.lease_grant, parent, LEASE_MAX_NAMES)
+                known = self.store.read(ns.lease_grant, parent, LEASE_MAX_NAMES)
             except Locked:
-                return [False, [], 0, 0]
-        if names is None or not self.leases.grant(session, parent):
-            return [False, [], 0, 0]
+                return [False, [], 0, 0, []]
+        if known is None or not self.leases.grant(session, parent):
+            return [False, [], 0, 0, []]
         try:
             first = await self.store.write(_alloc_range, LEASE_INODES)
         except BaseException:
             if not renew:
                 self.leases.give_back(session, parent)
             raise
-        return [True, names, first, LEASE_INODES]
+        return [True, known[0], first, LEASE_INODES, known[1]]
 
     async def lease_return(self, parent: int, session: bytes) -> bool:
         return self.leases.give_back(session, self._mine(parent))

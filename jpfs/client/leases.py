@@ -1,4 +1,4 @@
-"""A mount's directory write leases: creates answered from memory, committed behind in batches.
+"""A mount's directory write leases: creates and unlinks answered from memory, committed behind.
 
 A create through the mount costs a metadata round trip in the FUSE request's path. A mount that
 holds a directory's *lease* (``daemon/meta/leases.py``: nobody else changes its names until it
@@ -6,6 +6,11 @@ gives the lease back) knows the directory's names for certain and holds a range 
 of the directory's shard, so it answers a create at once (the VFS checks the name against
 ``KnownDirs``, pinned while leased) and commits the new entries behind with ``create_batch``,
 one transaction for the files of the next few milliseconds (``SEND_DELAY``).
+
+Unlinks there are answered the same way when the lease's names (as granted, then as this mount
+changed them) give the name the inode the kernel names and it lives on the directory's shard:
+the batch carries them ahead of its creates, and an unlink of a file not sent yet just drops
+it.
 
 Until its batch commits, a new file exists in this mount only. Whatever would show the shard
 that it is missing waits for the batch first (``settle``): the file's own metadata calls (its
@@ -16,7 +21,8 @@ and the shard runs that change once the lease is back. A killed mount loses the 
 not sent (as a local filesystem loses files its journal had not committed); ``fsync`` of the
 file or the directory and unmount send them first.
 
-A lease is asked for once a directory saw ``LEASE_AFTER`` creates answered by the shard, and not
+A lease is asked for once a directory saw ``LEASE_AFTER`` creates or unlinks answered by the
+shard, and not
 again for ``RETRY_AFTER`` seconds after a refusal or a recall (so two mounts writing one
 directory settle on round trips rather than trade the lease).
 """
@@ -41,7 +47,8 @@ from .meta import MetaClient
 log = logging.getLogger(__name__)
 
 LEASE_AFTER = 3
-"""Creates answered by the shard in a directory before the mount asks for its lease."""
+"""Creates or unlinks answered by the shard in a directory before the mount asks for its
+lease."""
 RETRY_AFTER = 2.0
 """Seconds after a refusal, a recall or a give-back before a directory's lease is asked again."""
 BATCH_MAX = 512
@@ -79,11 +86,16 @@ class NewFile:
         return e
 
 
+class GiveBack(Exception):
+    """The lease is being given back: unlink through the shard instead."""
+
+
 class LeasedDir:
     """A directory this mount holds the lease of."""
 
-    __slots__ = ("parent", "shard", "inos", "pending", "sending", "idle", "ending", "lost",
-                 "renewing", "gone", "kick", "next_done", "sent_done", "used")
+    __slots__ = ("parent", "shard", "inos", "pending", "sending", "removing", "removes_sent",
+                 "idle", "ending", "lost", "renewing", "gone", "kick", "next_done", "sent_done",
+                 "used", "names")
 
     def __init__(self, parent: int):
         self.parent = parent
@@ -94,6 +106,13 @@ class LeasedDir:
         """Files answered and not sent yet, by name."""
         self.sending: dict[bytes, NewFile] = {}
         """Files in the batch in flight."""
+        self.removing: dict[bytes, int] = {}
+        """Removes answered and not sent yet: name -> the file's inode."""
+        self.removes_sent: dict[bytes, int] = {}
+        """... and those in the batch in flight."""
+        self.names: dict[bytes, int] = {}
+        """The directory's names and their inodes: as granted, then as this VFS changed them
+        (nobody else does while the lease is held)."""
         self.kick = trio.Event()
         """Set when somebody waits for the pending files: send them now."""
         self.next_done = trio.Event()
@@ -121,14 +140,16 @@ class LeasedDir:
         """What to wait on for ``name`` (None: everything now pending or in flight) to be
         answered; None when nothing is."""
         if name is None:
-            if self.pending:
+            if self.pending or self.removing:
                 self.kick.set()
                 return self.next_done
             return None if self.sent_done.is_set() else self.sent_done
-        if name in self.pending:
+        if name in self.pending or name in self.removing:
             self.kick.set()
             return self.next_done
-        return self.sent_done if name in self.sending else None
+        if name in self.sending or name in self.removes_sent:
+            return self.sent_done
+        return None
 
 
 class DirLeases:
@@ -141,19 +162,22 @@ class DirLeases:
             known names of the directory.
         ended: called with (directory, lost) when a lease ends: the VFS lets the names age as
             usual (or forgets them, if the lease was lost).
-        failed: called with (directory, name, attr, error) for a file the shard refused.
+        failed: called with (directory, name, attr, error) for a file the shard refused
+            (attr None: a remove the shard refused).
     """
 
     def __init__(self, meta: MetaClient, nursery: trio.Nursery,
                  granted: Callable[[int, list[bytes]], None],
                  ended: Callable[[int, bool], None],
-                 failed: Callable[[int, bytes, Attr, OSError], None]):
+                 failed: Callable[[int, bytes, Attr | None, OSError], None]):
         self.meta = meta
         self.nursery = nursery
         self.session = os.urandom(16)
         self.dirs: dict[int, LeasedDir] = {}
         self.unsent: dict[int, tuple[int, bytes]] = {}
         """Inode -> (directory, name), for files answered whose batch has not committed."""
+        self.unremoved: dict[int, tuple[int, bytes]] = {}
+        """... and for files whose remove was answered and has not committed."""
         self._granted, self._ended, self._failed = granted, ended, failed
         self._creates: dict[int, int] = {}
         self._not_before: dict[int, float] = {}
@@ -163,18 +187,24 @@ class DirLeases:
         """Directory -> creates sent to the shard and not answered yet."""
         self._drained: dict[int, trio.Event] = {}
         self.stats = {"granted": 0, "refused": 0, "recalled": 0, "given_back": 0, "lost": 0,
-                      "idle_returned": 0, "answered": 0, "batches": 0, "failed": 0}
+                      "idle_returned": 0, "answered": 0, "removes": 0, "cancelled": 0,
+                      "batches": 0, "failed": 0}
 
     # ---- creates
 
-    async def take(self, parent: int) -> LeasedDir | None:
-        """The lease on ``parent`` with an inode number free, for a create: held, renewed or
-        asked for now; None to create through the shard."""
+    async def hold(self, parent: int) -> LeasedDir | None:
+        """The lease on ``parent``: held, or asked for now (after ``LEASE_AFTER`` changes
+        there); None to change it through the shard."""
         ld = self.dirs.get(parent)
         if ld is None:
             if not await self._ask(parent):
                 return None
             ld = self.dirs.get(parent)
+        return ld if ld is not None and not ld.ending else None
+
+    async def take(self, parent: int) -> LeasedDir | None:
+        """The lease on ``parent`` with an inode number free, for a create."""
+        ld = await self.hold(parent)
         while ld is not None and not ld.ending and not ld.inos:
             await self._renew(ld)
             ld = self.dirs.get(parent)
@@ -186,13 +216,44 @@ class DirLeases:
         attr = Attr(ld.inos.popleft(), stat.S_IFREG | (mode & 0o7777), 1, uid, gid, 0,
                     now, now, now)
         ld.pending[name] = NewFile(attr)
+        ld.names[name] = attr.ino
         ld.used = time.monotonic()
         self.unsent[attr.ino] = (ld.parent, name)
         self.stats["answered"] += 1
+        self._start(ld)
+        return attr
+
+    @staticmethod
+    def removable(ld: LeasedDir, name: bytes, ino: int) -> bool:
+        """Whether an unlink of ``name`` (file ``ino``, as the kernel knows it) can be answered
+        from ``ld``: the lease's names say so, and the inode lives on the directory's
+        shard."""
+        return not ld.ending and shard_of(ino) == ld.shard and ld.names.get(name) == ino
+
+    async def remove(self, ld: LeasedDir, name: bytes, ino: int) -> None:
+        """Unlink ``name`` (file ``ino``) in ``ld``, answered now and committed behind; a file
+        answered and not sent yet is just never sent."""
+        ld.names.pop(name, None)
+        f = ld.pending.pop(name, None)
+        if f is not None:
+            self.unsent.pop(f.attr.ino, None)
+            f.answer = error(errno.ENOENT, "removed before it was committed")
+            self.stats["cancelled"] += 1
+            return
+        if name in ld.sending or name in ld.removes_sent:
+            await ld.sent_done.wait()  # the shard must have it before it can remove it
+            if ld.ending:
+                raise GiveBack
+        ld.removing[name] = ino
+        ld.used = time.monotonic()
+        self.unremoved[ino] = (ld.parent, name)
+        self.stats["removes"] += 1
+        self._start(ld)
+
+    def _start(self, ld: LeasedDir) -> None:
         if ld.idle.is_set():
             ld.idle = trio.Event()
             self.nursery.start_soon(self._send, ld)
-        return attr
 
     def entry(self, parent: int, name: bytes) -> Attr | None:
         """A file answered in ``parent`` and not committed yet, by name."""
@@ -204,7 +265,7 @@ class DirLeases:
         the shard: what this mount answered there has committed."""
         for ino in inos:
             while True:
-                where = self.unsent.get(ino)
+                where = self.unsent.get(ino) or self.unremoved.get(ino)
                 ld = self.dirs.get(where[0] if where is not None else ino)
                 ev = ld.done_event(where[1] if where is not None else None) \
                     if ld is not None else None
@@ -213,6 +274,18 @@ class DirLeases:
                 await ev.wait()
                 if where is None:
                     break  # a directory: what was pending when asked
+
+    def busy(self, parent: int) -> bool:
+        """Whether a leased directory has changes not committed yet (its attributes on the
+        shard are behind)."""
+        ld = self.dirs.get(parent)
+        return ld is not None and not ld.idle.is_set()
+
+    async def settle_all(self) -> None:
+        """Every change answered from a lease committed (before a listing: the shard's
+        attributes of a leased directory are behind until then)."""
+        for parent in [p for p, ld in self.dirs.items() if not ld.idle.is_set()]:
+            await self.settle(parent)
 
     async def attach(self, ino: int, chunks: list, size: int) -> Attr | None:
         """The first commit of a file answered from a lease and not sent yet: it goes with the
@@ -273,8 +346,8 @@ class DirLeases:
         return {**self.stats, "held": len(self.dirs), "unsent": len(self.unsent)}
 
     def begin(self, parent: int) -> None:
-        """A create in ``parent`` was sent to the shard (a lease is not asked for until it is
-        answered: it would meet the lease and recall it)."""
+        """A create or unlink in ``parent`` was sent to the shard (a lease is not asked for
+        until it is answered: it would meet the lease and recall it)."""
         self._inflight[parent] = self._inflight.get(parent, 0) + 1
 
     def end(self, parent: int) -> None:
@@ -321,6 +394,7 @@ class DirLeases:
                 return False
             ld.inos.extend(make_ino(ld.shard, c) for c in range(lease.first,
                                                                 lease.first + lease.n_inodes))
+            ld.names = dict(zip(lease.names, lease.inos, strict=True))
             self.dirs[parent] = ld
             self.stats["granted"] += 1
             self._granted(parent, lease.names)
@@ -397,37 +471,48 @@ class DirLeases:
     async def _send(self, ld: LeasedDir) -> None:
         """Commit ``ld``'s pending files, a batch at a time, until none is left."""
         try:
-            while ld.pending:
+            while ld.pending or ld.removing:
                 if not ld.ending:
                     with trio.move_on_after(SEND_DELAY):
                         await ld.kick.wait()
                 ld.kick = trio.Event()
-                names = list(ld.pending)[:BATCH_MAX]
+                # removes first: a name removed and made again is made after its remove
+                removes = ld.removes_sent = dict(list(ld.removing.items())[:BATCH_MAX])
+                for n in removes:
+                    del ld.removing[n]
+                names = list(ld.pending)[:BATCH_MAX - len(removes)]
                 batch = ld.sending = {n: ld.pending.pop(n) for n in names}
                 done = ld.sent_done = ld.next_done
                 ld.next_done = trio.Event()
-                if ld.pending:  # more than a batch: the rest goes next, at once
+                if ld.pending or ld.removing:  # more than a batch: the rest goes at once
                     ld.kick.set()
-                entries = [f.entry(n) for n, f in batch.items()]
+                entries = [[n, ino] for n, ino in removes.items()]
+                entries += [f.entry(n) for n, f in batch.items()]
                 try:
                     results: list = await self.meta.create_batch(ld.parent, self.session,
                                                                  entries)
                 except JPFSError as e:
                     results = [e] * len(entries)
                 self.stats["batches"] += 1
-                for (name, f), r in zip(batch.items(), results, strict=True):
+                for (name, ino), r in zip(removes.items(), results, strict=False):
+                    self.unremoved.pop(ino, None)
+                    if isinstance(r, OSError):
+                        self.stats["failed"] += 1
+                        self._failed(ld.parent, name, None, r)
+                for (name, f), r in zip(batch.items(), results[len(removes):], strict=True):
                     self.unsent.pop(f.attr.ino, None)
                     f.answer = r
                     if isinstance(r, OSError):
                         self.stats["failed"] += 1
                         self._failed(ld.parent, name, f.attr, r)
                 ld.sending = {}
+                ld.removes_sent = {}
                 done.set()
         finally:
             ld.idle.set()
             ld.sent_done.set()
-            if ld.pending:  # cancelled (the mount is stopping): release who waits
-                ld.next_done.set()
+            ld.next_done.set()  # who waits for a file dropped meanwhile looks again
+            ld.next_done = trio.Event()
 
 
-__all__ = ["DirLeases", "LeasedDir"]
+__all__ = ["DirLeases", "GiveBack", "LeasedDir"]

@@ -47,7 +47,7 @@ from .cache import BlobCache
 from .client import AsyncClient
 from .handles import DirHandle, FileHandle, Handles
 from .inodes import Inodes, Node
-from .leases import DirLeases
+from .leases import DirLeases, GiveBack
 from .listings import KnownDirs
 from .prefetch import PrefetchConfig
 from .reader import chunk_map
@@ -260,14 +260,19 @@ class VFS:
         else:
             self.known.unpin(parent)
 
-    def _lease_failed(self, parent: int, name: bytes, attr: Attr, err: OSError) -> None:
-        node = self.inodes.get(attr.ino)
+    def _lease_failed(self, parent: int, name: bytes, attr: Attr | None, err: OSError
+                      ) -> None:
+        node = self.inodes.get(attr.ino) if attr is not None else None
         what = self.name_of(node) if node is not None else f"{name!r} in directory {parent:#x}"
-        log.error("%s: the metadata shard refused the new file (%s); it is lost", what,
-                  err.strerror or err)
+        if attr is None:
+            log.error("%s: the metadata shard refused its removal (%s); the name may still be "
+                      "there", what, err.strerror or err)
+        else:
+            log.error("%s: the metadata shard refused the new file (%s); it is lost", what,
+                      err.strerror or err)
+            self.inodes.stale(attr.ino)
         if self.known is not None:
             self.known.drop(parent)
-        self.inodes.stale(attr.ino)
         self._changed_dir(parent)
 
     # ------------------------------------------------------------------ names
@@ -299,6 +304,9 @@ class VFS:
             if known is not None and e.errno == errno.ENOENT:
                 await known.missed(parent)
             raise
+        if leases is not None and leases.busy(attr.ino):  # a leased directory, behind
+            await leases.settle(attr.ino)
+            attr = await self.meta.getattr(attr.ino)
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     def forget(self, items) -> None:
@@ -405,8 +413,20 @@ class VFS:
 
     async def unlink(self, parent: int, name: bytes) -> None:
         self._writable()
+        leases = self.leases
+        node = self.inodes.child(parent, name)
+        if leases is not None and node is not None and not node.attr.is_dir:
+            ld = await leases.hold(parent)
+            if ld is not None and leases.removable(ld, name, node.ino):
+                try:
+                    await leases.remove(ld, name, node.ino)
+                except GiveBack:
+                    pass
+                else:
+                    self._unlinked(parent, name)
+                    return
         await self._give_back(parent)
-        with self._names_of(parent):
+        with self._names_of(parent), self._changing(parent):
             after = await self.meta.unlink(parent, name)
         gone = self.inodes.unname(parent, name)
         if self.known is not None:
@@ -414,6 +434,19 @@ class VFS:
         self._post_op(parent, after)
         if gone is not None:
             self.inodes.stale(gone.ino)  # nlink and ctime changed
+
+    def _unlinked(self, parent: int, name: bytes) -> None:
+        """An unlink answered from a lease: what the shard's post-op answer would have told."""
+        gone = self.inodes.unname(parent, name)
+        if self.known is not None:
+            self.known.changed(parent, removed=name)
+        self.prefetcher.forget_dir(parent)
+        node = self.inodes.get(parent)
+        if node is not None and node.fetched != float("-inf"):
+            t = time.time_ns()
+            node.attr = node.attr.with_(mtime_ns=t, ctime_ns=t)
+        if gone is not None:
+            self.inodes.stale(gone.ino)  # nlink and ctime: asked (after the batch) next time
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         self._writable()
@@ -652,7 +685,7 @@ class VFS:
             if ld is not None and self.known is not None and \
                     self.known.absent(parent, check_name(name)):
                 return await self._create_leased(ld, parent, name, mode, flags, uid, gid, sent)
-        with self._names_of(parent), self._creating(parent):
+        with self._names_of(parent), self._changing(parent):
             attr, created = await self.meta.create(parent, name, mode, uid, gid,
                                                    exclusive=bool(flags & os.O_EXCL))
         if created:
@@ -705,9 +738,9 @@ class VFS:
         return opened, self.attr_of(node)
 
     @contextmanager
-    def _creating(self, parent: int) -> Iterator[None]:
-        """Around a create sent to the shard: a lease is not asked for meanwhile (the create
-        would meet it and recall it)."""
+    def _changing(self, parent: int) -> Iterator[None]:
+        """Around a create or unlink sent to the shard: a lease is not asked for meanwhile (the
+        change would meet it and recall it)."""
         leases = self.leases
         if leases is None:
             yield
@@ -903,7 +936,10 @@ class VFS:
         h = self.handles.get(fh)
         if type(h) is not DirHandle:
             raise error(errno.EBADF, "not a directory handle")
-        await self._settle(h.ino)  # names this VFS answered from a lease: listed by the shard
+        if self.leases is not None and self.leases.dirs:
+            # what this VFS answered from leases is listed by the shard, with the attributes
+            # of leased directories as they are after it
+            await self.leases.settle_all()
         # positions: 1 after ".", 2 after "..", then 3 + i after entry i
         if start == 0:
             yield b".", self.attr_of(await self._node(h.ino)), 1

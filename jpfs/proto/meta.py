@@ -364,19 +364,20 @@ class LeaseReq(NamedTuple):
 
 
 class Lease(NamedTuple):
-    """``lease``: whether it was granted and, if so, the directory's names then and a range
-    of inode numbers reserved for the holder (``n_inodes`` counters from ``first``). Wire:
-    ``[granted, names, first, n_inodes]``."""
+    """``lease``: whether it was granted and, if so, the directory's names then with their
+    inodes (a renewal: none) and a range of inode numbers reserved for the holder
+    (``n_inodes`` counters from ``first``). Wire: ``[granted, names, first, n_inodes, inos]``."""
 
     granted: bool
     names: list[bytes]
     first: int
     n_inodes: int
+    inos: list[int]
 
     @classmethod
     def from_wire(cls, w: list) -> Lease:
-        granted, names, first, n_inodes = w
-        return cls(granted, names, first, n_inodes)
+        granted, names, first, n_inodes, inos = w
+        return cls(granted, names, first, n_inodes, inos)
 
 
 class LeaseWaitReq(NamedTuple):
