@@ -71,9 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "of memory unread (second, the default), or every blob fetched (all)")
     p.add_argument("--dir-leases", action=argparse.BooleanOptionalAction, default=True,
                    help="read-write mounts: take a lease on a directory this mount is filling "
-                   "and answer its creates at once, committing them in batches behind (default "
-                   "on; other nodes see a new name once its batch commits, within "
-                   "milliseconds; a killed mount loses the creates it had not sent)")
+                   "or emptying and answer its creates and unlinks at once, committing them in "
+                   "batches behind (default on; other nodes see the changes once their batch "
+                   "commits, within milliseconds; a killed mount loses the changes it had not "
+                   "sent)")
     p.add_argument("--nonempty", action="store_true",
                    help="mount over a directory that has files (they are hidden while mounted)")
     p.add_argument("--max-tasks", type=int, default=256, help=argparse.SUPPRESS)
