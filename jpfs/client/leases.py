@@ -184,13 +184,13 @@ class DirLeases:
         self._asking: dict[int, trio.Event] = {}
         self._waiting: set[int] = set()
         self._inflight: dict[int, int] = {}
-        """Directory -> creates sent to the shard and not answered yet."""
+        """Directory -> creates and unlinks sent to the shard and not answered yet."""
         self._drained: dict[int, trio.Event] = {}
         self.stats = {"granted": 0, "refused": 0, "recalled": 0, "given_back": 0, "lost": 0,
                       "idle_returned": 0, "answered": 0, "removes": 0, "cancelled": 0,
                       "batches": 0, "failed": 0}
 
-    # ---- creates
+    # ---- creates and unlinks
 
     async def hold(self, parent: int) -> LeasedDir | None:
         """The lease on ``parent``: held, or asked for now (after ``LEASE_AFTER`` changes
