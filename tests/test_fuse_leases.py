@@ -45,6 +45,15 @@ def _fill(d, names, data: bytes = b"") -> None:
             os.close(fd)
 
 
+def _fsync_dir(d) -> None:
+    """Return once every change in ``d`` is committed and durable (fsync of the directory)."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @requires_fuse
 def test_a_directory_filled_through_a_lease_is_what_every_client_sees(cluster, tmp_path):
     with mounted(cluster, tmp_path / "m") as m, jpfs.connect(cluster, dir_cache_ttl=0) as c:
@@ -64,11 +73,7 @@ def test_a_directory_filled_through_a_lease_is_what_every_client_sees(cluster, t
         with pytest.raises(FileExistsError):
             os.open(d / "e000", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         # after an fsync of the directory every name is committed, for every client
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(d)
         assert sorted(c.listdir("/fill")) == sorted(empty + full)
         assert c.read_bytes("/fill/f042") == b"payload:f042"
         assert c.stat("/fill/e042").size == 0
@@ -138,11 +143,7 @@ def test_two_mounts_filling_one_directory_make_every_file(cluster, tmp_path):
             t.join(120)
         assert not errors, errors
         for m in (a, b):
-            fd = os.open(m / "both", os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_dir(m / "both")
         want = {f"{p}{i:03d}" for p in "ab" for i in range(300)}
         assert set(c.listdir("/both")) == want
         assert c.read_bytes("/both/b150") == b"b150" and c.read_bytes("/both/a297") == b"a297"
@@ -210,11 +211,7 @@ def test_leases_on_replicated_shards_survive_a_leader_kill(tmp_path):
             second = [f"b{i:03d}" for i in range(100)]
             _fill(d, second, b"two:")  # through the failover
             other.write_bytes("/rep/theirs", b"theirs")
-            fd = os.open(d, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_dir(d)
             assert set(other.listdir("/rep")) == set(first) | set(second) | {"theirs"}
             assert other.read_bytes("/rep/b099") == b"two:b099"
             assert m.stats()["leases"]["failed"] == 0
@@ -244,11 +241,7 @@ def test_removes_under_a_lease_are_what_every_client_sees(cluster, tmp_path):
         assert st["removes"] + st["cancelled"] >= 50 and st["failed"] == 0, st
         want = sorted(set(names[1::2]) - {"r001"} | set(names[:20:2]))
         assert sorted(os.listdir(d)) == want
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(d)
         assert sorted(c.listdir("/rm")) == want
         assert c.read_bytes("/rm/r010") == b"again:r010"
         # rm -r of a tree another client wrote: listed, then removed from a lease

@@ -107,13 +107,31 @@ def write_chunks(t: Txn, ino: int, raw_chunks: list, size: int, expect_version: 
     if size < node.size:
         from .namespace import truncate_chunks
         truncate_chunks(t, ino, size, chunk_size)
-    for c in chunks:
-        t.t.put(K.chunk_key(ino, c.index), K.encode_chunk(c), db=t.db["chunk"])
+    _put_chunks(t, ino, chunks)
     node.size = size
     node.version += 1
     node.mtime_ns = node.ctime_ns = t.now
     t.put_inode(node)
     return node.attr().to_wire()
+
+
+def _put_chunks(t: Txn, ino: int, chunks: list[Chunk]) -> None:
+    for c in chunks:
+        t.t.put(K.chunk_key(ino, c.index), K.encode_chunk(c), db=t.db["chunk"])
+
+
+def _each_entry(entries: list, one) -> list:
+    """``one(entry)`` for each entry of a batch: its answer, or the errno name of why it failed
+    (one bad entry does not fail the batch)."""
+    out: list = []
+    for e in entries:
+        try:
+            out.append(one(e))
+        except OSError as err:
+            out.append(errno_name(err.errno))
+        except (TypeError, ValueError):
+            out.append("EINVAL")
+    return out
 
 
 def bulk_create(t: Txn, parent: int, entries: list, replace: bool, chunk_size: int) -> list:
@@ -126,35 +144,31 @@ def bulk_create(t: Txn, parent: int, entries: list, replace: bool, chunk_size: i
         raise error(errno.E2BIG, f"at most {MAX_BULK} entries per bulk_create")
     pdir = t.need_dir(parent)
     t.check_lease(parent)
-    out: list = []
-    for e in entries:
-        try:
-            name, mode, uid, gid, size, mtime_ns, raw = e
-            check_name(name)
-            chunks = _check_chunks(raw, chunk_size)
-            d = t.dentry(parent, name)
-            if d is not None:
-                if not replace:
-                    raise error(errno.EEXIST, "exists")
-                node = t.inode(d[0]) if d[1] == stat.S_IFREG else None
-                if node is None:
-                    raise error(errno.EEXIST, "exists and is not a local regular file")
-                t.delete_inode(node.ino)  # drop old chunks and xattrs; keep the inode id
-                node.mode, node.uid, node.gid = stat.S_IFREG | (mode & 0o7777), uid, gid
-                node.version += 1
-            else:
-                node = Inode(t.alloc_ino(), stat.S_IFREG | (mode & 0o7777), 1, uid, gid, 0,
-                             t.now, t.now, t.now, parent=parent)
-                t.put_dentry(parent, name, node.ino, stat.S_IFREG)
-            node.size, node.mtime_ns, node.ctime_ns = size, mtime_ns, t.now
-            t.put_inode(node)
-            for c in chunks:
-                t.t.put(K.chunk_key(node.ino, c.index), K.encode_chunk(c), db=t.db["chunk"])
-            out.append(node.attr().to_wire())
-        except OSError as err:
-            out.append(errno_name(err.errno))
-        except (TypeError, ValueError):
-            out.append("EINVAL")
+
+    def one(e) -> list:
+        name, mode, uid, gid, size, mtime_ns, raw = e
+        check_name(name)
+        chunks = _check_chunks(raw, chunk_size)
+        d = t.dentry(parent, name)
+        if d is not None:
+            if not replace:
+                raise error(errno.EEXIST, "exists")
+            node = t.inode(d[0]) if d[1] == stat.S_IFREG else None
+            if node is None:
+                raise error(errno.EEXIST, "exists and is not a local regular file")
+            t.delete_inode(node.ino)  # drop old chunks and xattrs; keep the inode id
+            node.mode, node.uid, node.gid = stat.S_IFREG | (mode & 0o7777), uid, gid
+            node.version += 1
+        else:
+            node = Inode(t.alloc_ino(), stat.S_IFREG | (mode & 0o7777), 1, uid, gid, 0,
+                         t.now, t.now, t.now, parent=parent)
+            t.put_dentry(parent, name, node.ino, stat.S_IFREG)
+        node.size, node.mtime_ns, node.ctime_ns = size, mtime_ns, t.now
+        t.put_inode(node)
+        _put_chunks(t, node.ino, chunks)
+        return node.attr().to_wire()
+
+    out = _each_entry(entries, one)
     touch(t, pdir)
     return out
 
@@ -170,47 +184,40 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
     pdir = t.need_dir(parent)
     t.check_lease(parent, session)
     top = t.next_counter()
-    out: list = []
-    for e in entries:
-        try:
-            if isinstance(e, list) and len(e) == 2:
-                out.append(_remove_entry(t, parent, e))
-                continue
-            if not isinstance(e, list) or len(e) not in (6, 8) or not all(
-                    type(v) is int for v in e[1:7]):
-                raise error(errno.EINVAL, "malformed entry")
-            name, ino, mode, uid, gid, time_ns = e[:6]
-            check_name(name)
-            chunks = _check_chunks(e[7], chunk_size) if len(e) == 8 else None
-            if shard_of(ino) != t.store.shard or not 0 < ino & COUNTER_MASK < top:
-                raise error(errno.EINVAL, f"inode {ino:#x} was not reserved on this shard")
-            if stat.S_IFMT(mode) != stat.S_IFREG or not (0 <= uid < 1 << 32
-                                                        and 0 <= gid < 1 << 32):
-                raise error(errno.EINVAL, "a batched create makes a regular file")
-            d = t.dentry(parent, name)
-            if d is not None:
-                node = t.inode(d[0], lock=False) if d[0] == ino else None
-                if node is None:
-                    raise error(errno.EEXIST, f"{name.decode(errors='replace')!r} exists")
-                out.append(node.attr().to_wire())  # made by an earlier attempt
-                continue
-            if t.inode(ino, lock=False) is not None:
-                raise error(errno.EEXIST, f"inode {ino:#x} is in use")
-            node = Inode(ino, mode, 1, uid, gid, 0, time_ns, time_ns, time_ns, parent=parent)
-            if chunks is not None:
-                if e[6] < 0:
-                    raise error(errno.EINVAL, "negative size")
-                node.size, node.version = e[6], 1
-                node.mtime_ns = node.ctime_ns = t.now
-                for c in chunks:
-                    t.t.put(K.chunk_key(ino, c.index), K.encode_chunk(c), db=t.db["chunk"])
-            t.put_inode(node)
-            t.put_dentry(parent, name, ino, stat.S_IFREG)
-            out.append(node.attr().to_wire())
-        except OSError as err:
-            out.append(errno_name(err.errno))
-        except (TypeError, ValueError):
-            out.append("EINVAL")
+
+    def one(e) -> list:
+        if isinstance(e, list) and len(e) == 2:
+            return _remove_entry(t, parent, e)
+        if not isinstance(e, list) or len(e) not in (6, 8) or not all(
+                type(v) is int for v in e[1:7]):
+            raise error(errno.EINVAL, "malformed entry")
+        name, ino, mode, uid, gid, time_ns = e[:6]
+        check_name(name)
+        chunks = _check_chunks(e[7], chunk_size) if len(e) == 8 else None
+        if shard_of(ino) != t.store.shard or not 0 < ino & COUNTER_MASK < top:
+            raise error(errno.EINVAL, f"inode {ino:#x} was not reserved on this shard")
+        if stat.S_IFMT(mode) != stat.S_IFREG or not (0 <= uid < 1 << 32 and 0 <= gid < 1 << 32):
+            raise error(errno.EINVAL, "a batched create makes a regular file")
+        d = t.dentry(parent, name)
+        if d is not None:
+            node = t.inode(d[0], lock=False) if d[0] == ino else None
+            if node is None:
+                raise error(errno.EEXIST, f"{name.decode(errors='replace')!r} exists")
+            return node.attr().to_wire()  # made by an earlier attempt
+        if t.inode(ino, lock=False) is not None:
+            raise error(errno.EEXIST, f"inode {ino:#x} is in use")
+        node = Inode(ino, mode, 1, uid, gid, 0, time_ns, time_ns, time_ns, parent=parent)
+        if chunks is not None:
+            if e[6] < 0:
+                raise error(errno.EINVAL, "negative size")
+            node.size, node.version = e[6], 1
+            node.mtime_ns = node.ctime_ns = t.now
+            _put_chunks(t, ino, chunks)
+        t.put_inode(node)
+        t.put_dentry(parent, name, ino, stat.S_IFREG)
+        return node.attr().to_wire()
+
+    out = _each_entry(entries, one)
     touch(t, pdir)
     return out
 

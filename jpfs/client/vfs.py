@@ -16,7 +16,9 @@ that is safe:
   (``listings.KnownDirs``; within the entry timeout, as the kernel's caches);
 - an open of a file whose bytes the kernel caches (same version) keeps the kernel's pages;
 - a small file is fetched whole at open (usually prefetched already) and pushed into the kernel's
-  page cache, so its reads never reach us.
+  page cache, so its reads never reach us;
+- creates and unlinks in a directory this VFS holds the write lease of are answered at once and
+  committed behind in batches (``leases.py``).
 
 Write semantics: writes are buffered per file (one ``FileWriter`` shared by the handles writing
 it) and committed on flush (close), fsync, release and every 64 MiB, each commit one metadata
@@ -47,7 +49,7 @@ from .cache import BlobCache
 from .client import AsyncClient
 from .handles import DirHandle, FileHandle, Handles
 from .inodes import Inodes, Node
-from .leases import DirLeases, GiveBack
+from .leases import DirLeases, GiveBack, LeasedDir
 from .listings import KnownDirs
 from .prefetch import PrefetchConfig
 from .reader import chunk_map
@@ -102,7 +104,7 @@ class VFS:
             KnownDirs(self.meta, config.entry_timeout)
         """Names of directories being written (None on read-only mounts: listings do it)."""
         self.leases: DirLeases | None = None
-        """Directories whose creates this VFS answers from memory (``leases.py``)."""
+        """Directories whose creates and unlinks this VFS answers from memory (``leases.py``)."""
         if self.known is not None and config.dir_leases:
             self.leases = DirLeases(self.meta, client.nursery, self._lease_granted,
                                     self._lease_ended, self._lease_failed)
@@ -704,8 +706,9 @@ class VFS:
             raise
         return opened, self.attr_of(node)
 
-    async def _create_leased(self, ld, parent: int, name: bytes, mode: int, flags: int,
-                             uid: int, gid: int, sent: float) -> tuple[OpenFile, Attr]:
+    async def _create_leased(self, ld: LeasedDir, parent: int, name: bytes, mode: int,
+                             flags: int, uid: int, gid: int, sent: float
+                             ) -> tuple[OpenFile, Attr]:
         """``create`` in a directory this VFS holds the lease of: answered now, committed
         behind (``leases.py``)."""
         assert self.leases is not None
