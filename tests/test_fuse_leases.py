@@ -14,6 +14,7 @@ import time
 
 import pytest
 from fuse_support import jpfs_cli, mounted, requires_fuse
+from test_fuse_requests import _eventually
 
 import jpfs
 from jpfs import localcluster
@@ -25,14 +26,6 @@ def cluster(tmp_path_factory):
     localcluster.up(d, meta_shards=2, storage_nodes=1, sync=False)
     yield d
     localcluster.down(d, timeout=5)
-
-
-def _eventually(cond, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.05)
 
 
 def _fill(d, names, data: bytes = b"") -> None:
