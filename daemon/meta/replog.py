@@ -226,18 +226,25 @@ class Ring:
 def digest(env: lmdb.Environment, dbs: dict[str, Any]) -> dict:
     """A hash of every record of one copy and the position it is at, from one read
     transaction (run it in a worker thread: it reads the whole shard). Copies at the same
-    position must have the same digest (``jpfs fsck`` compares them)."""
-    h = xxhash.xxh3_128()
+    position must have the same digest (``jpfs fsck`` compares them); ``dbs`` holds each
+    database's count and hash, so a report can name the database where copies part."""
+    whole = xxhash.xxh3_128()
     records = 0
+    per_db: dict[str, list] = {}
     with env.begin() as t:
         pos = unpack_pos(t.get(REPL_KEY, db=dbs["state"]))
         for name in sorted(dbs):
-            tag = name.encode()
+            h = xxhash.xxh3_128()
+            n = 0
             for k, v in t.cursor(db=dbs[name]):
-                h.update(b"%d:%s%d:" % (len(tag), tag, len(k)))
+                h.update(b"%d:" % len(k))
                 h.update(k)
                 h.update(b"%d:" % len(v))
                 h.update(v)
-                records += 1
-    return {"term": pos[0], "seq": pos[1], "digest": h.hexdigest(), "records": records}
+                n += 1
+            per_db[name] = [n, h.hexdigest()]
+            whole.update(b"%s:%s;" % (name.encode(), per_db[name][1].encode()))
+            records += n
+    return {"term": pos[0], "seq": pos[1], "digest": whole.hexdigest(), "records": records,
+            "dbs": per_db}
 

@@ -132,10 +132,20 @@ async def check_copies(meta: MetaClient, report: Report, wait: float = 10.0) -> 
             continue
         if len({g["digest"] for _, g in live}) > 1:
             report.add("copies_differ", f"shard {shard}: copies at the same position hold "
-                       "different records (" + ", ".join(
+                       f"different records{_where_they_differ(live)} (" + ", ".join(
                            f"copy {j}: {g['records']} records, {g['digest'][:12]}"
                            for j, g in live) + "); stop the odd copy, move its data "
                        "directory away and start it again: it resyncs from the leader")
+
+
+def _where_they_differ(live: list[tuple[int, dict]]) -> str:
+    """`` in databases a, b`` where the copies' per-database hashes disagree (empty when a
+    copy's daemon predates them)."""
+    if not all("dbs" in g for _, g in live):
+        return ""
+    names = sorted({name for _, g in live for name in g["dbs"]})
+    differ = [name for name in names if len({str(g["dbs"].get(name)) for _, g in live}) > 1]
+    return f" in database{'s' if len(differ) > 1 else ''} {', '.join(differ)}" if differ else ""
 
 
 async def fsck(meta: MetaClient, *, repair: bool = False) -> Report:

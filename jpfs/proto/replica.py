@@ -95,7 +95,8 @@ REPL_APPEND = Method(61, "repl_append", AppendReq, dict, inline=True)
 is not at ``prev`` (``term``/``seq`` say where it is)."""
 REPL_SNAPSHOT = Method(62, "repl_snapshot", SnapshotReq, bool)
 REPL_DIGEST = Method(63, "repl_digest", StatusReq, dict, idempotent=True)
-"""``{"term", "seq", "digest", "records"}``: a hash of every record of this copy (fsck)."""
+"""``{"term", "seq", "digest", "records", "dbs"}``: a hash of every record of this copy, and
+of each database (``dbs``: name -> [records, hash]), for fsck."""
 
 METHODS = method_table(REPL_STATUS, REPL_APPEND, REPL_SNAPSHOT, REPL_DIGEST)
 
