@@ -14,6 +14,7 @@ import lmdb
 import pytest
 import trio
 from jpfs_daemon.meta import replog
+from jpfs_daemon.meta.store import Store
 
 import jpfs
 from jpfs import config, localcluster
@@ -214,6 +215,33 @@ def test_ack_after_sync_copies_fsync_before_acknowledging(tmp_path):
         client.close()
     finally:
         localcluster.down(tmp_path)
+
+
+def test_a_copy_installing_a_snapshot_is_at_no_position_until_it_ends(tmp_path):
+    """fsck compares copies at one position: a copy half-way through a snapshot must not
+    claim the leader's position with part of its records (the leader's position is one of
+    the records it sends)."""
+    leader = Store(tmp_path / "leader", 0, 1, sync=False)
+    with leader.env.begin(write=True) as t:
+        t.put(b"k", b"v", db=leader.dbs["inode"])
+        t.put(b"r", b"x", db=leader.dbs["request"])
+        t.put(replog.REPL_KEY, replog.pack_pos(3, 7), db=leader.dbs["state"])
+    copy = Store(tmp_path / "copy", 0, 1, sync=False)
+    copy.snapshot_begin()
+    with leader.env.begin() as t:
+        for name in ("inode", "state"):  # the snapshot's order; "request" still to come
+            copy.snapshot_data(name, [[bytes(k), bytes(v)] for k, v
+                                      in t.cursor(db=leader.dbs[name])])
+        rest = [[bytes(k), bytes(v)] for k, v in t.cursor(db=leader.dbs["request"])]
+    half = replog.digest(copy.env, copy.dbs)
+    assert half["resyncing"] and (half["term"], half["seq"]) == (0, 0)
+    copy.snapshot_data("request", rest)
+    copy.snapshot_end((3, 7))
+    done, theirs = replog.digest(copy.env, copy.dbs), replog.digest(leader.env, leader.dbs)
+    assert not done["resyncing"] and (done["term"], done["seq"]) == (3, 7)
+    assert done["digest"] == theirs["digest"], (done["dbs"], theirs["dbs"])
+    leader.close()
+    copy.close()
 
 
 def _records_that_differ(c, shard: int, n_copies: int) -> list:

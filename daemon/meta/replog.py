@@ -227,12 +227,14 @@ def digest(env: lmdb.Environment, dbs: dict[str, Any]) -> dict:
     """A hash of every record of one copy and the position it is at, from one read
     transaction (run it in a worker thread: it reads the whole shard). Copies at the same
     position must have the same digest (``jpfs fsck`` compares them); ``dbs`` holds each
-    database's count and hash, so a report can name the database where copies part."""
+    database's count and hash, so a report can name the database where copies part. A copy
+    in the middle of a snapshot (``resyncing``) holds part of the shard: not comparable."""
     whole = xxhash.xxh3_128()
     records = 0
     per_db: dict[str, list] = {}
     with env.begin() as t:
         pos = unpack_pos(t.get(REPL_KEY, db=dbs["state"]))
+        resyncing = t.get(RESYNC_KEY, db=dbs["state"]) is not None
         for name in sorted(dbs):
             h = xxhash.xxh3_128()
             n = 0
@@ -246,5 +248,5 @@ def digest(env: lmdb.Environment, dbs: dict[str, Any]) -> dict:
             whole.update(b"%s:%s;" % (name.encode(), per_db[name][1].encode()))
             records += n
     return {"term": pos[0], "seq": pos[1], "digest": whole.hexdigest(), "records": records,
-            "dbs": per_db}
+            "dbs": per_db, "resyncing": resyncing}
 

@@ -546,9 +546,13 @@ class Store:
         self._mark_committed()
 
     def snapshot_data(self, db: str, items: list) -> None:
+        """Records of the leader's snapshot; its position is not one of them: the copy is at
+        no position until ``snapshot_end`` (a digest mid-snapshot must not claim one)."""
         handle = self.dbs[db]
         with self.env.begin(write=True) as t:
             for key, value in items:
+                if db == "state" and key in (replog.REPL_KEY, replog.RESYNC_KEY):
+                    continue
                 t.put(key, value, db=handle)
         self._mark_committed()
 

@@ -119,14 +119,17 @@ async def check_copies(meta: MetaClient, report: Report, wait: float = 10.0) -> 
                     down = e.strerror or str(e)
             live = [(j, g) for j, g in enumerate(got) if g is not None]
             positions = {(g["term"], g["seq"]) for _, g in live}
-            if len(positions) <= 1 or trio.current_time() > deadline:
+            # a copy installing a snapshot holds part of the shard: wait for it too
+            catching_up = len(positions) > 1 or any(g.get("resyncing") for _, g in live)
+            if not catching_up or trio.current_time() > deadline:
                 break
             await trio.sleep(0.2)
         for j, g in enumerate(got):
             if g is None:
                 report.notes.append(f"shard {shard} copy {j} not checked: {down}")
-        if len(positions) > 1:
-            where = ", ".join(f"copy {j} at seq {g['seq']}" for j, g in live)
+        if catching_up:
+            where = ", ".join(f"copy {j} " + ("installing a snapshot" if g.get("resyncing")
+                                               else f"at seq {g['seq']}") for j, g in live)
             report.notes.append(f"shard {shard}: copies still catching up, not compared "
                                 f"({where})")
             continue
