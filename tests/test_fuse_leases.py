@@ -246,3 +246,28 @@ def test_removes_under_a_lease_are_what_every_client_sees(cluster, tmp_path):
         (m / "theirs").rmdir()
         assert not c.exists("/theirs")
         assert m.stats()["leases"]["failed"] == 0
+
+
+@requires_fuse
+def test_names_under_a_lease_are_looked_up_from_it_with_attributes_as_old_as_they_are(
+        cluster, tmp_path):
+    """Once the kernel's entries expire, a name in a leased directory is looked up from the
+    lease (no metadata call: what makes `rm` of many files fast), and the attributes it comes
+    with are only as fresh as they are: another client's write shows in the next stat."""
+    with mounted(cluster, tmp_path / "m") as m, jpfs.connect(cluster, dir_cache_ttl=0) as c:
+        d = m / "lk"
+        d.mkdir()
+        names = [f"k{i:02d}" for i in range(12)]
+        _fill(d, names, b"k:")
+        _fsync_dir(d)
+        c.write_bytes("/lk/k05", b"grown by another client")
+        time.sleep(1.3)  # past the kernel's entry and attribute timeouts (1 s)
+        before = m.stats()["leases"]["lookups"]
+        assert os.stat(d / "k05").st_size == len(b"grown by another client")
+        assert (d / "k05").read_bytes() == b"grown by another client"
+        for n in names[6:]:
+            os.unlink(d / n)
+        st = m.stats()["leases"]
+        assert st["lookups"] - before >= 7 and st["failed"] == 0, st
+        _fsync_dir(d)
+        assert sorted(c.listdir("/lk")) == names[:6]

@@ -188,7 +188,7 @@ class DirLeases:
         self._drained: dict[int, trio.Event] = {}
         self.stats = {"granted": 0, "refused": 0, "recalled": 0, "given_back": 0, "lost": 0,
                       "idle_returned": 0, "answered": 0, "removes": 0, "cancelled": 0,
-                      "batches": 0, "failed": 0}
+                      "lookups": 0, "batches": 0, "failed": 0}
 
     # ---- creates and unlinks
 
@@ -259,6 +259,12 @@ class DirLeases:
         """A file answered in ``parent`` and not committed yet, by name."""
         ld = self.dirs.get(parent)
         return ld.entry(name) if ld is not None else None
+
+    def named(self, parent: int, name: bytes) -> int | None:
+        """The inode ``name`` in ``parent`` names, when this mount holds ``parent``'s lease
+        (nobody else changes its names meanwhile); None when it does not, or no such name."""
+        ld = self.dirs.get(parent)
+        return ld.names.get(name) if ld is not None and not ld.ending else None
 
     async def settle(self, *inos: int) -> None:
         """Return once the files ``inos`` (and directories, for their entries) are known to

@@ -289,6 +289,11 @@ class VFS:
                 node = self.inodes.remember(held.attr if held is not None else new, parent,
                                             name, fetched=held.fetched if held else None)
                 return self.attr_of(node)
+            held = self.inodes.get(leases.named(parent, name) or 0)
+            if held is not None:  # the lease vouches for the name, the kernel knows the inode
+                leases.stats["lookups"] += 1
+                node = self.inodes.remember(held.attr, parent, name, fetched=held.fetched)
+                return self.attr_of(node)  # with what is left of its attributes' time
         lst = self.prefetcher.listings.get(parent, self._listing_age)
         if lst is not None:
             i = lst.pos.get(name)
@@ -310,6 +315,15 @@ class VFS:
             await leases.settle(attr.ino)
             attr = await self.meta.getattr(attr.ino)
         return self.attr_of(self.inodes.remember(attr, parent, name))
+
+    def fresh_for(self, ino: int) -> float:
+        """How much longer the attributes this VFS holds of ``ino`` may be trusted (the
+        attribute timeout less their age): what the kernel may cache them for."""
+        node = self.inodes.get(ino)
+        if node is None or self._attr_age == float("inf"):
+            return self.config.attr_timeout
+        return max(0.0, min(self.config.attr_timeout,
+                            self._attr_age - (time.monotonic() - node.fetched)))
 
     def forget(self, items) -> None:
         for ino, n in items:

@@ -181,12 +181,13 @@ class Operations(pyfuse3.Operations):
 
     # ------------------------------------------------------------------ translation
 
-    def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
+    def _entry(self, a: Attr, attr_timeout: float | None = None) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
         e.st_ino = a.ino
         e.generation = 0
         e.entry_timeout = self.config.entry_timeout
-        e.attr_timeout = self.config.attr_timeout
+        e.attr_timeout = self.config.attr_timeout if attr_timeout is None else min(
+            attr_timeout, self.config.attr_timeout)
         e.st_mode = a.mode
         e.st_nlink = a.nlink
         e.st_uid = a.uid
@@ -252,7 +253,8 @@ class Operations(pyfuse3.Operations):
                 raise error(errno.ENOENT, "no such control file")
             return self._control_entry(ino, fresh=True)
         try:
-            return self._entry(await self.vfs.lookup(parent, name))
+            a = await self.vfs.lookup(parent, name)  # perhaps from memory: as old as it is
+            return self._entry(a, self.vfs.fresh_for(a.ino))
         except JPFSError as e:
             if e.errno == errno.ENOENT:
                 return self._negative()
