@@ -271,3 +271,35 @@ def test_names_under_a_lease_are_looked_up_from_it_with_attributes_as_old_as_the
         assert st["lookups"] - before >= 7 and st["failed"] == 0, st
         _fsync_dir(d)
         assert sorted(c.listdir("/lk")) == names[:6]
+
+
+@requires_fuse
+def test_renames_in_a_leased_directory_keep_the_lease_and_every_client_sees_them(
+        cluster, tmp_path):
+    """The write-then-rename pattern (a file written under a temporary name, renamed over
+    the real one) in a directory this mount holds the lease of: the renames go to the shard
+    as the holder's (no recall, the lease stays), the lease's names follow them, and another
+    client sees each final name with its final content."""
+    with mounted(cluster, tmp_path / "m") as m, jpfs.connect(cluster, dir_cache_ttl=0) as c:
+        d = m / "rn"
+        d.mkdir()
+        _fill(d, [f"e{i:02d}" for i in range(10)], b"old:")
+        before = m.stats()["leases"]
+        for i in range(10):
+            (d / f"e{i:02d}.tmp").write_bytes(b"new:%d" % i)
+            os.rename(d / f"e{i:02d}.tmp", d / f"e{i:02d}")  # replaces the old file
+        os.rename(d / "e01", d / "moved")
+        st = m.stats()["leases"]
+        assert st["renames"] - before["renames"] == 11, st
+        assert st["recalled"] == before["recalled"] and st["given_back"] == before["given_back"]
+        os.unlink(d / "moved")  # answered from the lease's names, as the rename left them
+        assert m.stats()["leases"]["removes"] == st["removes"] + 1
+        os.link(d / "e00", d / "same")  # (a link gives the lease back: the shard's path)
+        os.rename(d / "e00", d / "same")  # two links of one file: nothing happens
+        want = sorted([f"e{i:02d}" for i in range(10) if i != 1] + ["same"])
+        assert sorted(os.listdir(d)) == want
+        assert (d / "e05").read_bytes() == b"new:5"
+        _fsync_dir(d)
+        assert sorted(c.listdir("/rn")) == want
+        assert c.read_bytes("/rn/e05") == b"new:5" and c.read_bytes("/rn/same") == b"new:0"
+        assert m.stats()["leases"]["failed"] == 0

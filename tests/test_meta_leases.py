@@ -121,6 +121,35 @@ def test_another_clients_change_recalls_the_lease_and_waits_for_it(cluster):
     _run(cluster, scenario)
 
 
+def test_the_holders_own_rename_passes_its_lease_and_anothers_recalls_it(cluster):
+    async def scenario(meta: MetaClient, nursery):
+        d = await _dir(meta, "lease-rename")
+        me = os.urandom(16)
+        lease = await meta.lease(d, me)
+        assert lease.granted
+        ino = make_ino(shard_of(d), lease.first)
+        assert (await meta.create_batch(d, me, [_entry("a", ino)]))[0].ino == ino
+        with trio.fail_after(2):  # no recall: answered at once
+            await meta.rename(d, b"a", d, b"b", session=me)
+        assert await meta.lease_wait(shard_of(d), me, [d], 0.1) == []  # still held
+        moved = trio.Event()
+
+        async def theirs():
+            await meta.rename(d, b"b", d, b"c", session=os.urandom(16))
+            moved.set()
+
+        nursery.start_soon(theirs)
+        with trio.fail_after(5):
+            assert await meta.lease_wait(shard_of(d), me, [d], 5.0) == [d]
+        assert not moved.is_set()
+        await meta.lease_return(d, me)
+        with trio.fail_after(5):
+            await moved.wait()
+        assert [e.name for e in await _listing(meta, d)] == [b"c"]
+
+    _run(cluster, scenario)
+
+
 def test_a_session_that_stops_calling_loses_its_leases(cluster):
     async def scenario(meta: MetaClient, nursery):
         d = await _dir(meta, "lease-orphan")
@@ -148,6 +177,9 @@ def test_bad_lease_requests_get_clear_errors(cluster):
             with pytest.raises(JPFSError) as e:
                 await meta.call(shard_of(d), "lease_wait", *raw)
             assert e.value.errno == errno.EINVAL
+        with pytest.raises(JPFSError) as e:
+            await meta.call(shard_of(d), "rename", d, b"file", d, b"other", 0, None, "str")
+        assert e.value.errno == errno.EINVAL
         assert (await meta.getattr(d)).ino == d  # the shard serves on
 
     _run(cluster, scenario)

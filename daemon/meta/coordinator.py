@@ -144,8 +144,8 @@ def _nothing(t: Txn) -> None:
     pass
 
 
-def _apply_recorded(t: Txn, plan_ops: list[list]) -> dict:
-    return {"created": ops.apply_local(t, plan_ops)}
+def _apply_recorded(t: Txn, plan_ops: list[list], holder: bytes | None = None) -> dict:
+    return {"created": ops.apply_local(t, plan_ops, holder)}
 
 
 def _drop_intent(t: Txn, txid: bytes) -> None:
@@ -197,13 +197,16 @@ class Coordinator:
         self._rename_expiry = 0.0
 
     async def run(self, plan: dict[int, list[list]], rid: bytes | None = None,
-                  made: dict[int, list] | None = None) -> list[int]:
+                  made: dict[int, list] | None = None, holder: bytes | None = None
+                  ) -> list[int]:
         """Apply ``plan`` (ops per shard) atomically; returns the inodes it created.
 
         ``rid``: a request id recorded with the outcome, in the local transaction or in the
         commit decision (so a retry after a failover finds it; see ``once``). ``made``: filled
         with the attributes (wire form) of the inodes created on other shards, as they will
         be once committed, so the caller need not ask those shards (and wait for the commit).
+        ``holder``: the lease session asking, exempt from its own leases in a plan on this
+        shard alone (a two-phase one recalls them, as for anyone).
         Raises ``ops.Stale`` (ESTALE) when an expectation failed: the caller plans again.
         """
         if list(plan) == [self.shard]:
@@ -211,9 +214,10 @@ class Coordinator:
             # within one fsync; fsync(2) and fsyncdir wait for it)
             if rid is not None:
                 got = await self.store.write(once.once, rid, _apply_recorded, plan[self.shard],
-                                             durable=False)
+                                             holder, durable=False)
                 return got["created"]
-            return await self.store.write(ops.apply_local, plan[self.shard], durable=False)
+            return await self.store.write(ops.apply_local, plan[self.shard], holder,
+                                          durable=False)
         txid = os.urandom(16)
         self._active.add(txid)
         handed_off = False

@@ -198,8 +198,10 @@ def substitute(ops: list[list], ino: int | None) -> list[list]:
     return [[ino if x == NEW else x for x in op] for op in ops]
 
 
-def apply_local(t: Txn, ops: list[list]) -> list[int]:
-    """Check and apply ops that all live on this shard, in one transaction."""
+def apply_local(t: Txn, ops: list[list], holder: bytes | None = None) -> list[int]:
+    """Check and apply ops that all live on this shard, in one transaction; ``holder``: the
+    lease session asking (a change in a directory it holds the lease of goes ahead)."""
+    t.holder = holder
     ops = allocate(t, ops)
     created = new_inos(ops)
     if created:

@@ -381,13 +381,18 @@ class MetaShard:
         return self.store.read(ns.getattr_, parent)
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
-                     flags: int, rid: bytes | None = None) -> list:
+                     flags: int, rid: bytes | None = None, session: bytes | None = None
+                     ) -> list:
+        """``session``: the mount's lease session; a rename within a directory it holds the
+        lease of goes ahead without recalling it."""
         self._mine(src_parent)
         check_name(src_name)
         check_name(dst_name)
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (
                 RENAME_NOREPLACE | RENAME_EXCHANGE):
             raise error(errno.EINVAL, "invalid rename flags")
+        if session is not None and type(session) is not bytes:
+            raise error(errno.EINVAL, "a lease session is bytes")
         owner = None
         try:
             if self._recorded(rid) is not once.MISSING:
@@ -399,7 +404,7 @@ class MetaShard:
                 owner = os.urandom(16)
                 await self._rename_lock(owner)
             await self._run(lambda: self._plan_rename(src_parent, src_name, dst_parent, dst_name,
-                                                      flags), rid)
+                                                      flags), rid, None, session)
         finally:
             if owner is not None:
                 with trio.CancelScope(shield=True):
@@ -476,15 +481,17 @@ class MetaShard:
         await self._call(0, P.RENAME_LOCK, [owner, 30.0])
 
     async def _run(self, planner, rid: bytes | None = None,
-                   made: dict[int, list] | None = None) -> list[int]:
+                   made: dict[int, list] | None = None, holder: bytes | None = None
+                   ) -> list[int]:
         """Plan and run; plan again when the namespace changed under the plan. ``rid``: the
-        request id recorded with the change (see ``once``); ``made``: see ``Coordinator.run``."""
+        request id recorded with the change (see ``once``); ``made``, ``holder``: see
+        ``Coordinator.run``."""
         for attempt in range(REPLAN_ATTEMPTS):
             plan = await planner()
             if not plan:
                 return []
             try:
-                return await self.coord.run(plan, rid, made)
+                return await self.coord.run(plan, rid, made, holder)
             except JPFSError as e:
                 if e.errno != errno.ESTALE:
                     raise

@@ -81,13 +81,15 @@ class Locked(Exception):
 class Txn:
     """An LMDB transaction with the shard's record helpers. Operations take one of these."""
 
-    __slots__ = ("t", "store", "now", "db")
+    __slots__ = ("t", "store", "now", "db", "holder")
 
     def __init__(self, t: lmdb.Transaction | replog.Recorder, store: Store, now: int):
         self.t: Any = t
         self.store = store
         self.now = now
         self.db = store.dbs
+        self.holder: bytes | None = None
+        """The lease session making this change (its own leases do not stop it)."""
 
     # ---- locks
     def check_lock(self, key: bytes) -> None:
@@ -100,7 +102,7 @@ class Txn:
         for a mount's lease on it (``leases.py``); ``holder``: the session making it."""
         leases = self.store.leases
         if leases is not None and leases.held:
-            leases.check(parent, holder)
+            leases.check(parent, holder if holder is not None else self.holder)
 
     def check_dir_lock(self, parent: int) -> None:
         """Wait-worthy if any entry of ``parent`` is held (readdir)."""

@@ -188,7 +188,7 @@ class DirLeases:
         self._drained: dict[int, trio.Event] = {}
         self.stats = {"granted": 0, "refused": 0, "recalled": 0, "given_back": 0, "lost": 0,
                       "idle_returned": 0, "answered": 0, "removes": 0, "cancelled": 0,
-                      "lookups": 0, "batches": 0, "failed": 0}
+                      "lookups": 0, "renames": 0, "batches": 0, "failed": 0}
 
     # ---- creates and unlinks
 
@@ -229,6 +229,16 @@ class DirLeases:
         from ``ld``: the lease's names say so, and the inode lives on the directory's
         shard."""
         return not ld.ending and shard_of(ino) == ld.shard and ld.names.get(name) == ino
+
+    def renamed(self, ld: LeasedDir, old: bytes, new: bytes) -> None:
+        """This mount renamed ``old`` to ``new`` in ``ld`` through the shard, as the holder:
+        the lease's names follow (whatever ``new`` named is replaced)."""
+        ino = ld.names.get(old)
+        if ino is not None and ld.names.get(new) != ino:  # else a no-op, as rename(2)'s
+            del ld.names[old]
+            ld.names[new] = ino
+        ld.used = time.monotonic()
+        self.stats["renames"] += 1
 
     async def remove(self, ld: LeasedDir, name: bytes, ino: int) -> None:
         """Unlink ``name`` (file ``ino``) in ``ld``, answered now and committed behind; a file

@@ -241,12 +241,13 @@ class MetaClient:
         return got.parent
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
-                     flags: int = 0) -> tuple[Attr | None, Attr | None]:
+                     flags: int = 0, session: bytes | None = None
+                     ) -> tuple[Attr | None, Attr | None]:
         """Rename as ``rename(2)``; returns both directories' attributes after it (None where
-        unknown)."""
+        unknown). ``session``: a mount's lease session (its leases do not stop the rename)."""
         got = await self._ask(shard_of(src_parent), P.RENAME,
                               P.RenameReq(src_parent, src_name, dst_parent, dst_name, flags,
-                                           self._rid()))
+                                           self._rid(), session))
         return got.src, got.dst
 
     async def setattr(self, ino: int, **fields: int) -> Attr:

@@ -484,12 +484,29 @@ class VFS:
 
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
                      flags: int) -> None:
-        """Rename as ``rename(2)``, with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2)."""
+        """Rename as ``rename(2)``, with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2). A plain
+        rename within a directory this mount holds the lease of keeps the lease: what the
+        lease answered there is committed first, and the shard lets the holder's rename pass
+        (the lease's names follow it)."""
         self._writable()
-        await self._give_back(parent_old, parent_new)
-        with self._names_of(parent_old, parent_new):
-            src_after, dst_after = await self.meta.rename(parent_old, name_old, parent_new,
-                                                          name_new, flags)
+        leases = self.leases
+        ld = None
+        moving = self.inodes.child(parent_old, name_old)
+        if leases is not None and parent_old == parent_new and not flags and moving is not None \
+                and moving.attr.is_reg and shard_of(moving.ino) == shard_of(parent_old):
+            # one shard's transaction (a file made in the directory): no self-recall
+            ld = await leases.hold(parent_old)
+            if ld is not None:
+                await leases.settle(parent_old)
+        if ld is None:
+            await self._give_back(parent_old, parent_new)
+        with self._names_of(parent_old, parent_new), self._changing(parent_old), \
+                self._changing(parent_new):
+            src_after, dst_after = await self.meta.rename(
+                parent_old, name_old, parent_new, name_new, flags,
+                session=leases.session if leases is not None and ld is not None else None)
+        if leases is not None and ld is not None:
+            leases.renamed(ld, name_old, name_new)
         if self.known is not None:
             exchange = bool(flags & 2)
             self.known.changed(parent_old, removed=None if exchange else name_old)

@@ -308,6 +308,8 @@ class RenameReq(NamedTuple):
     """RENAME_NOREPLACE, RENAME_EXCHANGE."""
     rid: bytes | None = None
     """Request id (replicated shards): a retry after a failover answers the first result."""
+    session: bytes | None = None
+    """The mount's lease session: its own leases do not stop the rename (no recall)."""
 
 
 class SetattrReq(NamedTuple):
