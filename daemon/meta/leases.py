@@ -11,7 +11,8 @@ every change that adds or removes a name here (``Txn.check_lease``: a create, mk
 mkdir, link, unlink, rmdir, rename, bulk create or 2PC prepare, from any client or shard) first
 *recalls* the lease and waits for it, as it waits for a cross-shard transaction's lock
 (``Leased`` is a ``Locked``): the holder commits what it has pending, gives the lease back, and
-the change runs. A holder that does not give it back within ``RECALL_GRACE`` loses it.
+the change runs. A holder that does not give it back within ``RECALL_GRACE`` loses it. The
+holder's own rename, sent with its session, passes in a single-shard plan (``Txn.holder``).
 Reads never wait: other clients see a new name once its batch commits (milliseconds).
 
 A lease lives in this process's memory and belongs to a *session* (a mount), which is alive

@@ -72,7 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir-leases", action=argparse.BooleanOptionalAction, default=True,
                    help="read-write mounts: take a lease on a directory this mount is filling "
                    "or emptying and answer its creates and unlinks at once, committing them in "
-                   "batches behind (default on; other nodes see the changes once their batch "
+                   "batches behind, its lookups from memory, and its file renames without giving "
+                   "the lease back (default on; other nodes see the changes once their batch "
                    "commits, within milliseconds; a killed mount loses the changes it had not "
                    "sent)")
     p.add_argument("--nonempty", action="store_true",

@@ -10,19 +10,22 @@ one transaction for the files of the next few milliseconds (``SEND_DELAY``).
 Unlinks there are answered the same way when the lease's names (as granted, then as this mount
 changed them) give the name the inode the kernel names and it lives on the directory's shard:
 the batch carries them ahead of its creates, and an unlink of a file not sent yet just drops
-it.
+it. A lookup of a name the lease's names hold, of an inode the VFS knows, needs no call either.
 
 Until its batch commits, a new file exists in this mount only. Whatever would show the shard
 that it is missing waits for the batch first (``settle``): the file's own metadata calls (its
 first commit, getattr, setattr, open, xattrs) and this mount's listings of the directory. A
-change of the directory's names by this mount (unlink, rename, mkdir, ...) gives the lease back
-first (``give_back``); another client's change recalls it (the shard answers ``lease_wait``),
-and the shard runs that change once the lease is back. A killed mount loses the creates it had
-not sent (as a local filesystem loses files its journal had not committed); ``fsync`` of the
-file or the directory and unmount send them first.
+plain rename of a file within the directory is sent to the shard as the holder's (``session``:
+the shard lets it pass) once what is pending has committed, and the lease's names follow it
+(``renamed``); any other change of the directory's names by this mount (mkdir, link, other
+renames, an unlink the lease cannot answer) gives the lease back first (``give_back``); another
+client's change recalls it (the shard answers ``lease_wait``), and the shard runs that change
+once the lease is back. A killed mount loses the creates it had not sent (as a local filesystem
+loses files its journal had not committed); ``fsync`` of the file or the directory and unmount
+send them first.
 
-A lease is asked for once a directory saw ``LEASE_AFTER`` creates or unlinks answered by the
-shard, and not
+A lease is asked for once a directory saw ``LEASE_AFTER`` creates, unlinks or renames answered
+by the shard, and not
 again for ``RETRY_AFTER`` seconds after a refusal or a recall (so two mounts writing one
 directory settle on round trips rather than trade the lease).
 """
