@@ -41,6 +41,15 @@ async def _dir(meta: MetaClient, name: str) -> int:
     return (await meta.mkdir(1, name.encode(), 0o755)).attr.ino
 
 
+async def _leased_dir(meta: MetaClient, name: str) -> tuple[int, bytes, int]:
+    """A new directory, a session holding its lease, and the lease's first inode number."""
+    d = await _dir(meta, name)
+    me = os.urandom(16)
+    lease = await meta.lease(d, me)
+    assert lease.granted
+    return d, me, make_ino(shard_of(d), lease.first)
+
+
 def _entry(name: str, ino: int, t: int = 1_700_000_000_000_000_000) -> list:
     return [name.encode(), ino, stat.S_IFREG | 0o644, 0, 0, t]
 
@@ -91,11 +100,7 @@ async def _listing(meta: MetaClient, d: int) -> list:
 
 def test_another_clients_change_recalls_the_lease_and_waits_for_it(cluster):
     async def scenario(meta: MetaClient, nursery):
-        d = await _dir(meta, "lease-recall")
-        me = os.urandom(16)
-        lease = await meta.lease(d, me)
-        assert lease.granted
-        ino = make_ino(shard_of(d), lease.first)
+        d, me, ino = await _leased_dir(meta, "lease-recall")
         made = trio.Event()
 
         async def theirs():
@@ -123,11 +128,7 @@ def test_another_clients_change_recalls_the_lease_and_waits_for_it(cluster):
 
 def test_the_holders_own_rename_passes_its_lease_and_anothers_recalls_it(cluster):
     async def scenario(meta: MetaClient, nursery):
-        d = await _dir(meta, "lease-rename")
-        me = os.urandom(16)
-        lease = await meta.lease(d, me)
-        assert lease.granted
-        ino = make_ino(shard_of(d), lease.first)
+        d, me, ino = await _leased_dir(meta, "lease-rename")
         assert (await meta.create_batch(d, me, [_entry("a", ino)]))[0].ino == ino
         with trio.fail_after(2):  # no recall: answered at once
             await meta.rename(d, b"a", d, b"b", session=me)
