@@ -147,7 +147,7 @@ def _where_they_differ(live: list[tuple[int, dict]]) -> str:
     if not all("dbs" in g for _, g in live):
         return ""
     names = sorted({name for _, g in live for name in g["dbs"]})
-    differ = [name for name in names if len({str(g["dbs"].get(name)) for _, g in live}) > 1]
+    differ = [name for name in names if len({tuple(g["dbs"].get(name, ())) for _, g in live}) > 1]
     return f" in database{'s' if len(differ) > 1 else ''} {', '.join(differ)}" if differ else ""
 
 

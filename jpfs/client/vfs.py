@@ -319,8 +319,10 @@ class VFS:
     def fresh_for(self, ino: int) -> float:
         """How much longer the attributes this VFS holds of ``ino`` may be trusted (the
         attribute timeout less their age): what the kernel may cache them for."""
+        if self.ro:  # attributes never go stale here (_attr_age is infinite)
+            return self.config.attr_timeout
         node = self.inodes.get(ino)
-        if node is None or self._attr_age == float("inf"):
+        if node is None:
             return self.config.attr_timeout
         return max(0.0, min(self.config.attr_timeout,
                             self._attr_age - (time.monotonic() - node.fetched)))
