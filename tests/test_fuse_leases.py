@@ -303,3 +303,41 @@ def test_renames_in_a_leased_directory_keep_the_lease_and_every_client_sees_them
         assert sorted(c.listdir("/rn")) == want
         assert c.read_bytes("/rn/e05") == b"new:5" and c.read_bytes("/rn/same") == b"new:0"
         assert m.stats()["leases"]["failed"] == 0
+
+
+@requires_fuse
+def test_renames_answered_from_the_lease_land_in_the_order_they_were_made(cluster, tmp_path):
+    """Renames, creates and unlinks answered from a lease reach the shard in the order the
+    mount answered them: a chain of renames, a swap through a temporary name, a name renamed
+    away and made again, a new file renamed over an old one, a file renamed and then removed,
+    files renamed before they were committed. Another client then sees exactly the tree this
+    mount shows, contents included, and the lease was never recalled."""
+    with mounted(cluster, tmp_path / "m") as m, jpfs.connect(cluster, dir_cache_ttl=0) as c:
+        d = m / "order"
+        d.mkdir()
+        _fill(d, [f"a{i}" for i in range(6)], b"v1:")
+        _fsync_dir(d)
+        before = m.stats()["leases"]
+        os.rename(d / "a0", d / "b0")
+        os.rename(d / "b0", d / "c0")
+        os.rename(d / "a1", d / "tmp")
+        os.rename(d / "a2", d / "a1")
+        os.rename(d / "tmp", d / "a2")
+        os.rename(d / "a3", d / "x")
+        _fill(d, ["a3"], b"v2:")
+        _fill(d, ["new"], b"v3:")
+        os.rename(d / "new", d / "a4")
+        os.rename(d / "a5", d / "gone")
+        os.unlink(d / "gone")
+        _fill(d, ["p", "q"])  # empty: not committed at their close
+        os.rename(d / "q", d / "p")
+        os.rename(d / "p", d / "r")
+        local = {p.name: p.read_bytes() for p in d.iterdir()}
+        assert local == {"c0": b"v1:a0", "a1": b"v1:a2", "a2": b"v1:a1", "x": b"v1:a3",
+                         "a3": b"v2:a3", "a4": b"v3:new", "r": b""}
+        st = m.stats()["leases"]
+        assert st["renames_answered"] - before["renames_answered"] == 10, st
+        assert st["recalled"] == before["recalled"] and st["failed"] == 0, st
+        _fsync_dir(d)
+        assert {n: c.read_bytes(f"/order/{n}") for n in c.listdir("/order")} == local
+        assert os.stat(d / "a4").st_nlink == 1 and os.stat(d / "c0").st_size == 5

@@ -91,6 +91,52 @@ def test_a_lease_reserves_inodes_and_a_batch_makes_the_files(cluster):
     _run(cluster, scenario)
 
 
+def test_a_batch_renames_files_in_order_and_refuses_what_no_longer_matches(cluster):
+    """Renames answered from a lease reach the shard in a batch, in the order they were made:
+    a rename that replaces a file takes a link from it, one whose names no longer match what
+    the holder saw is refused (the rest of the batch still applies), and a retry of a rename
+    already made answers its attributes."""
+    async def scenario(meta: MetaClient, nursery):
+        d, me, first = await _leased_dir(meta, "lease-rename")
+        a, b, c = first, first + 1, first + 2
+        made = await meta.create_batch(d, me, [_entry("a", a), _entry("b", b), _entry("c", c)])
+        assert [m.ino for m in made] == [a, b, c]
+        got = await meta.create_batch(d, me, [
+            [b"a", b"t", a, 0],  # a swap through a temporary name, then a chain
+            [b"b", b"a", b, 0],
+            [b"t", b"b", a, 0],
+            [b"c", b"x", c, 0],
+            [b"x", b"a", c, b],  # over a file: b loses its only link
+            _entry("c", first + 3)])  # the old name made again after it left
+        assert [g.ino for g in got] == [a, b, a, c, c, first + 3], got
+        assert sorted((e.name, e.ino) for e in await _listing(meta, d)) == [
+            (b"a", c), (b"b", a), (b"c", first + 3)]
+        with pytest.raises(JPFSError) as e:
+            await meta.getattr(b)
+        assert e.value.errno == errno.ENOENT
+        # a retry of a rename already made (its answer was lost) answers its attributes
+        assert (await meta.create_batch(d, me, [[b"x", b"a", c, b]]))[0].ino == c
+        bad = await meta.create_batch(d, me, [
+            [b"b", b"z", c, 0],  # b is not c
+            [b"b", b"a", a, 0],  # a exists and the holder did not say so
+            [b"b", b"zz", a, c],  # zz is not c
+            [b"b", b"b", a, 0], [b"b", b"q", a], [b"b", b"x/y", a, 0], [b"b", b"q", "a", 0],
+            [b"b", b"q", a, 0]])  # and one that still applies
+        assert [x.errno if isinstance(x, OSError) else x.ino for x in bad] == [
+            errno.ENOENT, errno.EEXIST, errno.ENOENT, errno.EINVAL, errno.EINVAL, errno.EINVAL,
+            errno.EINVAL, a]
+        assert await meta.lease_return(d, me)
+        sub = await meta.mkdir(d, b"sub", 0o755)
+        me2 = os.urandom(16)
+        assert (await meta.lease(d, me2)).granted
+        nodir = await meta.create_batch(d, me2, [[b"sub", b"s2", sub.attr.ino, 0],
+                                                 [b"q", b"sub", a, sub.attr.ino]])
+        assert [x.errno for x in nodir] == [errno.EINVAL, errno.EISDIR]
+        assert sorted(e.name for e in await _listing(meta, d)) == [b"a", b"c", b"q", b"sub"]
+
+    _run(cluster, scenario)
+
+
 async def _listing(meta: MetaClient, d: int) -> list:
     out = []
     async for e in meta.readdir(d, plus=False, page=100):

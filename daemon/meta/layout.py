@@ -177,10 +177,11 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
     """Changes a mount holding ``parent``'s lease already answered (``leases.py``), in order:
     new regular files, each ``[name, ino, mode, uid, gid, time_ns]`` with an inode number the
     lease reserved, or with ``size, chunks`` after it (the file's first commit, made with
-    it); and removes, ``[name, ino]`` (an unlink of a file whose inode lives here). Per entry
-    the file's attributes after it, or an errno name (EEXIST, ENOENT: the name changed while
-    the lease was lost). An entry already made (a retry after a lost answer) answers its
-    attributes."""
+    it); removes, ``[name, ino]`` (an unlink of a file whose inode lives here); and renames
+    within the directory, ``[old, new, ino, replaced]`` (``replaced``: the file ``new`` names,
+    or 0). Per entry the file's attributes after it, or an errno name (EEXIST, ENOENT: the
+    name changed while the lease was lost). A create or rename already made (a retry after a
+    lost answer) answers its attributes."""
     pdir = t.need_dir(parent)
     t.check_lease(parent, session)
     top = t.next_counter()
@@ -188,6 +189,8 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
     def one(e) -> list:
         if isinstance(e, list) and len(e) == 2:
             return _remove_entry(t, parent, e)
+        if isinstance(e, list) and len(e) == 4:
+            return _rename_entry(t, parent, e)
         if not isinstance(e, list) or len(e) not in (6, 8) or not all(
                 type(v) is int for v in e[1:7]):
             raise error(errno.EINVAL, "malformed entry")
@@ -243,4 +246,47 @@ def _remove_entry(t: Txn, parent: int, e: list) -> list:
         t.delete_inode(ino)
     else:
         t.put_inode(node)
+    return node.attr().to_wire()
+
+
+def _rename_entry(t: Txn, parent: int, e: list) -> list:
+    """One rename of a ``create_batch``: ``[old, new, ino, replaced]``. ``old`` must still name
+    the file ``ino`` and ``new`` the file ``replaced`` (0: nothing), both regular files whose
+    inodes live here; the replaced file loses a link, as ``rename(2)``'s."""
+    old, new, ino, replaced = e
+    check_name(old)
+    check_name(new)
+    if type(ino) is not int or type(replaced) is not int or old == new or ino == replaced:
+        raise error(errno.EINVAL, "malformed entry")
+    d = t.dentry(parent, old)
+    if d is None or d[0] != ino:
+        done = t.dentry(parent, new)
+        if d is None and done is not None and done[0] == ino:  # made by an earlier attempt
+            node = t.inode(ino, lock=False)
+            if node is not None:
+                return node.attr().to_wire()
+        raise error(errno.ENOENT, f"{old.decode(errors='replace')!r} is not that file")
+    if d[1] != stat.S_IFREG:
+        raise error(errno.EINVAL, "a batched rename moves a regular file")
+    was = t.dentry(parent, new)
+    if (was[0] if was is not None else 0) != replaced:
+        raise error(errno.EEXIST if was is not None else errno.ENOENT,
+                    f"{new.decode(errors='replace')!r} is not the file expected there")
+    if was is not None and was[1] != stat.S_IFREG:
+        raise error(errno.EISDIR, f"{new.decode(errors='replace')!r} is not a regular file")
+    node = t.inode(ino)
+    victim = t.inode(replaced) if was is not None else None
+    if node is None or (was is not None and victim is None):
+        raise error(errno.EXDEV, "a batched rename takes files whose inodes live here")
+    if victim is not None:
+        victim.nlink -= 1
+        victim.ctime_ns = t.now
+        if victim.nlink <= 0:
+            t.delete_inode(replaced)
+        else:
+            t.put_inode(victim)
+    t.delete_dentry(parent, old)
+    t.put_dentry(parent, new, ino, stat.S_IFREG)
+    node.ctime_ns = t.now
+    t.put_inode(node)
     return node.attr().to_wire()

@@ -1,28 +1,31 @@
-"""A mount's directory write leases: creates and unlinks answered from memory, committed behind.
+"""A mount's directory write leases: creates, unlinks and renames answered from memory, committed
+behind.
 
 A create through the mount costs a metadata round trip in the FUSE request's path. A mount that
 holds a directory's *lease* (``daemon/meta/leases.py``: nobody else changes its names until it
 gives the lease back) knows the directory's names for certain and holds a range of inode numbers
 of the directory's shard, so it answers a create at once (the VFS checks the name against
 ``KnownDirs``, pinned while leased) and commits the new entries behind with ``create_batch``,
-one transaction for the files of the next few milliseconds (``SEND_DELAY``).
+one transaction for the changes of the next few milliseconds (``SEND_DELAY``).
 
-Unlinks there are answered the same way when the lease's names (as granted, then as this mount
-changed them) give the name the inode the kernel names and it lives on the directory's shard:
-the batch carries them ahead of its creates, and an unlink of a file not sent yet just drops
-it. A lookup of a name the lease's names hold, of an inode the VFS knows, needs no call either.
+Unlinks and plain renames of files there are answered the same way when the lease's names (as
+granted, then as this mount changed them) give each name the inode the kernel names and those
+live on the directory's shard: the batch carries the changes in the order they were answered
+(``LeasedDir.queue``), and a file not sent yet is just dropped (unlinked) or made under its new
+name (renamed). A lookup of a name the lease's names hold, of an inode the VFS knows, needs no
+call either.
 
-Until its batch commits, a new file exists in this mount only. Whatever would show the shard
-that it is missing waits for the batch first (``settle``): the file's own metadata calls (its
-first commit, getattr, setattr, open, xattrs) and this mount's listings of the directory. A
-plain rename of a file within the directory is sent to the shard as the holder's (``session``:
-the shard lets it pass) once what is pending has committed, and the lease's names follow it
-(``renamed``); any other change of the directory's names by this mount (mkdir, link, other
-renames, an unlink the lease cannot answer) gives the lease back first (``give_back``); another
-client's change recalls it (the shard answers ``lease_wait``), and the shard runs that change
-once the lease is back. A killed mount loses the creates it had not sent (as a local filesystem
-loses files its journal had not committed); ``fsync`` of the file or the directory and unmount
-send them first.
+Until its batch commits, a change exists in this mount only. Whatever would show the shard that
+it is missing waits for the batch first (``settle``): the file's own metadata calls (its first
+commit, getattr, setattr, open, xattrs) and this mount's listings of the directory. A plain
+rename of a file the lease's names cannot vouch for (the kernel's view of a name is older than
+the lease's) is sent to the shard as the holder's (``session``: the shard lets it pass) once
+what is pending has committed, and the lease's names follow it (``renamed``); any other change
+of the directory's names by this mount (mkdir, link, other renames, an unlink the lease cannot
+answer) gives the lease back first (``give_back``); another client's change recalls it (the
+shard answers ``lease_wait``), and the shard runs that change once the lease is back. A killed
+mount loses the changes it had not sent (as a local filesystem loses those its journal had not
+committed); ``fsync`` of the file or the directory and unmount send them first.
 
 A lease is asked for once a directory saw ``LEASE_AFTER`` creates, unlinks or renames answered
 by the shard, and not
@@ -71,15 +74,17 @@ MAX_LEASES = 256
 
 class NewFile:
     """A file answered from a lease and not committed yet; ``chunks`` and ``size`` once its
-    first commit is to go with it, ``answer`` what the shard said then."""
+    first commit is to go with it, ``answer`` what the shard said then; ``seq`` its place in
+    the directory's queue (a file renamed before it was sent takes a new place)."""
 
-    __slots__ = ("attr", "chunks", "size", "answer")
+    __slots__ = ("attr", "chunks", "size", "answer", "seq")
 
     def __init__(self, attr: Attr):
         self.attr = attr
         self.chunks: list | None = None
         self.size = 0
         self.answer: Attr | OSError | None = None
+        self.seq = 0
 
     def entry(self, name: bytes) -> list:
         a = self.attr
@@ -96,9 +101,9 @@ class GiveBack(Exception):
 class LeasedDir:
     """A directory this mount holds the lease of."""
 
-    __slots__ = ("parent", "shard", "inos", "pending", "sending", "removing", "removes_sent",
-                 "idle", "ending", "lost", "renewing", "gone", "kick", "next_done", "sent_done",
-                 "used", "names")
+    __slots__ = ("parent", "shard", "inos", "pending", "queue", "queued", "seq", "sending",
+                 "in_flight", "idle", "ending", "lost", "renewing", "gone", "kick", "next_done",
+                 "sent_done", "used", "names")
 
     def __init__(self, parent: int):
         self.parent = parent
@@ -107,12 +112,18 @@ class LeasedDir:
         """Reserved inode numbers not used yet."""
         self.pending: dict[bytes, NewFile] = {}
         """Files answered and not sent yet, by name."""
+        self.queue: deque = deque()
+        """The changes answered and not sent yet, in the order they were answered (the shard
+        applies a batch in its order): ``(seq, name, NewFile)`` a create (skipped when the
+        name no longer holds that file at that place: removed or renamed before it was sent),
+        ``[name, ino]`` a remove, ``[old, new, ino, replaced or 0]`` a rename."""
+        self.queued: set[int] = set()
+        """The inodes the queue changes."""
+        self.seq = 0
         self.sending: dict[bytes, NewFile] = {}
         """Files in the batch in flight."""
-        self.removing: dict[bytes, int] = {}
-        """Removes answered and not sent yet: name -> the file's inode."""
-        self.removes_sent: dict[bytes, int] = {}
-        """... and those in the batch in flight."""
+        self.in_flight: set[int] = set()
+        """The inodes the batch in flight changes."""
         self.names: dict[bytes, int] = {}
         """The directory's names and their inodes: as granted, then as this VFS changed them
         (nobody else does while the lease is held)."""
@@ -136,21 +147,23 @@ class LeasedDir:
         """Set once the lease has ended."""
 
     def entry(self, name: bytes) -> Attr | None:
+        """A file answered under ``name`` and not committed yet (one renamed away after it was
+        sent is not under its old name any more)."""
         f = self.pending.get(name) or self.sending.get(name)
-        return f.attr if f is not None else None
+        return f.attr if f is not None and self.names.get(name) == f.attr.ino else None
 
-    def done_event(self, name: bytes | None) -> trio.Event | None:
-        """What to wait on for ``name`` (None: everything now pending or in flight) to be
-        answered; None when nothing is."""
-        if name is None:
-            if self.pending or self.removing:
+    def done_event(self, ino: int | None) -> trio.Event | None:
+        """What to wait on for the changes of ``ino`` (None: everything now queued or in
+        flight) to be answered; None when nothing is."""
+        if ino is None:
+            if self.queue:
                 self.kick.set()
                 return self.next_done
             return None if self.sent_done.is_set() else self.sent_done
-        if name in self.pending or name in self.removing:
+        if ino in self.queued:
             self.kick.set()
             return self.next_done
-        if name in self.sending or name in self.removes_sent:
+        if ino in self.in_flight:
             return self.sent_done
         return None
 
@@ -165,22 +178,24 @@ class DirLeases:
             known names of the directory.
         ended: called with (directory, lost) when a lease ends: the VFS lets the names age as
             usual (or forgets them, if the lease was lost).
-        failed: called with (directory, name, attr, error) for a file the shard refused
-            (attr None: a remove the shard refused).
+        failed: called with (directory, name, attr, error, change) for a change the shard
+            refused (attr: the new file's, for a create; else None, and ``change`` says
+            which).
     """
 
     def __init__(self, meta: MetaClient, nursery: trio.Nursery,
                  granted: Callable[[int, list[bytes]], None],
                  ended: Callable[[int, bool], None],
-                 failed: Callable[[int, bytes, Attr | None, OSError], None]):
+                 failed: Callable[[int, bytes, Attr | None, OSError, str], None]):
         self.meta = meta
         self.nursery = nursery
         self.session = os.urandom(16)
         self.dirs: dict[int, LeasedDir] = {}
         self.unsent: dict[int, tuple[int, bytes]] = {}
         """Inode -> (directory, name), for files answered whose batch has not committed."""
-        self.unremoved: dict[int, tuple[int, bytes]] = {}
-        """... and for files whose remove was answered and has not committed."""
+        self.changing: dict[int, int] = {}
+        """Inode -> directory, for every file with a change answered and not committed (a
+        create, remove or rename)."""
         self._granted, self._ended, self._failed = granted, ended, failed
         self._creates: dict[int, int] = {}
         self._not_before: dict[int, float] = {}
@@ -191,9 +206,10 @@ class DirLeases:
         self._drained: dict[int, trio.Event] = {}
         self.stats = {"granted": 0, "refused": 0, "recalled": 0, "given_back": 0, "lost": 0,
                       "idle_returned": 0, "answered": 0, "removes": 0, "cancelled": 0,
-                      "lookups": 0, "renames": 0, "batches": 0, "failed": 0}
+                      "lookups": 0, "renames": 0, "renames_answered": 0, "batches": 0,
+                      "failed": 0}
 
-    # ---- creates and unlinks
+    # ---- creates, unlinks and renames
 
     async def hold(self, parent: int) -> LeasedDir | None:
         """The lease on ``parent``: held, or asked for now (after ``LEASE_AFTER`` changes
@@ -218,13 +234,37 @@ class DirLeases:
         now = time.time_ns()
         attr = Attr(ld.inos.popleft(), stat.S_IFREG | (mode & 0o7777), 1, uid, gid, 0,
                     now, now, now)
-        ld.pending[name] = NewFile(attr)
         ld.names[name] = attr.ino
         ld.used = time.monotonic()
         self.unsent[attr.ino] = (ld.parent, name)
         self.stats["answered"] += 1
-        self._start(ld)
+        self._queue_create(ld, name, NewFile(attr))
         return attr
+
+    def _queue_create(self, ld: LeasedDir, name: bytes, f: NewFile) -> None:
+        ld.seq += 1
+        f.seq = ld.seq
+        ld.pending[name] = f
+        self._queue(ld, (f.seq, name, f), f.attr.ino)
+
+    def _queue(self, ld: LeasedDir, change: tuple | list, *inos: int) -> None:
+        ld.queue.append(change)
+        for ino in inos:
+            ld.queued.add(ino)
+            self.changing[ino] = ld.parent
+        self._start(ld)
+
+    def _cancel(self, ld: LeasedDir, name: bytes, ino: int) -> bool:
+        """Forget the create of ``name`` (file ``ino``) if it has not been sent: True if so
+        (its queued create is skipped)."""
+        f = ld.pending.get(name)
+        if f is None or f.attr.ino != ino:
+            return False
+        del ld.pending[name]
+        self.unsent.pop(ino, None)
+        f.answer = error(errno.ENOENT, "removed before it was committed")
+        self.stats["cancelled"] += 1
+        return True
 
     @staticmethod
     def removable(ld: LeasedDir, name: bytes, ino: int) -> bool:
@@ -232,6 +272,41 @@ class DirLeases:
         from ``ld``: the lease's names say so, and the inode lives on the directory's
         shard."""
         return not ld.ending and shard_of(ino) == ld.shard and ld.names.get(name) == ino
+
+    @staticmethod
+    def movable(ld: LeasedDir, old: bytes, ino: int, new: bytes, replaced: int | None) -> bool:
+        """Whether a rename of ``old`` (file ``ino``) to ``new`` (naming the regular file
+        ``replaced``, or nothing) can be answered from ``ld``: the lease's names say so, and
+        both inodes live on the directory's shard (one transaction there)."""
+        return DirLeases.removable(ld, old, ino) and ld.names.get(new) == replaced and (
+            replaced is None or shard_of(replaced) == ld.shard)
+
+    def rename(self, ld: LeasedDir, old: bytes, new: bytes) -> None:
+        """Rename ``old`` to ``new`` in ``ld`` (``movable``), answered now and committed behind.
+        A file not sent yet is made under its new name instead; a file ``new`` named that was
+        not sent yet is never sent."""
+        ino = ld.names[old]
+        replaced = ld.names.get(new)
+        ld.used = time.monotonic()
+        self.stats["renames"] += 1
+        self.stats["renames_answered"] += 1
+        if replaced == ino:
+            return  # two names of one file: rename(2) does nothing
+        del ld.names[old]
+        ld.names[new] = ino
+        if replaced is not None and self._cancel(ld, new, replaced):
+            replaced = None
+        f = ld.pending.get(old)
+        if f is not None and f.attr.ino == ino:  # not sent yet: made under its new name
+            del ld.pending[old]
+            if replaced is not None:
+                self._queue(ld, [new, replaced], replaced)
+            self.unsent[ino] = (ld.parent, new)
+            self._queue_create(ld, new, f)
+        elif replaced is not None:
+            self._queue(ld, [old, new, ino, replaced], ino, replaced)
+        else:
+            self._queue(ld, [old, new, ino, 0], ino)
 
     def renamed(self, ld: LeasedDir, old: bytes, new: bytes) -> None:
         """This mount renamed ``old`` to ``new`` in ``ld`` through the shard, as the holder:
@@ -247,21 +322,15 @@ class DirLeases:
         """Unlink ``name`` (file ``ino``) in ``ld``, answered now and committed behind; a file
         answered and not sent yet is just never sent."""
         ld.names.pop(name, None)
-        f = ld.pending.pop(name, None)
-        if f is not None:
-            self.unsent.pop(f.attr.ino, None)
-            f.answer = error(errno.ENOENT, "removed before it was committed")
-            self.stats["cancelled"] += 1
+        if self._cancel(ld, name, ino):
             return
-        if name in ld.sending or name in ld.removes_sent:
+        if ino in ld.in_flight:
             await ld.sent_done.wait()  # the shard must have it before it can remove it
             if ld.ending:
                 raise GiveBack
-        ld.removing[name] = ino
         ld.used = time.monotonic()
-        self.unremoved[ino] = (ld.parent, name)
         self.stats["removes"] += 1
-        self._start(ld)
+        self._queue(ld, [name, ino], ino)
 
     def _start(self, ld: LeasedDir) -> None:
         if ld.idle.is_set():
@@ -284,14 +353,14 @@ class DirLeases:
         the shard: what this mount answered there has committed."""
         for ino in inos:
             while True:
-                where = self.unsent.get(ino) or self.unremoved.get(ino)
-                ld = self.dirs.get(where[0] if where is not None else ino)
-                ev = ld.done_event(where[1] if where is not None else None) \
+                parent = self.changing.get(ino)
+                ld = self.dirs.get(parent if parent is not None else ino)
+                ev = ld.done_event(ino if parent is not None else None) \
                     if ld is not None else None
                 if ev is None or ev.is_set():
                     break
                 await ev.wait()
-                if where is None:
+                if parent is None:
                     break  # a directory: what was pending when asked
 
     def busy(self, parent: int) -> bool:
@@ -320,7 +389,7 @@ class DirLeases:
             return None
         f.chunks, f.size = chunks, size
         while f.answer is None:
-            ev = ld.done_event(name)
+            ev = ld.done_event(ino)
             if ev is None or ev.is_set():
                 break
             await ev.wait()
@@ -488,50 +557,72 @@ class DirLeases:
     # ---- batches
 
     async def _send(self, ld: LeasedDir) -> None:
-        """Commit ``ld``'s pending files, a batch at a time, until none is left."""
+        """Commit ``ld``'s queued changes, a batch at a time, until none is left."""
         try:
-            while ld.pending or ld.removing:
+            while ld.queue:
                 if not ld.ending:
                     with trio.move_on_after(SEND_DELAY):
                         await ld.kick.wait()
                 ld.kick = trio.Event()
-                # removes first: a name removed and made again is made after its remove
-                removes = ld.removes_sent = dict(list(ld.removing.items())[:BATCH_MAX])
-                for n in removes:
-                    del ld.removing[n]
-                names = list(ld.pending)[:BATCH_MAX - len(removes)]
-                batch = ld.sending = {n: ld.pending.pop(n) for n in names}
+                changes: list = []
+                while ld.queue and len(changes) < BATCH_MAX:
+                    c = ld.queue.popleft()
+                    if isinstance(c, tuple):  # a create: still that file under that name?
+                        f: NewFile = c[2]
+                        if ld.pending.get(c[1]) is not f or f.seq != c[0]:
+                            continue
+                        del ld.pending[c[1]]
+                    changes.append(c)
+                ld.queued = {ino for c in ld.queue for ino in _inos(c)}
+                ld.sending = {c[1]: c[2] for c in changes if isinstance(c, tuple)}
+                ld.in_flight = {ino for c in changes for ino in _inos(c)}
                 done = ld.sent_done = ld.next_done
                 ld.next_done = trio.Event()
-                if ld.pending or ld.removing:  # more than a batch: the rest goes at once
+                if ld.queue:  # more than a batch: the rest goes at once
                     ld.kick.set()
-                entries = [[n, ino] for n, ino in removes.items()]
-                entries += [f.entry(n) for n, f in batch.items()]
-                try:
-                    results: list = await self.meta.create_batch(ld.parent, self.session,
-                                                                 entries)
-                except JPFSError as e:
-                    results = [e] * len(entries)
-                self.stats["batches"] += 1
-                for (name, ino), r in zip(removes.items(), results, strict=False):
-                    self.unremoved.pop(ino, None)
-                    if isinstance(r, OSError):
-                        self.stats["failed"] += 1
-                        self._failed(ld.parent, name, None, r)
-                for (name, f), r in zip(batch.items(), results[len(removes):], strict=True):
-                    self.unsent.pop(f.attr.ino, None)
-                    f.answer = r
-                    if isinstance(r, OSError):
-                        self.stats["failed"] += 1
-                        self._failed(ld.parent, name, f.attr, r)
+                if changes:
+                    await self._commit(ld, changes)
+                for ino in ld.in_flight:
+                    if ino not in ld.queued and self.changing.get(ino) == ld.parent:
+                        del self.changing[ino]
                 ld.sending = {}
-                ld.removes_sent = {}
+                ld.in_flight = set()
                 done.set()
         finally:
             ld.idle.set()
             ld.sent_done.set()
             ld.next_done.set()  # who waits for a file dropped meanwhile looks again
             ld.next_done = trio.Event()
+
+    async def _commit(self, ld: LeasedDir, changes: list) -> None:
+        """One ``create_batch`` of ``changes`` (see ``LeasedDir.queue``), and its answers."""
+        entries = [c[2].entry(c[1]) if isinstance(c, tuple) else c for c in changes]
+        try:
+            results: list = await self.meta.create_batch(ld.parent, self.session, entries)
+        except JPFSError as e:
+            results = [e] * len(entries)
+        self.stats["batches"] += 1
+        for c, r in zip(changes, results, strict=True):
+            if isinstance(c, tuple):
+                f = c[2]
+                self.unsent.pop(f.attr.ino, None)
+                f.answer = r
+                if isinstance(r, OSError):
+                    self.stats["failed"] += 1
+                    self._failed(ld.parent, c[1], f.attr, r, "create")
+            elif isinstance(r, OSError):
+                self.stats["failed"] += 1
+                self._failed(ld.parent, c[0], None, r, "remove" if len(c) == 2 else
+                             f"rename to {c[1].decode(errors='replace')!r}")
+
+
+def _inos(change: tuple | list) -> tuple[int, ...]:
+    """The files a queued change is about (see ``LeasedDir.queue``)."""
+    if isinstance(change, tuple):
+        return (change[2].attr.ino,)
+    if len(change) == 2:
+        return (change[1],)
+    return (change[2], change[3]) if change[3] else (change[2],)
 
 
 __all__ = ["DirLeases", "GiveBack", "LeasedDir"]

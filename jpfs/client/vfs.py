@@ -262,13 +262,13 @@ class VFS:
         else:
             self.known.unpin(parent)
 
-    def _lease_failed(self, parent: int, name: bytes, attr: Attr | None, err: OSError
-                      ) -> None:
+    def _lease_failed(self, parent: int, name: bytes, attr: Attr | None, err: OSError,
+                      change: str) -> None:
         node = self.inodes.get(attr.ino) if attr is not None else None
         what = self.name_of(node) if node is not None else f"{name!r} in directory {parent:#x}"
         if attr is None:
-            log.error("%s: the metadata shard refused its removal (%s); the name may still be "
-                      "there", what, err.strerror or err)
+            log.error("%s: the metadata shard refused its %s (%s); the names may be as they "
+                      "were before it", what, change, err.strerror or err)
         else:
             log.error("%s: the metadata shard refused the new file (%s); it is lost", what,
                       err.strerror or err)
@@ -458,11 +458,7 @@ class VFS:
         gone = self.inodes.unname(parent, name)
         if self.known is not None:
             self.known.changed(parent, removed=name)
-        self.prefetcher.forget_dir(parent)
-        node = self.inodes.get(parent)
-        if node is not None and node.fetched != float("-inf"):
-            t = time.time_ns()
-            node.attr = node.attr.with_(mtime_ns=t, ctime_ns=t)
+        self._touched_in_lease(parent)
         if gone is not None:
             self.inodes.stale(gone.ino)  # nlink and ctime: asked (after the batch) next time
 
@@ -487,9 +483,10 @@ class VFS:
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
                      flags: int) -> None:
         """Rename as ``rename(2)``, with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2). A plain
-        rename within a directory this mount holds the lease of keeps the lease: what the
-        lease answered there is committed first, and the shard lets the holder's rename pass
-        (the lease's names follow it)."""
+        rename of a file within a directory this mount holds the lease of keeps the lease: it
+        is answered from the lease and committed behind when the lease's names vouch for both
+        names (``DirLeases.movable``); else what the lease answered there is committed first,
+        and the shard lets the holder's rename pass (the lease's names follow it)."""
         self._writable()
         leases = self.leases
         ld = None
@@ -498,6 +495,13 @@ class VFS:
                 and moving.attr.is_reg and shard_of(moving.ino) == shard_of(parent_old):
             # one shard's transaction (a file made in the directory): no self-recall
             ld = await leases.hold(parent_old)
+            target = self.inodes.child(parent_new, name_new)
+            if ld is not None and (target is None or target.attr.is_reg) and leases.movable(
+                    ld, name_old, moving.ino, name_new, target.ino if target else None):
+                leases.rename(ld, name_old, name_new)
+                if target is None or target.ino != moving.ino:  # else rename(2) does nothing
+                    self._renamed_in_lease(parent_old, name_old, name_new)
+                return
             if ld is not None:
                 await leases.settle(parent_old)
         if ld is None:
@@ -528,6 +532,30 @@ class VFS:
         if other is not None and not flags & 2:
             self.inodes.stale(other.ino)  # replaced: one link fewer
         self.inodes.moved()
+
+    def _renamed_in_lease(self, parent: int, old: bytes, new: bytes) -> None:
+        """A rename answered from a lease: what the shard's post-op answer would have told."""
+        if self.known is not None:
+            self.known.changed(parent, removed=old)
+            self.known.changed(parent, added=new)
+        moved = self.inodes.unname(parent, old)
+        other = self.inodes.unname(parent, new)
+        self._touched_in_lease(parent)
+        if moved is not None:
+            self.inodes.remember(moved.attr, parent, new, lookup=False)
+            self.inodes.stale(moved.ino)  # its ctime: asked (after the batch) next time
+        if other is not None:
+            self.inodes.stale(other.ino)  # replaced: one link fewer
+        self.inodes.moved()
+
+    def _touched_in_lease(self, parent: int) -> None:
+        """``parent``'s names changed by a change answered from its lease: its times are
+        now."""
+        self.prefetcher.forget_dir(parent)
+        node = self.inodes.get(parent)
+        if node is not None and node.fetched != float("-inf"):
+            t = time.time_ns()
+            node.attr = node.attr.with_(mtime_ns=t, ctime_ns=t)
 
     # ------------------------------------------------------------------ files
 
