@@ -262,6 +262,7 @@ class DirLeases:
             return False
         del ld.pending[name]
         self.unsent.pop(ino, None)
+        self.changing.pop(ino, None)  # a file not sent has no other change queued
         f.answer = error(errno.ENOENT, "removed before it was committed")
         self.stats["cancelled"] += 1
         return True
