@@ -13,6 +13,7 @@ import argparse
 import importlib
 import logging
 import re
+import signal
 import sys
 import textwrap
 
@@ -77,11 +78,23 @@ def main(argv: list[str] | None = None) -> int:
         if reported is None or (args.verbose >= 2 and reported is not KeyboardInterrupt):
             raise
         if reported is KeyboardInterrupt:
+            _ignore_late_interrupts()
             print(f"{_command(args)}: interrupted", file=sys.stderr)
             return 130
         assert isinstance(reported, BaseException)
         print(f"{_command(args)}: {_describe(reported, args)}", file=sys.stderr)
         return 1
+
+
+def _ignore_late_interrupts() -> None:
+    """The interrupted command has cleaned up and is ending: a second Ctrl-C, or a SIGINT or
+    SIGTERM that arrives while the interpreter shuts down (when Python's own handlers are
+    already gone), must not turn exit status 130 into a traceback or a death by signal."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except ValueError:  # not the main thread: nothing to protect here
+            return
 
 
 def _command(args: argparse.Namespace) -> str:
