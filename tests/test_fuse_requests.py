@@ -130,6 +130,36 @@ def test_other_clients_names_show_within_the_entry_timeout(cluster, tmp_path):
 
 
 @requires_fuse
+def test_a_stat_of_every_file_lists_the_directory_and_still_shows_each_change(cluster,
+                                                                             tmp_path):
+    """`du`, an indexer or a loader checking sizes stats every file of a directory another node
+    filled: after a few lookups the mount lists the directory with attributes and answers the
+    rest from the listing, each file as the shard has it; another node's change shows once the
+    entry and attribute timeouts have passed, this mount's own at once."""
+    n = 300
+    with jpfs.connect(cluster) as c:
+        c.makedirs("/statdir")
+        for i in range(n):
+            c.write_bytes(f"/statdir/f{i:03d}", b"x" * i)
+    with mounted(cluster, tmp_path / "m") as m, jpfs.connect(cluster) as c:
+        d = m / "statdir"
+        before = m.stats()["fuse"]
+        assert {f"f{i:03d}": os.stat(d / f"f{i:03d}").st_size for i in range(n)} == {
+            f"f{i:03d}": i for i in range(n)}
+        after = m.stats()["fuse"]
+        asked = after["lookups_asked"] - before["lookups_asked"]
+        assert after["lookups_listed"] - before["lookups_listed"] >= n - 50, after
+        assert asked <= 50 and m.stats()["prefetch"]["listings"] >= 1, after
+        (d / "f007").write_bytes(b"mine")  # this mount's change: at once
+        assert os.stat(d / "f007").st_size == 4
+        c.write_bytes("/statdir/f010", b"theirs")  # another node's: within the timeouts
+        c.remove("/statdir/f011")
+        _eventually(lambda: os.stat(d / "f010").st_size == 6, "another node's write shows")
+        _eventually(lambda: not (d / "f011").exists(), "another node's removal shows")
+        assert os.stat(d / "f299").st_size == 299
+
+
+@requires_fuse
 def test_capability_checks_before_writes_are_answered_from_memory(cluster, tmp_path):
     with mounted(cluster, tmp_path / "m") as m:
         p = m / "caps"

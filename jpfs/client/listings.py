@@ -33,12 +33,14 @@ class Listing:
 
     __slots__ = ("ino", "names", "attrs", "pos", "fetched", "complete", "layouts")
 
-    def __init__(self, ino: int, names: list[bytes], attrs: list[Attr], complete: bool):
+    def __init__(self, ino: int, names: list[bytes], attrs: list[Attr], complete: bool,
+                 fetched: float | None = None):
         self.ino = ino
         self.names = names
         self.attrs = attrs
         self.pos = {n: i for i, n in enumerate(names)}
-        self.fetched = time.monotonic()
+        self.fetched = time.monotonic() if fetched is None else fetched
+        """When the listing was asked for: its names and attributes are as old as that."""
         self.complete = complete
         self.layouts = False
 
@@ -59,6 +61,8 @@ class Listings:
         self._dirs: OrderedDict[int, Listing] = OrderedDict()
         self._entries = 0
         self._fetching: dict[int, trio.Event] = {}
+        self._changed: set[int] = set()
+        """Directories dropped while their listing was being fetched: not kept."""
 
     def get(self, ino: int, max_age: float = float("inf")) -> Listing | None:
         lst = self._dirs.get(ino)
@@ -81,6 +85,9 @@ class Listings:
         return lst.attrs[i]
 
     def drop(self, ino: int) -> None:
+        """``ino`` changed: its listing (and one being fetched) is stale."""
+        if ino in self._fetching:
+            self._changed.add(ino)
         lst = self._dirs.pop(ino, None)
         if lst is not None:
             self._entries -= len(lst)
@@ -89,9 +96,16 @@ class Listings:
         self._dirs.clear()
         self._entries = 0
 
-    async def fetch(self, ino: int, max_age: float = float("inf")) -> Listing:
+    def size_of(self, ino: int) -> int:
+        """Entries in ``ino``'s last listing, however old (0: none kept)."""
+        lst = self._dirs.get(ino)
+        return len(lst) if lst is not None else 0
+
+    async def fetch(self, ino: int, max_age: float = float("inf"), most: int = 0
+                    ) -> Listing | None:
         """The listing, fetched if missing or older than ``max_age`` (one fetch at a time per
-        directory; concurrent callers share it)."""
+        directory; concurrent callers share it). ``most``: give up (None) on a directory with
+        more entries than that."""
         while True:
             lst = self.get(ino, max_age)
             if lst is not None:
@@ -103,7 +117,9 @@ class Listings:
             if ino in self._dirs:
                 max_age = float("inf")  # the fetch we waited for is fresh enough
         ev = self._fetching[ino] = trio.Event()
+        self._changed.discard(ino)
         try:
+            started = time.monotonic()
             names: list[bytes] = []
             attrs: list[Attr] = []
             complete = True
@@ -111,12 +127,16 @@ class Listings:
                 async for e in it:
                     if e.attr is None:
                         continue
+                    if most and len(names) >= most:
+                        return None
                     if len(names) >= self.max_entries:
                         complete = False
                         break
                     names.append(e.name)
                     attrs.append(e.attr)
-            lst = Listing(ino, names, attrs, complete)
+            lst = Listing(ino, names, attrs, complete, started)
+            if ino in self._changed:
+                return lst  # this VFS changed the directory meanwhile: not kept
             self.drop(ino)
             self._dirs[ino] = lst
             self._entries += len(lst)
@@ -128,6 +148,7 @@ class Listings:
             return lst
         finally:
             del self._fetching[ino]
+            self._changed.discard(ino)
             ev.set()
 
 

@@ -30,6 +30,7 @@ import errno
 import functools
 import logging
 import os
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -45,6 +46,12 @@ from .listings import Listing, Listings
 from .meta import MetaClient
 
 log = logging.getLogger(__name__)
+
+LIST_AT_MOST = 50_000
+"""A directory listed for its lookups (``list_dir``) with more entries than this is not kept:
+its lookups keep asking the shard."""
+TOO_BIG_FOR = 60.0
+"""Seconds such a directory is not listed again for its lookups."""
 
 
 @dataclass
@@ -185,6 +192,7 @@ class Prefetcher:
         self.stats = PrefetchStats()
         self.listings = Listings(meta, self.config.listing_entries, self.config.listing_page)
         self._nursery: trio.Nursery | None = None
+        self._too_big: dict[int, float] = {}
         self._inflight = 0
         self._layouts: OrderedDict[int, Layout] = OrderedDict()
         self._scans: OrderedDict[tuple[int, int], _Scan] = OrderedDict()
@@ -223,6 +231,27 @@ class Prefetcher:
         self._layouts.move_to_end(lay.attr.ino)
         while len(self._layouts) > 65536:
             self._layouts.popitem(last=False)
+
+    def list_dir(self, ino: int, max_age: float) -> None:
+        """Fetch ``ino``'s listing with attributes in the background, unless one younger than
+        ``max_age`` is kept or the directory proved too large for it lately (lookups there
+        are then answered from it). A prefetch of names and attributes: off with the rest."""
+        if not self.config.enabled:
+            return
+        big = self._too_big.get(ino)
+        if big is not None and time.monotonic() - big < TOO_BIG_FOR:
+            return
+        if self.listings.get(ino, max_age) is None:
+            self._spawn(self._list_dir, ino, max_age)
+
+    async def _list_dir(self, ino: int, max_age: float) -> None:
+        try:
+            if await self.listings.fetch(ino, max_age, LIST_AT_MOST) is None:
+                if len(self._too_big) > 1024:
+                    self._too_big.clear()
+                self._too_big[ino] = time.monotonic()
+        except JPFSError as e:
+            log.debug("listing of directory %d failed: %s", ino, e.strerror)
 
     def forget_dir(self, ino: int) -> None:
         """A directory changed: its listing is stale."""
@@ -363,6 +392,7 @@ class Prefetcher:
     async def _listing(self, ino: int) -> Listing:
         """A directory's listing (fetched if needed), and its files' layouts with it."""
         lst = await self.listings.fetch(ino)
+        assert lst is not None  # (no limit asked)
         if self.config.layouts and not lst.layouts:
             lst.layouts = True
             self._spawn(self._fetch_layouts, lst)

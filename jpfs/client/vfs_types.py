@@ -79,6 +79,10 @@ class VFSStats:
     """security.capability lookups answered from memory (one per write(2) otherwise)."""
     layouts_refreshed: int = 0
     """Reads that found every copy of a chunk moved (by the healer) and read the layout again."""
+    lookups_asked: int = 0
+    """Lookups the metadata service answered."""
+    lookups_listed: int = 0
+    """Lookups answered from a directory's listing."""
 
     def as_dict(self) -> dict:
         return asdict(self)

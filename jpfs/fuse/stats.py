@@ -45,6 +45,8 @@ class MountStats:
             "commits": vfs["commits"],
             "capability_checks": vfs["capability_checks"],
             "layouts_refreshed": vfs["layouts_refreshed"],
+            "lookups_asked": vfs["lookups_asked"],
+            "lookups_listed": vfs["lookups_listed"],
             "uptime": round(time.time() - self.started, 3),
         }
 
@@ -80,7 +82,7 @@ def families(snap: dict) -> list:
         c.add_metric([name], n)
     out.append(c)
     for key in ("read_bytes", "write_bytes", "notify_store_bytes", "commits",
-                "capability_checks", "layouts_refreshed"):
+                "capability_checks", "layouts_refreshed", "lookups_asked", "lookups_listed"):
         out.append(CounterMetricFamily(f"jpfs_fuse_{key}", key.replace("_", " "),
                                        value=fuse[key]))
     for section in ("cache", "prefetch", "names", "leases"):
