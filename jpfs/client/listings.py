@@ -63,6 +63,8 @@ class Listings:
         self._fetching: dict[int, trio.Event] = {}
         self._changed: set[int] = set()
         """Directories dropped while their listing was being fetched: not kept."""
+        self._sizes: dict[int, int] = {}
+        """Entries in each directory's last listing, kept after the listing is dropped."""
 
     def get(self, ino: int, max_age: float = float("inf")) -> Listing | None:
         lst = self._dirs.get(ino)
@@ -97,9 +99,8 @@ class Listings:
         self._entries = 0
 
     def size_of(self, ino: int) -> int:
-        """Entries in ``ino``'s last listing, however old (0: none kept)."""
-        lst = self._dirs.get(ino)
-        return len(lst) if lst is not None else 0
+        """Entries in ``ino``'s last listing, however old or dropped (0: never listed)."""
+        return self._sizes.get(ino, 0)
 
     async def fetch(self, ino: int, max_age: float = float("inf"), most: int = 0
                     ) -> Listing | None:
@@ -139,6 +140,9 @@ class Listings:
                 return lst  # this VFS changed the directory meanwhile: not kept
             self.drop(ino)
             self._dirs[ino] = lst
+            if len(self._sizes) > 4096:
+                self._sizes.clear()
+            self._sizes[ino] = len(lst)
             self._entries += len(lst)
             while self._entries > self.max_entries and len(self._dirs) > 1:
                 _, old = self._dirs.popitem(last=False)

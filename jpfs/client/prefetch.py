@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
 import os
 import time
 from collections import OrderedDict, deque
@@ -52,6 +53,9 @@ LIST_AT_MOST = 50_000
 its lookups keep asking the shard."""
 TOO_BIG_FOR = 60.0
 """Seconds such a directory is not listed again for its lookups."""
+CHANGED_QUIET = 1.0
+"""Seconds after this mount changed a directory before it is listed for its lookups (the next
+change would drop the listing: a directory being emptied is not listed between removes)."""
 
 
 @dataclass
@@ -193,6 +197,8 @@ class Prefetcher:
         self.listings = Listings(meta, self.config.listing_entries, self.config.listing_page)
         self._nursery: trio.Nursery | None = None
         self._too_big: dict[int, float] = {}
+        self._changed: dict[int, float] = {}
+        """Directory -> when this mount last changed it (``forget_dir``)."""
         self._inflight = 0
         self._layouts: OrderedDict[int, Layout] = OrderedDict()
         self._scans: OrderedDict[tuple[int, int], _Scan] = OrderedDict()
@@ -238,8 +244,11 @@ class Prefetcher:
         are then answered from it). A prefetch of names and attributes: off with the rest."""
         if not self.config.enabled:
             return
+        now = time.monotonic()
         big = self._too_big.get(ino)
-        if big is not None and time.monotonic() - big < TOO_BIG_FOR:
+        if big is not None and now - big < TOO_BIG_FOR:
+            return
+        if now - self._changed.get(ino, -math.inf) < CHANGED_QUIET:
             return
         if self.listings.get(ino, max_age) is None:
             self._spawn(self._list_dir, ino, max_age)
@@ -256,6 +265,9 @@ class Prefetcher:
     def forget_dir(self, ino: int) -> None:
         """A directory changed: its listing is stale."""
         self.listings.drop(ino)
+        if len(self._changed) > 4096:
+            self._changed.clear()
+        self._changed[ino] = time.monotonic()
 
     # ------------------------------------------------------------------ observations
 

@@ -326,11 +326,12 @@ class VFS:
 
     def _asked_shard(self, parent: int) -> None:
         """A lookup in ``parent`` was answered by its shard. After ``LIST_AFTER`` of them (plus
-        one per 500 entries its last listing held, so a large directory is listed only when
+        one per 100 entries its last listing held, so a large directory is listed only when
         that costs less than the lookups it saves) the directory is listed with attributes in
-        the background, and lookups there are answered from the listing while it is younger
-        than the entry timeout: a stat of every file of a directory (``du``, an indexer, a
-        loader checking sizes) costs a call per 1,000 files, not one per file."""
+        the background (unless this mount changed it within the last second:
+        ``Prefetcher.list_dir``), and lookups there are answered from the listing while it is
+        younger than the entry timeout: a stat of every file of a directory (``du``, an
+        indexer, a loader checking sizes) costs a call per 1,000 files, not one per file."""
         if self._listing_age <= 0:
             return
         m = self._asked.get(parent)
@@ -338,7 +339,7 @@ class VFS:
             if len(self._asked) > 4096:
                 self._asked.clear()
             m = self._asked[parent] = [
-                0, LIST_AFTER + self.prefetcher.listings.size_of(parent) // 500]
+                0, LIST_AFTER + self.prefetcher.listings.size_of(parent) // 100]
         m[0] += 1
         if m[0] >= m[1]:
             del self._asked[parent]
