@@ -160,6 +160,28 @@ def test_a_stat_of_every_file_lists_the_directory_and_still_shows_each_change(cl
 
 
 @requires_fuse
+def test_a_directory_being_emptied_is_not_listed_between_its_removes(cluster, tmp_path):
+    """Lookups before each remove ask the shard (the kernel's entries expired), but a listing
+    taken for them would be dropped by the next remove: none is taken while the mount keeps
+    changing the directory."""
+    with jpfs.connect(cluster) as c:
+        c.makedirs("/emptied")
+        for i in range(120):
+            c.makedirs(f"/emptied/d{i:03d}")
+    with mounted(cluster, tmp_path / "m", "--no-dir-leases") as m:
+        d = m / "emptied"
+        assert len(os.listdir(d)) == 120
+        time.sleep(1.2)  # the kernel's entries from the listing expire: a LOOKUP per rmdir
+        before = m.stats()
+        for i in range(120):
+            os.rmdir(d / f"d{i:03d}")
+        after = m.stats()
+        assert after["fuse"]["lookups_asked"] - before["fuse"]["lookups_asked"] >= 100, after
+        assert after["prefetch"]["listings"] - before["prefetch"]["listings"] <= 1, after
+        assert os.listdir(d) == []
+
+
+@requires_fuse
 def test_capability_checks_before_writes_are_answered_from_memory(cluster, tmp_path):
     with mounted(cluster, tmp_path / "m") as m:
         p = m / "caps"

@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import math
 import os
 import time
 from collections import OrderedDict, deque
@@ -48,14 +47,14 @@ from .meta import MetaClient
 
 log = logging.getLogger(__name__)
 
-LIST_AT_MOST = 50_000
-"""A directory listed for its lookups (``list_dir``) with more entries than this is not kept:
+LIST_AT_MOST = 20_000
+"""A directory listed for its lookups (``looked_up``) with more entries than this is not kept:
 its lookups keep asking the shard."""
-TOO_BIG_FOR = 60.0
+TOO_BIG_FOR = 300.0
 """Seconds such a directory is not listed again for its lookups."""
-CHANGED_QUIET = 1.0
-"""Seconds after this mount changed a directory before it is listed for its lookups (the next
-change would drop the listing: a directory being emptied is not listed between removes)."""
+LIST_AFTER = 8
+"""Lookups in a row the shard answers in a directory, with no change by this mount between
+them, before it is listed for them (``looked_up``)."""
 
 
 @dataclass
@@ -197,8 +196,9 @@ class Prefetcher:
         self.listings = Listings(meta, self.config.listing_entries, self.config.listing_page)
         self._nursery: trio.Nursery | None = None
         self._too_big: dict[int, float] = {}
-        self._changed: dict[int, float] = {}
-        """Directory -> when this mount last changed it (``forget_dir``)."""
+        self._asked: dict[int, list[int]] = {}
+        """Directory -> [lookups the shard answered there in a row, lookups wanted before it
+        is listed] (``looked_up``)."""
         self._inflight = 0
         self._layouts: OrderedDict[int, Layout] = OrderedDict()
         self._scans: OrderedDict[tuple[int, int], _Scan] = OrderedDict()
@@ -238,17 +238,29 @@ class Prefetcher:
         while len(self._layouts) > 65536:
             self._layouts.popitem(last=False)
 
-    def list_dir(self, ino: int, max_age: float) -> None:
-        """Fetch ``ino``'s listing with attributes in the background, unless one younger than
-        ``max_age`` is kept or the directory proved too large for it lately (lookups there
-        are then answered from it). A prefetch of names and attributes: off with the rest."""
+    def looked_up(self, ino: int, max_age: float) -> None:
+        """A lookup in directory ``ino`` was answered by its shard. After ``LIST_AFTER`` of them
+        in a row (plus one per 100 entries its last listing held, so a large directory is
+        listed only when that costs less than the lookups it saves), with no change by this
+        mount between them (each would drop the listing: a directory being emptied is not
+        listed between its removes), the directory is listed with attributes in the
+        background, and lookups there are answered from the listing while it is younger than
+        ``max_age``: a stat of every file of a directory (``du``, an indexer, a loader
+        checking sizes) costs a call per 1,000 files, not one per file. A prefetch of names
+        and attributes: off with the rest."""
         if not self.config.enabled:
             return
-        now = time.monotonic()
-        big = self._too_big.get(ino)
-        if big is not None and now - big < TOO_BIG_FOR:
+        m = self._asked.get(ino)
+        if m is None:
+            if len(self._asked) > 4096:
+                self._asked.clear()
+            m = self._asked[ino] = [0, LIST_AFTER + self.listings.size_of(ino) // 100]
+        m[0] += 1
+        if m[0] < m[1]:
             return
-        if now - self._changed.get(ino, -math.inf) < CHANGED_QUIET:
+        del self._asked[ino]
+        big = self._too_big.get(ino)
+        if big is not None and time.monotonic() - big < TOO_BIG_FOR:
             return
         if self.listings.get(ino, max_age) is None:
             self._spawn(self._list_dir, ino, max_age)
@@ -265,9 +277,7 @@ class Prefetcher:
     def forget_dir(self, ino: int) -> None:
         """A directory changed: its listing is stale."""
         self.listings.drop(ino)
-        if len(self._changed) > 4096:
-            self._changed.clear()
-        self._changed[ino] = time.monotonic()
+        self._asked.pop(ino, None)
 
     # ------------------------------------------------------------------ observations
 

@@ -76,8 +76,6 @@ oldest is closed first; a later READ opens it again)."""
 UNOPENED_BYTES = 256 << 20
 """... and the bytes of whole small files those handles may hold (views that keep blobs alive
 after the memory cache let them go)."""
-LIST_AFTER = 8
-"""Lookups the shard answers in a directory before it is listed for them (``_asked_shard``)."""
 
 
 class VFS:
@@ -100,9 +98,6 @@ class VFS:
         self.handles = Handles()
         self.stats = VFSStats()
         self._listing_age = float("inf") if self.ro else config.entry_timeout
-        self._asked: dict[int, list[int]] = {}
-        """Directory -> [lookups the shard answered since it was last listed, lookups wanted
-        before it is listed] (``_asked_shard``)."""
         self._attr_age = float("inf") if self.ro else config.attr_timeout
         self._statfs: tuple[float, StatFS | None] = (0.0, None)
         self.known: KnownDirs | None = None if self.ro or config.entry_timeout <= 0 else \
@@ -321,29 +316,9 @@ class VFS:
             await leases.settle(attr.ino)
             attr = await self.meta.getattr(attr.ino)
         self.stats.lookups_asked += 1
-        self._asked_shard(parent)
+        if self._listing_age > 0:  # a stat of every file there lists it (``looked_up``)
+            self.prefetcher.looked_up(parent, self._listing_age)
         return self.attr_of(self.inodes.remember(attr, parent, name))
-
-    def _asked_shard(self, parent: int) -> None:
-        """A lookup in ``parent`` was answered by its shard. After ``LIST_AFTER`` of them (plus
-        one per 100 entries its last listing held, so a large directory is listed only when
-        that costs less than the lookups it saves) the directory is listed with attributes in
-        the background (unless this mount changed it within the last second:
-        ``Prefetcher.list_dir``), and lookups there are answered from the listing while it is
-        younger than the entry timeout: a stat of every file of a directory (``du``, an
-        indexer, a loader checking sizes) costs a call per 1,000 files, not one per file."""
-        if self._listing_age <= 0:
-            return
-        m = self._asked.get(parent)
-        if m is None:
-            if len(self._asked) > 4096:
-                self._asked.clear()
-            m = self._asked[parent] = [
-                0, LIST_AFTER + self.prefetcher.listings.size_of(parent) // 100]
-        m[0] += 1
-        if m[0] >= m[1]:
-            del self._asked[parent]
-            self.prefetcher.list_dir(parent, self._listing_age)
 
     def fresh_for(self, ino: int) -> float:
         """How much longer the attributes this VFS holds of ``ino`` may be trusted (the
