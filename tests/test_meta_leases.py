@@ -97,7 +97,7 @@ def test_a_batch_renames_files_in_order_and_refuses_what_no_longer_matches(clust
     the holder saw is refused (the rest of the batch still applies), and a retry of a rename
     already made answers its attributes."""
     async def scenario(meta: MetaClient, nursery):
-        d, me, first = await _leased_dir(meta, "lease-rename")
+        d, me, first = await _leased_dir(meta, "lease-rename-order")
         a, b, c = first, first + 1, first + 2
         made = await meta.create_batch(d, me, [_entry("a", a), _entry("b", b), _entry("c", c)])
         assert [m.ino for m in made] == [a, b, c]
