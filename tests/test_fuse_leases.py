@@ -150,6 +150,7 @@ def test_a_killed_mounts_lease_does_not_hold_the_directory(cluster, tmp_path):
             d = m / "orphan"
             d.mkdir()
             _fill(d, [f"k{i:03d}" for i in range(50)], b"kept:")  # closed: committed
+            assert m.stats()["fuse"]["closes_behind"] == 0  # (not with --write-behind)
             assert m.stats()["leases"]["held"] >= 1
             os.kill(m.pid, signal.SIGKILL)
             t0 = time.monotonic()
@@ -341,3 +342,48 @@ def test_renames_answered_from_the_lease_land_in_the_order_they_were_made(cluste
         _fsync_dir(d)
         assert {n: c.read_bytes(f"/order/{n}") for n in c.listdir("/order")} == local
         assert os.stat(d / "a4").st_nlink == 1 and os.stat(d / "c0").st_size == 5
+
+
+@requires_fuse
+def test_write_behind_answers_closes_at_once_and_no_client_sees_a_file_without_its_bytes(
+        cluster, tmp_path):
+    """``--write-behind``: files written and closed in a leased directory are stored and
+    committed behind their close. This mount reads each back at once; another client sees a
+    file within milliseconds and never without its bytes; a rename and an unlink right after
+    a close land in order; an fsync of the directory, and an unmount right after the closes,
+    commit every file. A default mount (the kill test above) commits at close."""
+    payload = {f"w{i:03d}": os.urandom(1000 + 37 * i) for i in range(200)}
+    with jpfs.connect(cluster, dir_cache_ttl=0) as c:
+        with mounted(cluster, tmp_path / "m", "--write-behind") as m:
+            assert m.stats()["mount"]["write_behind"] is True
+            d = m / "wb"
+            d.mkdir()
+            for name, data in payload.items():
+                (d / name).write_bytes(data)
+            assert (d / "w199").read_bytes() == payload["w199"]  # this mount, at once
+            os.rename(d / "w000", d / "renamed")
+            os.unlink(d / "w001")
+            seen = []
+
+            def whole_or_missing() -> bool:
+                try:
+                    seen.append(c.read_bytes("/wb/w198"))
+                except FileNotFoundError:
+                    return False
+                return True
+
+            _eventually(whole_or_missing, "another client sees a file closed behind")
+            assert seen == [payload["w198"]]
+            _fsync_dir(d)
+            got = {n: c.read_bytes(f"/wb/{n}") for n in c.listdir("/wb")}
+            want = {("renamed" if n == "w000" else n): v for n, v in payload.items()
+                    if n != "w001"}
+            assert got == want
+            fuse = m.stats()["fuse"]
+            assert fuse["closes_behind"] >= 150 and fuse["closes_behind_failed"] == 0, (
+                fuse, m.stats()["leases"])
+            (m / "wb-last").mkdir()
+            for name, data in payload.items():
+                (m / "wb-last" / name).write_bytes(data)
+            jpfs_cli("umount", str(m.path))  # at once: what is behind is committed first
+        assert {n: c.read_bytes(f"/wb-last/{n}") for n in c.listdir("/wb-last")} == payload

@@ -63,6 +63,9 @@ SEND_DELAY = 0.005
 """Seconds new files wait for more to share their batch, and for their first commit to go with
 them (a file written and closed at once: one metadata call for both), unless something waits
 for them (``settle``)."""
+HOLD_OPEN = 0.02
+"""Seconds at most a batch leaves out a new file that is still open for writing (and what was
+queued after it), so that its first commit goes with its create, unless something waits."""
 WAIT_SECONDS = 5.0
 """How long one ``lease_wait`` waits for a recall before it answers none (and is sent again)."""
 IDLE_RETURN = 5.0
@@ -75,16 +78,20 @@ MAX_LEASES = 256
 class NewFile:
     """A file answered from a lease and not committed yet; ``chunks`` and ``size`` once its
     first commit is to go with it, ``answer`` what the shard said then; ``seq`` its place in
-    the directory's queue (a file renamed before it was sent takes a new place)."""
+    the directory's queue (a file renamed before it was sent takes a new place); ``stored``,
+    for a file closed before its bytes were stored (``store_behind``), set once they are (or
+    could not be): until then its create, and what was queued after it, wait."""
 
-    __slots__ = ("attr", "chunks", "size", "answer", "seq")
+    __slots__ = ("attr", "chunks", "size", "answer", "seq", "stored", "made")
 
     def __init__(self, attr: Attr):
         self.attr = attr
+        self.made = time.monotonic()
         self.chunks: list | None = None
         self.size = 0
         self.answer: Attr | OSError | None = None
         self.seq = 0
+        self.stored: trio.Event | None = None
 
     def entry(self, name: bytes) -> list:
         a = self.attr
@@ -103,7 +110,7 @@ class LeasedDir:
 
     __slots__ = ("parent", "shard", "inos", "pending", "queue", "queued", "seq", "sending",
                  "in_flight", "idle", "ending", "lost", "renewing", "gone", "kick", "next_done",
-                 "sent_done", "used", "names")
+                 "sent_done", "used", "names", "urgent")
 
     def __init__(self, parent: int):
         self.parent = parent
@@ -128,7 +135,10 @@ class LeasedDir:
         """The directory's names and their inodes: as granted, then as this VFS changed them
         (nobody else does while the lease is held)."""
         self.kick = trio.Event()
-        """Set when somebody waits for the pending files: send them now."""
+        """Set to wake the sender: somebody waits for queued changes (``urgent``: send them
+        now), or a file it holds back was closed."""
+        self.urgent: set[int | None] = set()
+        """The files somebody waits for (None: all that is queued)."""
         self.next_done = trio.Event()
         """Set once the batch that takes the pending files has its answer."""
         self.sent_done = trio.Event()
@@ -157,10 +167,12 @@ class LeasedDir:
         flight) to be answered; None when nothing is."""
         if ino is None:
             if self.queue:
+                self.urgent.add(None)
                 self.kick.set()
                 return self.next_done
             return None if self.sent_done.is_set() else self.sent_done
         if ino in self.queued:
+            self.urgent.add(ino)
             self.kick.set()
             return self.next_done
         if ino in self.in_flight:
@@ -197,6 +209,8 @@ class DirLeases:
         """Inode -> directory, for every file with a change answered and not committed (a
         create, remove or rename)."""
         self._granted, self._ended, self._failed = granted, ended, failed
+        self.writing: Callable[[int], bool] = lambda ino: False
+        """Whether a file is open for writing on this mount (the VFS's answer)."""
         self._creates: dict[int, int] = {}
         self._not_before: dict[int, float] = {}
         self._asking: dict[int, trio.Event] = {}
@@ -376,6 +390,30 @@ class DirLeases:
         for parent in [p for p, ld in self.dirs.items() if not ld.idle.is_set()]:
             await self.settle(parent)
 
+    def store_behind(self, ino: int) -> trio.Event | None:
+        """The file ``ino``, answered from a lease and not sent yet, was closed and its bytes
+        are to be stored behind the close: its create waits in the queue for its first commit
+        (``attach``) so that nobody sees it without its bytes. The event to set once the store
+        has ended, whatever its outcome (then the create goes, with or without them); None when
+        the file is not waiting to be sent (commit it before the close is answered)."""
+        where = self.unsent.get(ino)
+        ld = self.dirs.get(where[0]) if where is not None else None
+        f = ld.pending.get(where[1]) if ld is not None and where is not None else None
+        if f is None or ld is None or ld.ending or f.chunks is not None or (
+                f.stored is not None and not f.stored.is_set()):
+            return None
+        f.stored = trio.Event()
+        ld.kick.set()  # a batch holding it back for its close looks again
+        return f.stored
+
+    def closed(self, ino: int) -> None:
+        """The file ``ino`` is no longer open for writing: a batch holding its create back for
+        its first commit need not wait any longer."""
+        where = self.unsent.get(ino)
+        ld = self.dirs.get(where[0]) if where is not None else None
+        if ld is not None:
+            ld.kick.set()
+
     async def attach(self, ino: int, chunks: list, size: int) -> Attr | None:
         """The first commit of a file answered from a lease and not sent yet: it goes with the
         file's create, in one batch. The file's attributes after it, or None when the file
@@ -389,6 +427,8 @@ class DirLeases:
         if f is None or ld is None:
             return None
         f.chunks, f.size = chunks, size
+        if f.stored is not None:
+            f.stored.set()  # the queue may go on past it
         while f.answer is None:
             ev = ld.done_event(ino)
             if ev is None or ev.is_set():
@@ -564,16 +604,39 @@ class DirLeases:
                 if not ld.ending:
                     with trio.move_on_after(SEND_DELAY):
                         await ld.kick.wait()
+                urgent, ld.urgent = ld.urgent, set()
+                if ld.ending:
+                    urgent.add(None)
                 ld.kick = trio.Event()
                 changes: list = []
+                storing: trio.Event | None = None
+                hold_until = 0.0
+                now = time.monotonic()
                 while ld.queue and len(changes) < BATCH_MAX:
-                    c = ld.queue.popleft()
+                    c = ld.queue[0]
                     if isinstance(c, tuple):  # a create: still that file under that name?
                         f: NewFile = c[2]
                         if ld.pending.get(c[1]) is not f or f.seq != c[0]:
+                            ld.queue.popleft()
                             continue
+                        if f.stored is not None and not f.stored.is_set():
+                            storing = f.stored  # closed, its bytes on their way: wait
+                            break
+                        if f.chunks is None and now - f.made < HOLD_OPEN and \
+                                self.writing(f.attr.ino) and None not in urgent and not (
+                                    urgent and urgent & {i for c in ld.queue
+                                                         for i in _inos(c)}):
+                            hold_until = f.made + HOLD_OPEN  # its first commit may join it
+                            break
                         del ld.pending[c[1]]
-                    changes.append(c)
+                    changes.append(ld.queue.popleft())
+                if not changes and storing is not None:
+                    await storing.wait()
+                    continue
+                if not changes and hold_until:
+                    with trio.move_on_after(hold_until - now):
+                        await ld.kick.wait()
+                    continue
                 ld.queued = {ino for c in ld.queue for ino in _inos(c)}
                 ld.sending = {c[1]: c[2] for c in changes if isinstance(c, tuple)}
                 ld.in_flight = {ino for c in changes for ino in _inos(c)}

@@ -24,7 +24,12 @@ Write semantics: writes are buffered per file (one ``FileWriter`` shared by the 
 it) and committed on flush (close), fsync, release and every 64 MiB, each commit one metadata
 transaction guarded by the version the writer started from, so other nodes see the old bytes or
 the new, never a mix. Another node sees the new bytes when it next opens the file (an open
-revalidates the layout unless ``read_only``).
+revalidates the layout unless ``read_only``). With ``write_behind``, a file made under a lease
+and not sent yet is committed behind its close (``BEHIND_FILES``): its create waits in the
+lease's queue for its bytes, so the shard, and every other node, learns of it with them;
+whatever asks about it first (an open, a getattr, fsync, another node) waits for both, as it
+waits for a create. Without it a close returns once the file is committed: a killed mount loses
+no closed file.
 """
 
 from __future__ import annotations
@@ -76,6 +81,11 @@ oldest is closed first; a later READ opens it again)."""
 UNOPENED_BYTES = 256 << 20
 """... and the bytes of whole small files those handles may hold (views that keep blobs alive
 after the memory cache let them go)."""
+BEHIND_FILES = 64
+"""Files made under a lease whose close is answered before their bytes are stored, at most at
+once; a close past this (or past ``BEHIND_BYTES``) stores them before it is answered."""
+BEHIND_BYTES = 64 << 20
+"""... and their bytes."""
 
 
 class VFS:
@@ -108,6 +118,7 @@ class VFS:
         if self.known is not None and config.dir_leases:
             self.leases = DirLeases(self.meta, client.nursery, self._lease_granted,
                                     self._lease_ended, self._lease_failed)
+            self.leases.writing = self._writing
         self.xattrs = Xattrs(self.meta, inodes, self.stats, self._attr_age, self._writable)
         self.xattrs.settle = self._settle
         self._unopened: OrderedDict[int, tuple[int, int]] = OrderedDict()
@@ -115,6 +126,11 @@ class VFS:
         sends no OPEN."""
         self._unopened_bytes = 0
         self._opening: dict[int, trio.Event] = {}
+        self._behind: dict[int, int] = {}
+        """Inode -> its bytes, for files whose close was answered before they were stored."""
+        self._behind_bytes = 0
+        self._behind_done = trio.Event()
+        self._behind_done.set()
 
     @classmethod
     async def connect(cls, nursery: trio.Nursery, cluster: Cluster, cache: BlobCache,
@@ -250,6 +266,10 @@ class VFS:
             for d in dirs:
                 if d in leases.dirs:
                     await leases.give_back(d)
+
+    def _writing(self, ino: int) -> bool:
+        node = self.inodes.get(ino)
+        return node is not None and node.writer is not None and node.writer.refs > 0
 
     def _lease_granted(self, parent: int, names: list[bytes]) -> None:
         assert self.known is not None
@@ -894,10 +914,46 @@ class VFS:
             await w.allocate(off, length, bool(mode & FALLOC_FL_KEEP_SIZE))
 
     async def flush(self, fh: int) -> None:
-        """Commit what the handle wrote (close-to-open: the next open elsewhere sees it)."""
+        """Commit what the handle wrote (close-to-open: the next open elsewhere sees it); a
+        file made under a lease is committed behind the close (the module docstring)."""
         h = self._handle(fh)
-        if h.writer is not None:
+        if h.writer is not None and not self._close_behind(h.node, h.writer):
             await self._commit(h.node, h.writer)
+
+    def _close_behind(self, node: Node, w: FileWriter) -> bool:
+        """Start committing ``w`` behind its close, if its file was made under a lease and is
+        not sent yet, nothing else commits it, and the bound allows: True if started."""
+        leases = self.leases
+        if leases is None or not self.config.write_behind or w.lock.locked() or not w.dirty \
+                or w.discarded or \
+                w.ino in self._behind or len(self._behind) >= BEHIND_FILES:
+            return False
+        n = w.dirty_bytes
+        if self._behind_bytes + n > BEHIND_BYTES:
+            return False
+        stored = leases.store_behind(w.ino)
+        if stored is None:
+            return False
+        self._behind[w.ino] = n
+        self._behind_bytes += n
+        self._behind_done = trio.Event()
+        self.client.nursery.start_soon(self._commit_behind, node, w, stored)
+        return True
+
+    async def _commit_behind(self, node: Node, w: FileWriter, stored: trio.Event) -> None:
+        try:
+            await self._commit(node, w)
+            self.stats.closes_behind += 1
+        except Exception as e:  # noqa: BLE001 - a task of the mount's own: log, never crash it
+            self.stats.closes_behind_failed += 1
+            why = e.strerror if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+            log.error("could not store %s after it was closed (%s); its release tries again, "
+                      "and its create is committed without its bytes", self.name_of(node), why)
+        finally:
+            stored.set()
+            self._behind_bytes -= self._behind.pop(w.ino)
+            if not self._behind:
+                self._behind_done.set()
 
     async def fsync(self, fh: int) -> None:
         """Commit, and return once the file's bytes and metadata are durable (its blobs are
@@ -950,6 +1006,8 @@ class VFS:
         finally:
             if w.refs == 0 and node.writer is w:
                 node.writer = None
+                if self.leases is not None:
+                    self.leases.closed(node.ino)
                 if node.lookups <= 0:
                     self.inodes.drop_if_unused(node)
 
@@ -976,6 +1034,7 @@ class VFS:
     async def commit_all(self) -> None:
         """Commit every file with buffered writes and make every change durable (before an
         unmount); errors are logged."""
+        await self._behind_done.wait()
         for h in self.handles.values():
             if type(h) is FileHandle and h.writer is not None:
                 try:

@@ -48,6 +48,10 @@ class VFSConfig:
     dir_leases: bool = True
     """Read-write: answer creates in directories this mount writes from memory under a lease
     and commit them behind (``leases.py``)."""
+    write_behind: bool = False
+    """With ``dir_leases``: answer the close of a file made under a lease before its bytes are
+    stored, and commit them behind it (a killed mount loses such files until their batch
+    commits)."""
 
 
 @dataclass
@@ -83,6 +87,10 @@ class VFSStats:
     """Lookups the metadata service answered."""
     lookups_listed: int = 0
     """Lookups answered from a directory's listing."""
+    closes_behind: int = 0
+    """Files made under a lease committed after their close was answered."""
+    closes_behind_failed: int = 0
+    """... whose bytes could not be stored then (logged; their release tries again)."""
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -76,6 +76,11 @@ class FileWriter:
     def dirty(self) -> bool:
         return bool(self.dirty_chunks or self._size_dirty)
 
+    @property
+    def dirty_bytes(self) -> int:
+        """The bytes the dirty chunks hold."""
+        return sum(len(b) for b in self.dirty_chunks.values())
+
     # ---- reading what the writer sees
     async def read(self, off: int, n: int) -> memoryview | bytearray:
         """Bytes ``[off, off + n)`` as this writer has them (dirty chunks over stored ones)."""

@@ -75,6 +75,7 @@ class MountOptions:
     nonempty: bool = False
     cache_admit: str = "second"
     dir_leases: bool = True
+    write_behind: bool = False
 
     def child_argv(self) -> list[str]:
         """Arguments for ``jpfs`` that run this mount in the foreground."""
@@ -94,7 +95,8 @@ class MountOptions:
                          ("--allow-other", self.allow_other),
                          ("--no-notify-store", not self.notify_store),
                          ("--nonempty", self.nonempty),
-                         ("--no-dir-leases", not self.dir_leases)):
+                         ("--no-dir-leases", not self.dir_leases),
+                         ("--write-behind", self.write_behind)):
             if on:
                 a.append(flag)
         return a
@@ -237,7 +239,7 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
             vfs = await VFS.connect(nursery, cluster, cache, VFSConfig(
                 read_only=opts.read_only, attr_timeout=attr_t, entry_timeout=entry_t,
                 open_cache=opts.open_cache, small_file=small, notify_store=opts.notify_store,
-                dir_leases=opts.dir_leases),
+                dir_leases=opts.dir_leases, write_behind=opts.write_behind),
                 KernelNotifier(), prefetch=opts.prefetch)
             sock = hints.socket_path(state_dir(), mp)
             if len(sock) > hints.MAX_PATH:

@@ -230,6 +230,7 @@ class Operations(pyfuse3.Operations):
                 "entry_timeout": self.config.entry_timeout,
                 "attr_timeout": self.config.attr_timeout,
                 "small_file": vfs.config.small_file, "notify_store": vfs.config.notify_store,
+                "dir_leases": vfs.config.dir_leases, "write_behind": vfs.config.write_behind,
                 "inodes": v["inodes"], "handles": v["handles"] + len(self._controls),
                 "cluster": str(vfs.client.cluster.path or ""),
             },

@@ -21,6 +21,11 @@ OPS = (
     "removexattr", "create", "fallocate",
 )
 
+_VFS_COUNTERS = ("read_bytes", "write_bytes", "notify_store_bytes", "commits",
+                 "capability_checks", "layouts_refreshed", "lookups_asked", "lookups_listed",
+                 "closes_behind", "closes_behind_failed")
+"""The VFS's counters (``VFSStats``) in the mount's stats and its metrics."""
+
 
 class MountStats:
     """What the FUSE layer counts: requests by operation, errors by errno."""
@@ -39,14 +44,7 @@ class MountStats:
             "control_requests": self.control_requests,
             "opens": dict(vfs["opens"]),
             "errors": dict(self.errors),
-            "read_bytes": vfs["read_bytes"],
-            "write_bytes": vfs["write_bytes"],
-            "notify_store_bytes": vfs["notify_store_bytes"],
-            "commits": vfs["commits"],
-            "capability_checks": vfs["capability_checks"],
-            "layouts_refreshed": vfs["layouts_refreshed"],
-            "lookups_asked": vfs["lookups_asked"],
-            "lookups_listed": vfs["lookups_listed"],
+            **{key: vfs[key] for key in _VFS_COUNTERS},
             "uptime": round(time.time() - self.started, 3),
         }
 
@@ -81,8 +79,7 @@ def families(snap: dict) -> list:
     for name, n in fuse["opens"].items():
         c.add_metric([name], n)
     out.append(c)
-    for key in ("read_bytes", "write_bytes", "notify_store_bytes", "commits",
-                "capability_checks", "layouts_refreshed", "lookups_asked", "lookups_listed"):
+    for key in _VFS_COUNTERS:
         out.append(CounterMetricFamily(f"jpfs_fuse_{key}", key.replace("_", " "),
                                        value=fuse[key]))
     for section in ("cache", "prefetch", "names", "leases"):
