@@ -112,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="100 KB files each process writes whole (default 300)")
     p.add_argument("--layout-files", type=int, default=50,
                    help="100 KB files each process writes in 4 KiB writes (default 50)")
+    p.add_argument("--write-behind", action="store_true",
+                   help="namespace phase: also through a read-write mount with --write-behind "
+                   "(a new file's close answered before its bytes are stored), in the same run")
     p.add_argument("--large-bytes", type=parse_size, default="512M",
                    help="the large file of the large phase (default 512M)")
     p.add_argument("--small-read-files", type=int, default=1000,
@@ -207,7 +210,9 @@ class Mount:
         self.cache = work / f"cache-{via}-{generation}"
         opts = fm.MountOptions(mountpoint=str(self.mp), cluster=cluster_file,
                                cache_dir=str(self.cache), prefetch=via != "fuse-noprefetch",
-                               read_only=via != "fuse-rw", open_requests=via == "fuse-open",
+                               read_only=not via.startswith("fuse-rw"),
+                               open_requests=via == "fuse-open",
+                               write_behind=via == "fuse-rw-write-behind",
                                log_file=str(work / f"mount-{via}.log"))
         self.pid = fm.start_background(opts)
 

@@ -271,21 +271,22 @@ def run_phases(args, work: Path) -> dict[str, Any]:
                 out["passthrough"] = {"namespace": namespace_phase(
                     mp_ / "ns", args.write_procs, args.namespace_ops, 100 << 10,
                     args.small_write_files, args.layout_files, {"mount": [pid]})}
-        for via in ("local", "fuse-rw", "fuse"):
-            if via == "fuse" and "large" not in phases:
+        for via in ("local", "fuse-rw", "fuse-rw-write-behind", "fuse"):
+            if via == "fuse" and "large" not in phases or via == "fuse-rw-write-behind" and (
+                    "namespace" not in phases or not args.write_behind):
                 continue
             mount = Mount(cluster_file, work, via, 0) if via != "local" else None
             try:
                 base = (mount.mp if mount else work / "local-ns")
                 res: dict[str, Any] = {}
                 if "namespace" in phases and via != "fuse":  # writes: not on read-only
-                    ns_root = base / "ns"
+                    ns_root = base / ("ns" if via != "fuse-rw-write-behind" else "ns-wb")
                     ns_root.mkdir(parents=True, exist_ok=True)
                     res["namespace"] = namespace_phase(
                         ns_root, args.write_procs, args.namespace_ops, 100 << 10,
                         args.small_write_files, args.layout_files,
                         _daemons(cdir, mount.pid) if mount else None)
-                if "large" in phases:
+                if "large" in phases and via != "fuse-rw-write-behind":
                     res["large"] = large_phase(mount.mp / "large" if mount else src,
                                                args.large_bytes, args.small_read_files,
                                                drop_caches)
@@ -296,24 +297,30 @@ def run_phases(args, work: Path) -> dict[str, Any]:
     return out
 
 
+def _namespace_row(what: str, r: dict, base: dict, floor: dict | None) -> dict:
+    """One namespace figure: the mount's against the local filesystem's (and the
+    passthrough's, where run)."""
+    row = {"phase": "namespace", "what": what, "unit": "ops/s", "local": base["ops_s"],
+           "fuse": r["ops_s"], "ratio": r["ops_s"] / base["ops_s"]}
+    if floor is not None:
+        row["passthrough"] = floor["ops_s"]
+        row["ratio_passthrough"] = r["ops_s"] / floor["ops_s"]
+        if "cpu_ms_per_op" in floor:
+            row["passthrough_cpu_ms_per_op"] = floor["cpu_ms_per_op"]["mount"]
+    if "cpu_ms_per_op" in r:
+        row["cpu_ms_per_op"] = r["cpu_ms_per_op"]
+    return row
+
+
 def ratios(phases: dict[str, Any]) -> list[dict]:
     """One row per figure: local, mount, mount vs local (and the passthrough, where run)."""
     rows = []
-    local, fuse = phases.get("local", {}), phases.get("fuse-rw", {})
+    local = phases.get("local", {})
     floor = phases.get("passthrough", {}).get("namespace", {})
-    for name, r in fuse.get("namespace", {}).items():
-        base = local["namespace"][name]
-        row = {"phase": "namespace", "what": name, "unit": "ops/s",
-               "local": base["ops_s"], "fuse": r["ops_s"],
-               "ratio": r["ops_s"] / base["ops_s"]}
-        if name in floor:
-            row["passthrough"] = floor[name]["ops_s"]
-            row["ratio_passthrough"] = r["ops_s"] / floor[name]["ops_s"]
-            if "cpu_ms_per_op" in floor[name]:
-                row["passthrough_cpu_ms_per_op"] = floor[name]["cpu_ms_per_op"]["mount"]
-        if "cpu_ms_per_op" in r:
-            row["cpu_ms_per_op"] = r["cpu_ms_per_op"]
-        rows.append(row)
+    for via, label in (("fuse-rw", ""), ("fuse-rw-write-behind", " --write-behind")):
+        for name, r in phases.get(via, {}).get("namespace", {}).items():
+            rows.append(_namespace_row(name + label, r, local["namespace"][name],
+                                       floor.get(name)))
     for via, label in (("fuse-rw", ""), ("fuse", " read-only")):
         for name, r in phases.get(via, {}).get("large", {}).items():
             base = local["large"][name]

@@ -22,21 +22,23 @@ def test_namespace_phase_against_local_and_a_passthrough(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", "--phases", "namespace",
          "--namespace-ops", "20", "--small-write-files", "4", "--layout-files", "2",
-         "--dir", str(work), "--json"], capture_output=True, text=True, timeout=300)
+         "--write-behind", "--dir", str(work), "--json"],
+        capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "vs passthrough" in proc.stdout
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    for via in ("local", "passthrough", "fuse-rw"):
+    for via in ("local", "passthrough", "fuse-rw", "fuse-rw-write-behind"):
         ns = res["phases"][via]["namespace"]
         assert set(ns) == {"create", "mkdir", "stat", "rename", "remove", "rmdir",
                            "write_small", "layout_4k"}
         assert all(r["ops_s"] > 0 for r in ns.values())
     rows = {r["what"]: r for r in res["phase_ratios"]}
+    assert rows["write_small --write-behind"]["local"] == rows["write_small"]["local"]
     assert rows["create"]["ratio_passthrough"] == pytest.approx(
         rows["create"]["fuse"] / rows["create"]["passthrough"])
     # what each daemon spent per operation (CPU clock ticks: a tiny run may read 0 for one)
     cpu = [r["cpu_ms_per_op"] for r in res["phase_ratios"] if r["phase"] == "namespace"]
-    assert len(cpu) == 8 and all(set(c) == {"mount", "shards", "storage"} for c in cpu)
+    assert len(cpu) == 16 and all(set(c) == {"mount", "shards", "storage"} for c in cpu)
     assert all(v >= 0 for c in cpu for v in c.values())
     assert sum(c["mount"] for c in cpu) > 0 and sum(c["shards"] for c in cpu) > 0
     assert sum(r["passthrough_cpu_ms_per_op"] for r in res["phase_ratios"]
