@@ -15,6 +15,11 @@ live on the directory's shard: the batch carries the changes in the order they w
 name (renamed). A lookup of a name the lease's names hold, of an inode the VFS knows, needs no
 call either.
 
+A batch leaves out a new file still open for writing here (for up to ``HOLD_OPEN``), so its
+first commit usually goes with its create; on a ``--write-behind`` mount a file closed before its
+bytes are stored (``store_behind``) holds its create, and everything queued after it, until the
+store has ended, so nobody sees it without its bytes.
+
 Until its batch commits, a change exists in this mount only. Whatever would show the shard that
 it is missing waits for the batch first (``settle``): the file's own metadata calls (its first
 commit, getattr, setattr, open, xattrs) and this mount's listings of the directory. A plain
@@ -110,7 +115,7 @@ class LeasedDir:
 
     __slots__ = ("parent", "shard", "inos", "pending", "queue", "queued", "seq", "sending",
                  "in_flight", "idle", "ending", "lost", "renewing", "gone", "kick", "next_done",
-                 "sent_done", "used", "names", "urgent")
+                 "sent_done", "used", "names", "urgent", "look")
 
     def __init__(self, parent: int):
         self.parent = parent
@@ -139,6 +144,9 @@ class LeasedDir:
         now), or a file it holds back was closed."""
         self.urgent: set[int | None] = set()
         """The files somebody waits for (None: all that is queued)."""
+        self.look = trio.Event()
+        """Set when a create the sender holds back may go: somebody waits, its file was closed
+        or its store ended."""
         self.next_done = trio.Event()
         """Set once the batch that takes the pending files has its answer."""
         self.sent_done = trio.Event()
@@ -169,11 +177,13 @@ class LeasedDir:
             if self.queue:
                 self.urgent.add(None)
                 self.kick.set()
+                self.look.set()
                 return self.next_done
             return None if self.sent_done.is_set() else self.sent_done
         if ino in self.queued:
             self.urgent.add(ino)
             self.kick.set()
+            self.look.set()
             return self.next_done
         if ino in self.in_flight:
             return self.sent_done
@@ -403,7 +413,7 @@ class DirLeases:
                 f.stored is not None and not f.stored.is_set()):
             return None
         f.stored = trio.Event()
-        ld.kick.set()  # a batch holding it back for its close looks again
+        ld.look.set()  # a batch holding it back for its close looks again
         return f.stored
 
     def closed(self, ino: int) -> None:
@@ -412,7 +422,7 @@ class DirLeases:
         where = self.unsent.get(ino)
         ld = self.dirs.get(where[0]) if where is not None else None
         if ld is not None:
-            ld.kick.set()
+            ld.look.set()
 
     async def attach(self, ino: int, chunks: list, size: int) -> Attr | None:
         """The first commit of a file answered from a lease and not sent yet: it goes with the
@@ -452,6 +462,7 @@ class DirLeases:
             return
         ld.ending = True
         ld.kick.set()  # what is pending goes now
+        ld.look.set()
         self._hold_off(parent)
         try:
             await ld.idle.wait()
@@ -604,45 +615,20 @@ class DirLeases:
                 if not ld.ending:
                     with trio.move_on_after(SEND_DELAY):
                         await ld.kick.wait()
-                urgent, ld.urgent = ld.urgent, set()
-                if ld.ending:
-                    urgent.add(None)
-                ld.kick = trio.Event()
-                changes: list = []
-                storing: trio.Event | None = None
-                hold_until = 0.0
-                now = time.monotonic()
-                while ld.queue and len(changes) < BATCH_MAX:
-                    c = ld.queue[0]
-                    if isinstance(c, tuple):  # a create: still that file under that name?
-                        f: NewFile = c[2]
-                        if ld.pending.get(c[1]) is not f or f.seq != c[0]:
-                            ld.queue.popleft()
-                            continue
-                        if f.stored is not None and not f.stored.is_set():
-                            storing = f.stored  # closed, its bytes on their way: wait
-                            break
-                        if f.chunks is None and now - f.made < HOLD_OPEN and \
-                                self.writing(f.attr.ino) and None not in urgent and not (
-                                    urgent and urgent & {i for c in ld.queue
-                                                         for i in _inos(c)}):
-                            hold_until = f.made + HOLD_OPEN  # its first commit may join it
-                            break
-                        del ld.pending[c[1]]
-                    changes.append(ld.queue.popleft())
-                if not changes and storing is not None:
-                    await storing.wait()
-                    continue
-                if not changes and hold_until:
-                    with trio.move_on_after(hold_until - now):
-                        await ld.kick.wait()
-                    continue
+                while True:
+                    ld.kick = trio.Event()
+                    ld.look = trio.Event()
+                    changes, wait, until = self._take(ld)
+                    if changes or wait is None:
+                        break
+                    with trio.move_on_after(until - time.monotonic()):
+                        await wait.wait()  # a store ends, a held file is closed, or a waiter
                 ld.queued = {ino for c in ld.queue for ino in _inos(c)}
                 ld.sending = {c[1]: c[2] for c in changes if isinstance(c, tuple)}
                 ld.in_flight = {ino for c in changes for ino in _inos(c)}
                 done = ld.sent_done = ld.next_done
                 ld.next_done = trio.Event()
-                if ld.queue:  # more than a batch: the rest goes at once
+                if len(changes) >= BATCH_MAX:  # more than a batch: the rest goes at once
                     ld.kick.set()
                 if changes:
                     await self._commit(ld, changes)
@@ -657,6 +643,33 @@ class DirLeases:
             ld.sent_done.set()
             ld.next_done.set()  # who waits for a file dropped meanwhile looks again
             ld.next_done = trio.Event()
+
+    def _take(self, ld: LeasedDir) -> tuple[list, trio.Event | None, float]:
+        """The next batch from the head of ``ld``'s queue: up to ``BATCH_MAX`` changes, ending
+        before a create that must wait (its file's bytes are being stored behind its close; or
+        it is open for writing, young, and nobody waits for it or what follows it). With no
+        change to send: what to wait for, and until when, before looking again."""
+        urgent, ld.urgent = ld.urgent, set()
+        if ld.ending:
+            urgent.add(None)
+        changes: list = []
+        now = time.monotonic()
+        while ld.queue and len(changes) < BATCH_MAX:
+            c = ld.queue[0]
+            if isinstance(c, tuple):  # a create: still that file under that name?
+                f: NewFile = c[2]
+                if ld.pending.get(c[1]) is not f or f.seq != c[0]:
+                    ld.queue.popleft()
+                    continue
+                if f.stored is not None and not f.stored.is_set():
+                    return changes, (None if changes else f.stored), float("inf")
+                if f.chunks is None and now - f.made < HOLD_OPEN and None not in urgent and \
+                        self.writing(f.attr.ino) and not (
+                            urgent and urgent & {i for c in ld.queue for i in _inos(c)}):
+                    return changes, (None if changes else ld.look), f.made + HOLD_OPEN
+                del ld.pending[c[1]]
+            changes.append(ld.queue.popleft())
+        return changes, None, 0.0
 
     async def _commit(self, ld: LeasedDir, changes: list) -> None:
         """One ``create_batch`` of ``changes`` (see ``LeasedDir.queue``), and its answers."""
