@@ -6,6 +6,7 @@ nothing, and a killed mount's lease does not block the directory for long."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -387,3 +388,51 @@ def test_write_behind_answers_closes_at_once_and_no_client_sees_a_file_without_i
                 (m / "wb-last" / name).write_bytes(data)
             jpfs_cli("umount", str(m.path))  # at once: what is behind is committed first
         assert {n: c.read_bytes(f"/wb-last/{n}") for n in c.listdir("/wb-last")} == payload
+
+
+@requires_fuse
+def test_write_behind_logs_a_store_that_fails_after_the_close_and_the_mount_goes_on(tmp_path):
+    """With ``--write-behind`` a close is answered before the file's bytes are stored: when
+    the store then fails (the only storage node is down) the mount logs it, counts it, keeps
+    serving, still commits the file's name (without the bytes it could not store), and the
+    next fsync of the directory fails with EIO, once; once the node is back, files written
+    again are whole."""
+    d = tmp_path / "c"
+    localcluster.up(d, meta_shards=1, storage_nodes=1, sync=False)
+    try:
+        with mounted(d, tmp_path / "m", "--write-behind") as m, \
+                jpfs.connect(d, dir_cache_ttl=0) as c:
+            w = m / "w"
+            w.mkdir()
+            _fill(w, [f"ok{i}" for i in range(5)], b"stored:")  # the lease is taken here
+            _fsync_dir(w)  # their closes were answered first: this waits for their bytes
+            localcluster.stop(d, "storage", 0)
+            (w / "late").write_bytes(b"not stored")  # close answered: the store fails behind
+            m.wait_for(lambda s: s["fuse"]["closes_behind_failed"] >= 1, timeout=60.0,
+                       what="the failed store counted")
+            assert "could not store" in (tmp_path / "m.log").read_text()
+            with pytest.raises(OSError) as lost:
+                _fsync_dir(w)
+            assert lost.value.errno == errno.EIO
+            _fsync_dir(w)  # reported once
+            assert sorted(os.listdir(w)) == sorted([f"ok{i}" for i in range(5)] + ["late"])
+            assert c.stat("/w/late").size == 0  # its name without the bytes
+            localcluster.start(d, "storage", 0, sync=False)
+            _eventually(lambda: _writes(w / "again", b"again"), "the node is back")
+            assert c.read_bytes("/w/again") == b"again"
+            assert c.read_bytes("/w/ok4") == b"stored:ok4"
+    finally:
+        localcluster.down(d, timeout=5)
+
+
+def _writes(path, data: bytes) -> bool:
+    """Write ``path`` and fsync it before the close (so a failed store is this call's error,
+    not one logged behind the close)."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        return False
+    return True

@@ -79,11 +79,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--write-behind", action="store_true",
                    help="read-write mounts with directory leases: answer the close of a file "
                    "made in a leased directory before its bytes are stored, and store and "
-                   "commit them behind it (2x the files/s of cp -r or tar x of small files "
-                   "here). Other nodes still never see such a file without its bytes, fsync "
-                   "and unmount still wait for them, but a killed mount loses the files it had "
-                   "not committed yet, closed or not, and an error storing them is logged, not "
-                   "returned by close (default off: a closed file is committed)")
+                   "commit them behind it (about twice the files/s of cp -r or tar x of "
+                   "small files here). Other nodes still never see such a file without its "
+                   "bytes, and fsync and unmount still wait for them, but a killed mount "
+                   "loses the files it had not committed yet, closed or not, and an error "
+                   "storing them is logged and returned by the next fsync of the file or its "
+                   "directory, not by close (default off: a closed file is committed)")
     p.add_argument("--nonempty", action="store_true",
                    help="mount over a directory that has files (they are hidden while mounted)")
     p.add_argument("--max-tasks", type=int, default=256, help=argparse.SUPPRESS)

@@ -15,8 +15,8 @@ live on the directory's shard: the batch carries the changes in the order they w
 name (renamed). A lookup of a name the lease's names hold, of an inode the VFS knows, needs no
 call either.
 
-A batch leaves out a new file still open for writing here (for up to ``HOLD_OPEN``), so its
-first commit usually goes with its create; on a ``--write-behind`` mount a file closed before its
+On a ``--write-behind`` mount a batch leaves out a new file still open for writing (for up to
+``HOLD_OPEN``), so that its close usually finds its create unsent, and a file closed before its
 bytes are stored (``store_behind``) holds its create, and everything queued after it, until the
 store has ended, so nobody sees it without its bytes.
 
@@ -220,7 +220,8 @@ class DirLeases:
         create, remove or rename)."""
         self._granted, self._ended, self._failed = granted, ended, failed
         self.writing: Callable[[int], bool] = lambda ino: False
-        """Whether a file is open for writing on this mount (the VFS's answer)."""
+        """Whether a file is open for writing on this mount, so that a batch holds its create
+        back for its close (the VFS answers it on a ``--write-behind`` mount)."""
         self._creates: dict[int, int] = {}
         self._not_before: dict[int, float] = {}
         self._asking: dict[int, trio.Event] = {}

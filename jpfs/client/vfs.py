@@ -118,7 +118,8 @@ class VFS:
         if self.known is not None and config.dir_leases:
             self.leases = DirLeases(self.meta, client.nursery, self._lease_granted,
                                     self._lease_ended, self._lease_failed)
-            self.leases.writing = self._writing
+            if config.write_behind:  # a close that finds its create held goes behind it
+                self.leases.writing = self._writing
         self.xattrs = Xattrs(self.meta, inodes, self.stats, self._attr_age, self._writable)
         self.xattrs.settle = self._settle
         self._unopened: OrderedDict[int, tuple[int, int]] = OrderedDict()
@@ -131,6 +132,9 @@ class VFS:
         self._behind_bytes = 0
         self._behind_done = trio.Event()
         self._behind_done.set()
+        self._behind_lost: dict[int, int] = {}
+        """Inode -> directory, for files whose bytes a store behind their close lost (until an
+        fsync reports it, or a later commit stores them)."""
 
     @classmethod
     async def connect(cls, nursery: trio.Nursery, cluster: Cluster, cache: BlobCache,
@@ -946,6 +950,9 @@ class VFS:
             self.stats.closes_behind += 1
         except Exception as e:  # noqa: BLE001 - a task of the mount's own: log, never crash it
             self.stats.closes_behind_failed += 1
+            self._behind_lost[w.ino] = node.parent
+            if len(self._behind_lost) > 65536:  # nobody asks: keep the newest
+                del self._behind_lost[next(iter(self._behind_lost))]
             why = e.strerror if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
             log.error("could not store %s after it was closed (%s); its release tries again, "
                       "and its create is committed without its bytes", self.name_of(node), why)
@@ -963,11 +970,23 @@ class VFS:
             await self._commit(h.node, h.writer)
         await self._settle(h.node.ino)
         await self.meta.sync([shard_of(h.node.ino)])
+        self._report_lost(h.node.ino, None)
 
     async def fsyncdir(self, ino: int) -> None:
         """Return once the directory's entries are durable."""
         await self._settle(ino)
         await self.meta.sync([shard_of(ino)])
+        self._report_lost(None, ino)
+
+    def _report_lost(self, ino: int | None, parent: int | None) -> None:
+        """EIO, once, for the file ``ino`` or the files in ``parent`` whose bytes could not be
+        stored behind their close (as a local filesystem's fsync reports a writeback error)."""
+        lost = [i for i, p in self._behind_lost.items() if i == ino or p == parent]
+        for i in lost:
+            del self._behind_lost[i]
+        if lost:
+            raise error(errno.EIO, f"the bytes of {len(lost)} file(s) closed here could not be "
+                        "stored after their close (see the mount's log)")
 
     async def release(self, fh: int) -> None:
         h = self.handles.get(fh)
@@ -1028,6 +1047,7 @@ class VFS:
         node.layout = None
         node.kernel_version = w.version  # the kernel's pages were written through it
         self.stats.commits += 1
+        self._behind_lost.pop(node.ino, None)  # stored after all
         if node.parent:
             self.prefetcher.forget_dir(node.parent)
 
