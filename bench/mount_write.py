@@ -271,10 +271,12 @@ def run_phases(args, work: Path) -> dict[str, Any]:
                 out["passthrough"] = {"namespace": namespace_phase(
                     mp_ / "ns", args.write_procs, args.namespace_ops, 100 << 10,
                     args.small_write_files, args.layout_files, {"mount": [pid]})}
-        for via in ("local", "fuse-rw", "fuse-rw-write-behind", "fuse"):
-            if via == "fuse" and "large" not in phases or via == "fuse-rw-write-behind" and (
-                    "namespace" not in phases or not args.write_behind):
-                continue
+        vias = ["local", "fuse-rw"]
+        if "namespace" in phases and args.write_behind:
+            vias.append("fuse-rw-write-behind")
+        if "large" in phases:
+            vias.append("fuse")
+        for via in vias:
             mount = Mount(cluster_file, work, via, 0) if via != "local" else None
             try:
                 base = (mount.mp if mount else work / "local-ns")

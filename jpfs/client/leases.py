@@ -141,7 +141,7 @@ class LeasedDir:
         (nobody else does while the lease is held)."""
         self.kick = trio.Event()
         """Set to wake the sender: somebody waits for queued changes (``urgent``: send them
-        now), or a file it holds back was closed."""
+        now), or the rest of a full batch is to go at once."""
         self.urgent: set[int | None] = set()
         """The files somebody waits for (None: all that is queued)."""
         self.look = trio.Event()
@@ -666,7 +666,7 @@ class DirLeases:
                     return changes, (None if changes else f.stored), float("inf")
                 if f.chunks is None and now - f.made < HOLD_OPEN and None not in urgent and \
                         self.writing(f.attr.ino) and not (
-                            urgent and urgent & {i for c in ld.queue for i in _inos(c)}):
+                            urgent and urgent & {i for q in ld.queue for i in _inos(q)}):
                     return changes, (None if changes else ld.look), f.made + HOLD_OPEN
                 del ld.pending[c[1]]
             changes.append(ld.queue.popleft())

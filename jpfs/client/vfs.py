@@ -918,8 +918,9 @@ class VFS:
             await w.allocate(off, length, bool(mode & FALLOC_FL_KEEP_SIZE))
 
     async def flush(self, fh: int) -> None:
-        """Commit what the handle wrote (close-to-open: the next open elsewhere sees it); a
-        file made under a lease is committed behind the close (the module docstring)."""
+        """Commit what the handle wrote (close-to-open: the next open elsewhere sees it); on a
+        write-behind mount a file made under a lease is committed behind the close (the module
+        docstring)."""
         h = self._handle(fh)
         if h.writer is not None and not self._close_behind(h.node, h.writer):
             await self._commit(h.node, h.writer)
@@ -928,9 +929,10 @@ class VFS:
         """Start committing ``w`` behind its close, if its file was made under a lease and is
         not sent yet, nothing else commits it, and the bound allows: True if started."""
         leases = self.leases
-        if leases is None or not self.config.write_behind or w.lock.locked() or not w.dirty \
-                or w.discarded or \
-                w.ino in self._behind or len(self._behind) >= BEHIND_FILES:
+        if leases is None or not self.config.write_behind:
+            return False
+        if w.lock.locked() or not w.dirty or w.discarded or w.ino in self._behind or \
+                len(self._behind) >= BEHIND_FILES:
             return False
         n = w.dirty_bytes
         if self._behind_bytes + n > BEHIND_BYTES:
