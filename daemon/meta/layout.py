@@ -18,6 +18,7 @@ from jpfs.types import Chunk
 from . import keys as K
 from .keys import Inode
 from .namespace import each_name, touch
+from .ops import apply
 from .store import Txn
 
 MAX_BULK = 10_000
@@ -279,12 +280,7 @@ def _rename_entry(t: Txn, parent: int, e: list) -> list:
     if node is None or (was is not None and victim is None):
         raise error(errno.EXDEV, "a batched rename takes files whose inodes live here")
     if victim is not None:
-        victim.nlink -= 1
-        victim.ctime_ns = t.now
-        if victim.nlink <= 0:
-            t.delete_inode(replaced)
-        else:
-            t.put_inode(victim)
+        apply(t, ["nlink", replaced, -1])  # gone at no link left, as rename(2)'s target
     t.delete_dentry(parent, old)
     t.put_dentry(parent, new, ino, stat.S_IFREG)
     node.ctime_ns = t.now

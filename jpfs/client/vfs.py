@@ -528,7 +528,7 @@ class VFS:
                     ld, name_old, moving.ino, name_new, target.ino if target else None):
                 leases.rename(ld, name_old, name_new)
                 if target is None or target.ino != moving.ino:  # else rename(2) does nothing
-                    self._renamed_in_lease(parent_old, name_old, name_new)
+                    self._moved(parent_old, name_old, parent_new, name_new, 0, None)
                 return
             if ld is not None:
                 await leases.settle(parent_old)
@@ -541,6 +541,13 @@ class VFS:
                 session=leases.session if leases is not None and ld is not None else None)
         if leases is not None and ld is not None:
             leases.renamed(ld, name_old, name_new)
+        self._moved(parent_old, name_old, parent_new, name_new, flags, (src_after, dst_after))
+
+    def _moved(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
+               flags: int, after: tuple | None) -> None:
+        """What this VFS knows after a rename: ``after``, the shard's post-op attributes of both
+        directories, or None for a rename answered from the lease (the directory's times are
+        now; the moved file's ctime is asked after the batch)."""
         if self.known is not None:
             exchange = bool(flags & 2)
             self.known.changed(parent_old, removed=None if exchange else name_old)
@@ -549,30 +556,18 @@ class VFS:
                 self.known.changed(parent_old, added=name_old)
         moved = self.inodes.unname(parent_old, name_old)
         other = self.inodes.unname(parent_new, name_new)
-        self._post_op(parent_old, src_after)
-        if parent_new != parent_old:
-            self._post_op(parent_new, dst_after)
+        if after is None:
+            self._touched_in_lease(parent_old)
+        else:
+            self._post_op(parent_old, after[0])
+            if parent_new != parent_old:
+                self._post_op(parent_new, after[1])
         for node, p, n in ((moved, parent_new, name_new),
                            (other if flags & 2 else None, parent_old, name_old)):
             if node is not None:  # keep the names right: co-access learning works on paths
                 self.inodes.remember(node.attr, p, n, lookup=False)
                 self.inodes.stale(node.ino)  # its ctime moved
         if other is not None and not flags & 2:
-            self.inodes.stale(other.ino)  # replaced: one link fewer
-        self.inodes.moved()
-
-    def _renamed_in_lease(self, parent: int, old: bytes, new: bytes) -> None:
-        """A rename answered from a lease: what the shard's post-op answer would have told."""
-        if self.known is not None:
-            self.known.changed(parent, removed=old)
-            self.known.changed(parent, added=new)
-        moved = self.inodes.unname(parent, old)
-        other = self.inodes.unname(parent, new)
-        self._touched_in_lease(parent)
-        if moved is not None:
-            self.inodes.remember(moved.attr, parent, new, lookup=False)
-            self.inodes.stale(moved.ino)  # its ctime: asked (after the batch) next time
-        if other is not None:
             self.inodes.stale(other.ino)  # replaced: one link fewer
         self.inodes.moved()
 
