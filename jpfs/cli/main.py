@@ -10,12 +10,17 @@ path is involved), with JPFS paths echoed as the command line writes them (``jpf
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import importlib
 import logging
+import os
 import re
 import signal
 import sys
 import textwrap
+import threading
+from typing import NoReturn
 
 from jpfs import __version__, uri
 from jpfs.errors import JPFSError
@@ -26,6 +31,8 @@ GROUPS = ("cluster", "node", "shard", "fs", "data", "mount", "lerobot", "bench",
 SUBCOMMANDS = ("cluster_command", "node_command", "lerobot", "bench")  # the groups' own dests
 JPFS_ONLY = {"ls", "stat", "mkdir", "rm", "mv", "cat", "du"}  # their paths all name JPFS files
 _URL = re.compile(r"\bjpfs://")
+NATIVE_POOLS = {"pyarrow", "torch"}
+"""Modules whose C++ threads can abort the process's exit (see ``entry``)."""
 
 DESCRIPTION = f"""\
 JPFS: a parallel filesystem for robot-learning training data.
@@ -150,5 +157,26 @@ def _echo(name: object, args: argparse.Namespace) -> str:
     return name
 
 
+def entry() -> NoReturn:
+    """The ``jpfs`` program: :func:`main`, then an exit that a C++ library's threads cannot abort.
+
+    pyarrow's thread pools (parquet reads, dataset writes) can still hold a joinable
+    ``std::thread`` when the process's static destructors run, and then ``exit()`` aborts with
+    "terminate called without an active exception" after the command has succeeded (apache/arrow
+    #34314; seen here about once in tens of runs of ``jpfs bench convert``). Once such a library
+    is loaded, the command's end runs what Python's own shutdown would (joining non-daemon
+    threads, atexit handlers, flushing) and leaves with ``os._exit``, skipping the destructors."""
+    rc = main()
+    if not NATIVE_POOLS.intersection(sys.modules):
+        sys.exit(rc)
+    # What Py_Finalize does first: shut executors down and join non-daemon threads, then atexit.
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
