@@ -266,6 +266,7 @@ def _fuse_delta(before: dict, after: dict, files: int, cpu: float) -> dict:
         "prefetch_hit_rate": opens.get("prefetched", 0) / needed if needed else None,
         "mount_cpu_us_per_file": cpu / files * 1e6,
         "prefetch": _counted(before.get("prefetch", {}), after.get("prefetch", {})),
+        "cache": _counted(before.get("cache", {}), after.get("cache", {})),
     }
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from fuse_support import mounted, requires_fuse
 import jpfs
 from jpfs import localcluster
 from jpfs.client.transfer import import_tree
+from jpfs.fuse.mount import daemon_pid, is_jpfs_mount
 
 pytestmark = [requires_fuse, pytest.mark.fuse]
 
@@ -106,22 +110,98 @@ def test_strided_scan_hits(cluster, tmp_path):
 
 def test_random_order_wastes_a_bounded_number_of_bytes(cluster, tmp_path):
     """An epoch in random order: once the directory is seen read out of order, it is fetched
-    whole (it fits within the cache share), and every byte fetched is then read."""
+    whole (it fits within the cache share) and given to the kernel's page cache, so the rest
+    of the epoch reads without waiting for a fetch; every byte fetched is then read."""
     c, src = cluster
     names = sorted(os.listdir(src / "scan"))
     random.Random(11).shuffle(names)
     with mounted(c, tmp_path / "m", "--read-only") as m:
         for n in names[:30]:
             _read(m / f"scan/{n}")
-        before = _opens(m)
+        before = m.stats()["fuse"]
         for n in names[30:]:
             assert _read(m / f"scan/{n}") == (src / "scan" / n).read_bytes()
-        d = _delta(before, _opens(m))
-        assert _served_ahead(d) >= 0.8 * (N_SCAN - 30), d
+        after = m.stats()["fuse"]
+        d = _delta(before["opens"], after["opens"])
+        waited = d["fetched"] + d["joined"] + d["disk"]
+        assert waited <= 0.2 * (N_SCAN - 30), d
+        # most files were read with no request at all: the kernel had them
+        assert after["handed_files"] >= 0.5 * (N_SCAN - 30), after
+        assert after["requests_total"] - before["requests_total"] < 0.5 * (N_SCAN - 30)
         s = m.stats()
         assert s["prefetch"]["sweeps"] == 1
         cache = s["cache"]
         assert cache["prefetched_bytes"] - cache["prefetch_hit_bytes"] <= 16 * 24000, cache
+
+
+def _shuffled_until_swept(m, names: list[str]) -> None:
+    """Read the first 30 of ``names`` (out of order: the directory is swept), then wait until
+    the sweep has given most of the rest to the kernel."""
+    for n in names[:30]:
+        _read(m / f"scan/{n}")
+    deadline = time.monotonic() + 30
+    while m.stats()["fuse"]["handed_files"] < 0.8 * (len(names) - 30):
+        assert time.monotonic() < deadline, m.stats()
+        time.sleep(0.05)
+
+
+def test_a_swept_directory_is_read_from_the_kernel_and_stays_right_when_it_lets_go(
+        cluster, tmp_path):
+    """A shuffled epoch on a read-only mount: the swept directory goes to the kernel's page
+    cache before it is read, so the rest of the epoch costs almost no requests (the READ of a
+    page held back from one file in eight, which tells prefetch how far the reader is); once
+    the kernel has dropped those pages and entries, every file still reads right."""
+    c, src = cluster
+    names = sorted(os.listdir(src / "scan"))
+    random.Random(21).shuffle(names)
+    with mounted(c, tmp_path / "m", "--read-only") as m:
+        _shuffled_until_swept(m, names)
+        before = m.stats()["fuse"]
+        for n in names[30:]:
+            assert _read(m / f"scan/{n}") == (src / "scan" / n).read_bytes()
+        after = m.stats()["fuse"]
+        assert after["requests_total"] - before["requests_total"] <= (N_SCAN - 30) / 4, after
+        assert after["handed_reads"] > before["handed_reads"]
+        # what the reader read no longer counts as prefetched ahead of it
+        assert m.stats()["prefetch"]["handed_bytes"] <= 8 * 24000
+        Path("/proc/sys/vm/drop_caches").write_text("3")  # pages, entries and inodes
+        for n in reversed(names):
+            assert _read(m / f"scan/{n}") == (src / "scan" / n).read_bytes()
+
+
+def test_a_mount_told_to_stop_while_it_hands_a_sweep_to_the_kernel_stops(cluster, tmp_path):
+    """SIGTERM while a reader is reading a directory being swept and handed to the kernel:
+    the mount unmounts and exits promptly and cleanly (a store that waits for a READ's pages
+    must not outlive the loop that answers the READ)."""
+    c, src = cluster
+    names = sorted(os.listdir(src / "scan"))
+    random.Random(22).shuffle(names)
+    with mounted(c, tmp_path / "m", "--read-only") as m:
+        for n in names[:30]:
+            _read(m / f"scan/{n}")
+        stop = threading.Event()
+
+        def reader() -> None:
+            for n in names[30:]:
+                if stop.is_set():
+                    return
+                try:
+                    _read(m / f"scan/{n}")
+                except OSError:  # the mount went away under it
+                    return
+
+        t = threading.Thread(target=reader)
+        t.start()
+        os.kill(m.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while daemon_pid(str(m.path)) == m.pid:
+            assert time.monotonic() < deadline, "the mount did not stop"
+            time.sleep(0.05)
+        stop.set()
+        t.join(10)
+        assert not is_jpfs_mount(str(m.path))
+        log = (tmp_path / "m.log").read_text()
+        assert "Traceback" not in log, log
 
 
 def test_random_subset_beyond_the_cache_share_wastes_little(cluster, tmp_path):
@@ -156,8 +236,9 @@ def test_coaccess_is_learned_then_hits(cluster, tmp_path):
         for i in order[4:]:
             episode(i)
         d = _delta(before, _opens(m))
-        videos = len(CAMERAS) * (EPISODES - 4)
-        assert d["prefetched"] >= 0.9 * videos, d
+        # at most the parquet of an episode waits for a fetch, never its videos (predicted at
+        # its open, or given to the kernel with their swept directory)
+        assert d["fetched"] + d["joined"] + d["disk"] <= EPISODES - 4, d
         rules = m.stats()["prefetch"]["rules"]
         assert any(r["from"].startswith("/ds/data/chunk-#/episode_#") and r["hits"] > 0
                    for r in rules), rules

@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -152,13 +152,14 @@ class _Scan:
 class _Sweep:
     """Opens seen in one directory (any reader): how many distinct, how many went backwards."""
 
-    __slots__ = ("opened", "last", "back", "done")
+    __slots__ = ("opened", "last", "back", "done", "swept")
 
     def __init__(self) -> None:
         self.opened: set[bytes] = set()
         self.last = -1
         self.back = 0
         self.done = False
+        self.swept = False
 
 
 class _Seq:
@@ -192,6 +193,12 @@ class Prefetcher:
         self.cache = cache
         self.config = config or PrefetchConfig()
         self.kernel_has = kernel_has or (lambda ino, version: False)
+        self.handoff: Callable[[int, list[Attr]], Awaitable[None]] | None = None
+        """Set by a mount whose kernel can take files before they are read: called with each
+        batch of a directory sweep once its blobs are in the cache (see ``_run_sweep``)."""
+        self.handed_bytes = 0
+        """Bytes ``handoff`` gave away that no reader has read yet: they count against the
+        cache share as unread prefetched blobs do."""
         self.stats = PrefetchStats()
         self.listings = Listings(meta, self.config.listing_entries, self.config.listing_page)
         self._nursery: trio.Nursery | None = None
@@ -303,6 +310,24 @@ class Prefetcher:
             self._sweep(parent, name)
         self._coaccess(stream, path)
         self._notify()
+
+    def predicts_from(self, path: str) -> bool:
+        """Whether a co-access rule predicts, at opens of ``path``, a partner whose directory
+        is not being swept (such opens must keep reaching ``opened``; a swept partner is
+        fetched anyway)."""
+        cur = shape_of(path)
+        for rule in (self._rules.get(cur.shape) or {}).values():
+            if rule.dropped or rule.seen < self.config.coaccess_min:
+                continue
+            p = apply_rule(rule.parts, cur.runs)
+            got = self._resolve_now(p) if p is not None and p != path else None
+            if got is False:
+                return True
+            if got is not None:
+                sw = self._sweeps.get(got[0])
+                if sw is None or not sw.swept:
+                    return True
+        return False
 
     def read(self, key: object, layout: Layout, offset: int, size: int) -> None:
         """A read of a large file through handle ``key``: read ahead while it is sequential."""
@@ -466,15 +491,17 @@ class Prefetcher:
         # sweeps hold now (the sweep waits for room, which reading them makes).
         if not todo or total > self.cache.memory_bytes * cfg.cache_share:
             return
+        sw.swept = True
         self.stats.sweeps += 1
         self.stats.sweep_files += len(todo)
         self.stats.sweep_bytes += total
         log.debug("sweeping directory %d: %d files, %d bytes", parent, len(todo), total)
-        self._spawn(self._run_sweep, todo)
+        self._spawn(self._run_sweep, parent, todo)
 
-    async def _run_sweep(self, todo: list[Attr]) -> None:
+    async def _run_sweep(self, parent: int, todo: list[Attr]) -> None:
         """Fetch the files in name order (their order in the storage volumes), a batch at a
-        time, while there is room."""
+        time, while there is room; each fetched batch goes on to ``handoff`` where one is set
+        (the kernel's page cache takes it, and this directory's readers ask for nothing)."""
         cfg = self.config
         k = 0
         while k < len(todo):
@@ -496,6 +523,8 @@ class Prefetcher:
                     return  # nothing read or fetched for a while: the sweep is not wanted
             self._inflight += size
             await self._batch(None, attrs=picks, reserved=size)
+            if self.handoff is not None:
+                self._spawn(self.handoff, parent, picks)
 
     # ------------------------------------------------------------------ co-access
 
@@ -729,6 +758,10 @@ class Prefetcher:
 
     # ------------------------------------------------------------------ fetching
 
+    def progress(self) -> None:
+        """Something prefetched was used elsewhere (a handed file read): there may be room."""
+        self._notify()
+
     def _notify(self) -> None:
         """Wake tasks waiting for room (a batch ended, a reader opened something)."""
         ev, self._progress = self._progress, trio.Event()
@@ -739,7 +772,8 @@ class Prefetcher:
         cfg = self.config
         share = int(self.cache.memory_bytes * cfg.cache_share)
         return min(cfg.inflight_bytes - self._inflight,
-                   share - self.cache.prefetched_unused_bytes - self._inflight)
+                   share - self.cache.prefetched_unused_bytes - self.handed_bytes
+                   - self._inflight)
 
     def _spawn(self, fn, *args) -> None:
         if self._nursery is not None:
@@ -875,6 +909,7 @@ class Prefetcher:
     def as_dict(self) -> dict:
         d = asdict(self.stats)
         d.update(enabled=self.config.enabled, inflight_bytes=self._inflight,
+                 handed_bytes=self.handed_bytes,
                  hints_queued=len(self._hints), hinted_unopened=len(self._hinted),
                  listings=self.listings.fetched,
                  listing_entries=self.listings.fetched_entries,

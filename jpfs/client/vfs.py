@@ -61,6 +61,7 @@ from .reader import chunk_map
 from .storage import Moved
 from .vfs_types import (
     OPEN_OUTCOMES,
+    Handed,
     Notifier,
     NullNotifier,
     OpenFile,
@@ -75,6 +76,12 @@ log = logging.getLogger(__name__)
 
 FALLOC_FL_KEEP_SIZE = 0x01
 _DEVICES = (stat.S_IFBLK, stat.S_IFCHR)
+PAGE = 4096
+"""The kernel's page size."""
+HAND_SAMPLE = 8
+"""A sweep gives the kernel one file in this many without its last page (``_hand_to_kernel``)."""
+INTRODUCED_MAX = 4096
+"""Directories remembered as listed through the mount for ``_hand_to_kernel``."""
 UNOPENED_MAX = 1024
 """Handles the VFS keeps for files the kernel opened without asking and has not read whole (the
 oldest is closed first; a later READ opens it again)."""
@@ -127,6 +134,16 @@ class VFS:
         sends no OPEN."""
         self._unopened_bytes = 0
         self._opening: dict[int, trio.Event] = {}
+        self._introduced: dict[int, trio.Event] = {}
+        """Directories whose entries this VFS made the kernel hold (``_hand_to_kernel``)."""
+        self._handed: dict[int, Handed] = {}
+        """Inode -> a file given to the kernel but for its last page, until that is read."""
+        self._hand_group = 0
+        """Files handed whole since the last one handed without its last page."""
+        self._hand_carry = 0
+        """... and their bytes."""
+        if self.ro and config.notify_store:
+            self.prefetcher.handoff = self._hand_to_kernel
         self._behind: dict[int, int] = {}
         """Inode -> its bytes, for files whose close was answered before they were stored."""
         self._behind_bytes = 0
@@ -358,8 +375,10 @@ class VFS:
     def forget(self, items) -> None:
         for ino, n in items:
             node = self.inodes.get(ino)
-            if ino in self._unopened and node is not None and node.lookups <= n:
-                self._close_unopened(ino)
+            if node is not None and node.lookups <= n:
+                if ino in self._unopened:
+                    self._close_unopened(ino)
+                self._unhand(ino)
             self.inodes.forget(ino, n)
 
     async def getattr(self, ino: int) -> Attr:
@@ -674,6 +693,17 @@ class VFS:
         small file fetched whole), and that handle is closed once the reads have covered the
         file (the kernel's pages hold it), when the kernel forgets the inode, or when it is the
         oldest past ``UNOPENED_MAX`` handles or ``UNOPENED_BYTES``."""
+        handed = self._unhand(ino)
+        if handed is not None and off >= handed.cut:
+            node = self.inodes.get(ino)
+            if node is not None and node.attr.version == handed.version:
+                self.stats.handed_reads += 1
+                path = self.inodes.path(node) if node.parent else None
+                if path is not None:
+                    self.prefetcher.opened(stream, ino, node.parent, node.name, path,
+                                           node.attr, True)
+                self.stats.read_bytes += min(size, len(handed.tail))
+                return handed.tail[off - handed.cut:off - handed.cut + size]
         held = self._unopened.get(ino)
         if held is None:
             fh = await self._open_unopened(ino, stream)
@@ -689,6 +719,99 @@ class VFS:
                 self.cache.delivered([c.blob for c in h.layout.chunks])
             self._close_unopened(ino)
         return out
+
+    async def _hand_to_kernel(self, parent: int, attrs: list[Attr]) -> None:
+        """A read-only mount's directory sweep fetched ``attrs`` (files of ``parent``): give
+        them to the kernel's page cache now, before anybody reads them. Their readers then
+        make no request at all (the kernel holds the entries, the pages and, with no OPEN, the
+        open), where each cost a LOOKUP and a READ carrying the file, and the mount frees the
+        blobs at once, so its memory is reused warm rather than grown into (page faults,
+        docs/perf.md).
+
+        The kernel says nothing when it serves a file, and prefetch must still know how far
+        ahead of its readers it is (handed bytes count against its share of the memory cache,
+        as unread prefetched blobs do). So one file in ``HAND_SAMPLE`` is handed without its
+        last page and carries the bytes of the files handed whole before it: the READ of that
+        page, answered from memory, releases them and counts as the file's open for prefetch.
+        A shuffled reader reaches the sampled files at the pace it reaches the rest. Files
+        whose opens co-access rules predict from (an episode's parquet, whose videos are
+        fetched when it is opened) all keep their last page while the partners' directory is
+        not swept, so those opens are still seen.
+
+        The kernel must hold an inode to take pages for it: the first batch of a directory
+        lists it through the mount (its entries then are lookups the kernel counts), and a
+        batch that finds files the kernel let go of lists it again. A file open or being
+        opened here is left to its READs, which find the blob in the cache."""
+        ready = self._introduced.get(parent)
+        if ready is not None and ready.is_set() and any(
+                self.inodes.get(a.ino) is None for a in attrs):
+            ready = None
+        if ready is None:
+            while len(self._introduced) >= INTRODUCED_MAX:
+                del self._introduced[next(iter(self._introduced))]
+            ready = self._introduced[parent] = trio.Event()
+            path = self.inodes.dir_path(parent)
+            try:
+                if path is not None:
+                    await self.notifier.introduce(path)
+            finally:
+                ready.set()
+        await ready.wait()
+        files: list[tuple[int, memoryview]] = []
+        picked: list[tuple[Node, Layout, memoryview]] = []
+        for a in attrs:
+            node = self.inodes.get(a.ino)
+            if node is None or node.lookups <= 0 or node.opens or node.writer is not None \
+                    or a.ino in self._opening or a.ino in self._handed \
+                    or node.kernel_version == a.version:
+                continue
+            layout = node.layout or self.prefetcher.layout(a.ino)
+            if layout is None or layout.attr.version != a.version or not layout.chunks:
+                continue
+            views = [self.cache.peek(c) for c in layout.chunks]
+            if any(v is None for v in views):
+                continue
+            node.layout = layout
+            data = views[0] if len(views) == 1 else \
+                memoryview(b"".join(views))  # type: ignore[arg-type]
+            assert data is not None
+            files.append((a.ino, data))
+            picked.append((node, layout, data))
+        if not files:
+            return
+        samples: dict[int, int] = {}
+        for k, ((ino, data), (node, _, _)) in enumerate(zip(files, picked, strict=True)):
+            path = self.inodes.path(node)
+            seen = path is not None and self.prefetcher.predicts_from(path)
+            if (seen or self._hand_group + 1 >= HAND_SAMPLE) and len(data) > PAGE:
+                samples[ino] = cut = (len(data) - 1) // PAGE * PAGE
+                files[k] = (ino, data[:cut])
+                self._hand_group = 0
+            else:
+                self._hand_group += 1
+        stored = await self.notifier.store_many(files)
+        for (node, layout, data), ok in zip(picked, stored, strict=True):
+            if not ok or self.inodes.get(node.ino) is not node or node.opens:
+                continue
+            node.kernel_version = layout.attr.version
+            self.stats.handed_files += 1
+            self.prefetcher.handed_bytes += len(data)
+            self._hand_carry += len(data)
+            held = samples.get(node.ino)
+            if held is not None:
+                self._handed[node.ino] = Handed(layout.attr.version, held, bytes(data[held:]),
+                                                self._hand_carry)
+                self._hand_carry = 0
+            self.stats.notify_store_bytes += len(data) if held is None else held
+            self.cache.delivered([c.blob for c in layout.chunks])
+
+    def _unhand(self, ino: int) -> Handed | None:
+        """A handed file's last page was asked for, or the kernel let go of it."""
+        h = self._handed.pop(ino, None)
+        if h is not None:
+            self.prefetcher.handed_bytes -= h.carries
+            self.prefetcher.progress()
+        return h
 
     async def _open_unopened(self, ino: int, stream: int) -> int:
         while (busy := self._opening.get(ino)) is not None:  # another READ is opening it

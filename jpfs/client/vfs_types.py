@@ -14,8 +14,20 @@ class Notifier(Protocol):
         """Put a file's whole contents into the kernel's page cache; False if it cannot."""
         ...
 
+    async def store_many(self, files: list[tuple[int, memoryview]]) -> list[bool]:
+        """``store`` for each of ``files``, off the loop that answers the kernel's requests."""
+        ...
+
+    async def introduce(self, path: str) -> bool:
+        """Make the kernel hold an inode for every entry of the directory at ``path``."""
+        ...
+
     def invalidate_attr(self, ino: int) -> None:
         """Make the kernel ask for the inode's attributes again."""
+        ...
+
+    async def close(self) -> None:
+        """No more notifications (the mount is ending); waits for any under way."""
         ...
 
 
@@ -25,7 +37,16 @@ class NullNotifier:
     def store(self, ino: int, data: memoryview) -> bool:
         return False
 
+    async def store_many(self, files: list[tuple[int, memoryview]]) -> list[bool]:
+        return [False] * len(files)
+
+    async def introduce(self, path: str) -> bool:
+        return False
+
     def invalidate_attr(self, ino: int) -> None:
+        return None
+
+    async def close(self) -> None:
         return None
 
 
@@ -70,6 +91,18 @@ memory or disk cache, fetched on demand, joined a fetch in flight, left for the 
 file); an empty file; a write open."""
 
 
+@dataclass(slots=True)
+class Handed:
+    """A file a sweep gave the kernel all but its last page of (``VFS._hand_to_kernel``)."""
+
+    version: int
+    cut: int
+    """Where the page held back starts (a multiple of the page size)."""
+    tail: bytes
+    carries: int
+    """The bytes handed with it (its group's), released when that page is read."""
+
+
 @dataclass
 class VFSStats:
     """What the VFS counts: opens by how they were served, bytes, commits."""
@@ -78,6 +111,10 @@ class VFSStats:
     read_bytes: int = 0
     write_bytes: int = 0
     notify_store_bytes: int = 0
+    handed_files: int = 0
+    """Files a directory sweep fetched that went to the kernel's page cache before any read."""
+    handed_reads: int = 0
+    """READs of a page held back from such a file (one file in ``HAND_SAMPLE``)."""
     commits: int = 0
     capability_checks: int = 0
     """security.capability lookups answered from memory (one per write(2) otherwise)."""

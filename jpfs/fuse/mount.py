@@ -240,7 +240,7 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
                 read_only=opts.read_only, attr_timeout=attr_t, entry_timeout=entry_t,
                 open_cache=opts.open_cache, small_file=small, notify_store=opts.notify_store,
                 dir_leases=opts.dir_leases, write_behind=opts.write_behind),
-                KernelNotifier(), prefetch=opts.prefetch)
+                KernelNotifier(mp), prefetch=opts.prefetch)
             sock = hints.socket_path(state_dir(), mp)
             if len(sock) > hints.MAX_PATH:
                 sock = ""
@@ -318,6 +318,7 @@ async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_opti
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(30):
             await ops.vfs.commit_all()
+            await ops.vfs.notifier.close()
         pyfuse3.close(unmount=True)
         try:
             st = json.loads(sf.read_text())
@@ -334,6 +335,7 @@ async def _on_signals(ops: Operations) -> None:
             log.info("signal %s: committing writes and unmounting",
                      signal.Signals(signum).name)
             await ops.vfs.commit_all()
+            await ops.vfs.notifier.close()  # while READs its stores may wait for are answered
             pyfuse3.terminate()
             return
 

@@ -23,7 +23,7 @@ OPS = (
 
 _VFS_COUNTERS = ("read_bytes", "write_bytes", "notify_store_bytes", "commits",
                  "capability_checks", "layouts_refreshed", "lookups_asked", "lookups_listed",
-                 "closes_behind", "closes_behind_failed")
+                 "closes_behind", "closes_behind_failed", "handed_files", "handed_reads")
 """The VFS's counters (``VFSStats``) in the mount's stats and its metrics."""
 
 
@@ -53,7 +53,7 @@ _GAUGES = frozenset({
     "memory_bytes", "memory_used", "memory_blobs", "disk_bytes", "disk_used", "disk_blobs",
     "prefetched_unused_bytes", "write_queue_bytes", "inflight_bytes", "hints_queued",
     "hinted_unopened", "listing_dirs", "listing_entries_kept", "enabled", "dirs", "names",
-    "held", "unsent",
+    "held", "unsent", "handed_bytes",
 })
 
 
