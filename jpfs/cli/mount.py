@@ -63,7 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--small-file", type=parse_size,
                    help="files up to this size are fetched whole on open (default: chunk size)")
     p.add_argument("--no-notify-store", dest="notify_store", action="store_false",
-                   help=argparse.SUPPRESS)
+                   help="never put file contents into the kernel's page cache ahead of its "
+                   "READs (a --read-only mount gives it directories swept for a shuffled "
+                   "epoch; with --open-requests, small files at open)")
     p.add_argument("--metrics", metavar="HOST:PORT",
                    help="also serve Prometheus metrics over HTTP there")
     p.add_argument("--cache-admit", choices=("second", "all"), default="second",
