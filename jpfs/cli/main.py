@@ -163,7 +163,7 @@ def entry() -> NoReturn:
     pyarrow's thread pools (parquet reads, dataset writes) can still hold a joinable
     ``std::thread`` when the process's static destructors run, and then ``exit()`` aborts with
     "terminate called without an active exception" after the command has succeeded (apache/arrow
-    #34314; seen here about once in tens of runs of ``jpfs bench convert``). Once such a library
+    #34314; it failed a CI run of ``jpfs bench convert`` here). Once such a library
     is loaded, the command's end runs what Python's own shutdown would (joining non-daemon
     threads, atexit handlers, flushing) and leaves with ``os._exit``, skipping the destructors."""
     rc = main()
