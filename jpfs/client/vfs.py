@@ -791,8 +791,9 @@ class VFS:
                 self._hand_group += 1
         stored = await self.notifier.store_many(files)
         for (node, layout, data), ok in zip(picked, stored, strict=True):
-            if not ok or self.inodes.get(node.ino) is not node or node.opens:
-                continue
+            if not ok or self.inodes.get(node.ino) is not node or node.opens \
+                    or node.kernel_version == layout.attr.version:
+                continue  # gone, or read meanwhile: its READs opened it, the kernel has it
             node.kernel_version = layout.attr.version
             self.stats.handed_files += 1
             self.prefetcher.handed_bytes += len(data)
