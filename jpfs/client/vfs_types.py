@@ -93,7 +93,7 @@ file); an empty file; a write open."""
 
 @dataclass(slots=True)
 class Handed:
-    """A file a sweep gave the kernel all but its last page of (``VFS._hand_to_kernel``)."""
+    """A file a sweep gave the kernel without its last page (``VFS._hand_to_kernel``)."""
 
     version: int
     cut: int
