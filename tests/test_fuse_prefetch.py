@@ -108,16 +108,27 @@ def test_strided_scan_hits(cluster, tmp_path):
         assert _served_ahead(d) >= 0.85 * (len(names) - 6), d
 
 
+def _shuffled(src: Path, seed: int) -> list[str]:
+    """The names of the scan directory in a random order (an epoch's)."""
+    names = sorted(os.listdir(src / "scan"))
+    random.Random(seed).shuffle(names)
+    return names
+
+
+def _start_epoch(m, names: list[str]) -> None:
+    """Read the first 30 of ``names``: out of name order, enough for the directory's sweep."""
+    for n in names[:30]:
+        _read(m / f"scan/{n}")
+
+
 def test_random_order_wastes_a_bounded_number_of_bytes(cluster, tmp_path):
     """An epoch in random order: once the directory is seen read out of order, it is fetched
     whole (it fits within the cache share) and given to the kernel's page cache, so the rest
     of the epoch reads without waiting for a fetch; every byte fetched is then read."""
     c, src = cluster
-    names = sorted(os.listdir(src / "scan"))
-    random.Random(11).shuffle(names)
+    names = _shuffled(src, 11)
     with mounted(c, tmp_path / "m", "--read-only") as m:
-        for n in names[:30]:
-            _read(m / f"scan/{n}")
+        _start_epoch(m, names)
         before = m.stats()["fuse"]
         for n in names[30:]:
             assert _read(m / f"scan/{n}") == (src / "scan" / n).read_bytes()
@@ -135,10 +146,8 @@ def test_random_order_wastes_a_bounded_number_of_bytes(cluster, tmp_path):
 
 
 def _shuffled_until_swept(m, names: list[str]) -> None:
-    """Read the first 30 of ``names`` (out of order: the directory is swept), then wait until
-    the sweep has given most of the rest to the kernel."""
-    for n in names[:30]:
-        _read(m / f"scan/{n}")
+    """``_start_epoch``, then wait until the sweep has given most of the rest to the kernel."""
+    _start_epoch(m, names)
     deadline = time.monotonic() + 30
     while m.stats()["fuse"]["handed_files"] < 0.8 * (len(names) - 30):
         assert time.monotonic() < deadline, m.stats()
@@ -152,8 +161,7 @@ def test_a_swept_directory_is_read_from_the_kernel_and_stays_right_when_it_lets_
     page held back from one file in eight, which tells prefetch how far the reader is); once
     the kernel has dropped those pages and entries, every file still reads right."""
     c, src = cluster
-    names = sorted(os.listdir(src / "scan"))
-    random.Random(21).shuffle(names)
+    names = _shuffled(src, 21)
     with mounted(c, tmp_path / "m", "--read-only") as m:
         _shuffled_until_swept(m, names)
         before = m.stats()["fuse"]
@@ -175,11 +183,9 @@ def test_a_mount_told_to_stop_while_it_hands_a_sweep_to_the_kernel_stops(cluster
     the mount unmounts and exits promptly and cleanly (a store that waits for a READ's pages
     must not outlive the loop that answers the READ)."""
     c, src = cluster
-    names = sorted(os.listdir(src / "scan"))
-    random.Random(22).shuffle(names)
+    names = _shuffled(src, 22)
     with mounted(c, tmp_path / "m", "--read-only") as m:
-        for n in names[:30]:
-            _read(m / f"scan/{n}")
+        _start_epoch(m, names)
         stop = threading.Event()
 
         def reader() -> None:
