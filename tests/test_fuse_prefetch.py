@@ -211,6 +211,25 @@ def test_a_mount_told_to_stop_while_it_hands_a_sweep_to_the_kernel_stops(cluster
         assert "Traceback" not in log, log
 
 
+def test_a_sweep_runs_ahead_of_its_reader_by_kernel_ahead(cluster, tmp_path):
+    """``--kernel-ahead`` bounds how far a sweep hands files to the kernel's page cache ahead
+    of the readers: with room for a dozen files the sweep waits for the reader and goes on as
+    it reads (which then fetches most files itself), and every file reads right."""
+    c, src = cluster
+    names = _shuffled(src, 24)
+    with mounted(c, tmp_path / "m", "--read-only", "--kernel-ahead", "256K") as m:
+        _start_epoch(m, names)
+        time.sleep(1)  # time enough to hand the whole directory, were it allowed
+        s = m.stats()
+        assert s["prefetch"]["sweeps"] == 1, s["prefetch"]
+        assert s["prefetch"]["handed_bytes"] <= (256 << 10) + 24000, s["prefetch"]
+        held_back = s["fuse"]["handed_files"]
+        assert held_back <= 40, s["fuse"]
+        for n in names[30:]:
+            assert _read(m / f"scan/{n}") == (src / "scan" / n).read_bytes()
+        assert m.stats()["fuse"]["handed_files"] > held_back, m.stats()["fuse"]
+
+
 def test_random_subset_beyond_the_cache_share_wastes_little(cluster, tmp_path):
     """Random reads of a directory that does not fit within the cache share: no sweep; what
     a false start fetched and nobody read stays within a few files."""

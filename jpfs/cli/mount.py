@@ -66,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="never put file contents into the kernel's page cache ahead of its "
                    "READs (a --read-only mount gives it directories swept for a shuffled "
                    "epoch; with --open-requests, small files at open)")
+    p.add_argument("--kernel-ahead", type=parse_size, metavar="SIZE",
+                   help="--read-only: how far the directories swept for a shuffled epoch may "
+                   "run ahead of the readers in the kernel's page cache (default: an eighth of "
+                   "this machine's memory, at least half of --memory-cache)")
     p.add_argument("--metrics", metavar="HOST:PORT",
                    help="also serve Prometheus metrics over HTTP there")
     p.add_argument("--cache-admit", choices=("second", "all"), default="second",
@@ -122,7 +126,7 @@ def _options(args: argparse.Namespace):
         read_only=args.read_only, open_requests=args.open_requests, allow_other=args.allow_other,
         entry_timeout=args.entry_timeout, attr_timeout=args.attr_timeout,
         open_cache=args.open_cache, read_ahead=args.read_ahead, small_file=args.small_file,
-        notify_store=args.notify_store, metrics=args.metrics,
+        notify_store=args.notify_store, kernel_ahead=args.kernel_ahead, metrics=args.metrics,
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
         max_tasks=args.max_tasks, nonempty=args.nonempty, cache_admit=args.cache_admit,
         dir_leases=args.dir_leases, write_behind=args.write_behind)

@@ -68,6 +68,10 @@ class PrefetchConfig:
     """Bytes of prefetch fetches in flight at once."""
     cache_share: float = 0.5
     """Prefetched-but-unused bytes stay below this share of the memory cache."""
+    kernel_ahead: int = 1 << 30
+    """Bytes of swept files handed to the kernel's page cache (``handoff``) and not reached by
+    a reader yet that sweeps may run ahead by. The kernel holds them, not the memory cache,
+    so the memory cache's share does not bound them."""
     scan_start: int = 4
     scan_max: int = 64
     """A confirmed directory scan fetches this many entries ahead at most (files)."""
@@ -197,8 +201,10 @@ class Prefetcher:
         """Set by a mount whose kernel can take files before they are read: called with each
         batch of a directory sweep once its blobs are in the cache (see ``_run_sweep``)."""
         self.handed_bytes = 0
-        """Bytes ``handoff`` gave away that no reader has read yet: they count against the
-        cache share as unread prefetched blobs do."""
+        self._handing = 0
+        """Bytes of fetched sweep batches on their way to ``handoff``."""
+        """Bytes ``handoff`` gave away that no reader has read yet (``kernel_ahead`` bounds
+        them)."""
         self.stats = PrefetchStats()
         self.listings = Listings(meta, self.config.listing_entries, self.config.listing_page)
         self._nursery: trio.Nursery | None = None
@@ -503,12 +509,13 @@ class Prefetcher:
         time, while there is room; each fetched batch goes on to ``handoff`` where one is set
         (the kernel's page cache takes it, and this directory's readers ask for nothing)."""
         cfg = self.config
+        most = min(cfg.batch_bytes, cfg.kernel_ahead) if self.handoff else cfg.batch_bytes
         k = 0
         while k < len(todo):
             picks: list[Attr] = []
             size = 0
             while k < len(todo) and len(picks) < cfg.batch_files and \
-                    (not picks or size + todo[k].size <= cfg.batch_bytes):
+                    (not picks or size + todo[k].size <= most):
                 a = todo[k]
                 k += 1
                 if not self.kernel_has(a.ino, a.version):
@@ -516,7 +523,9 @@ class Prefetcher:
                     size += a.size
             if not picks:
                 continue
-            while self._room() < size:
+            while self._room() < size or (self._kernel_room() < size and (
+                    self.handed_bytes or self._handing or self._inflight)):  # a file may
+                # exceed the bound alone
                 with trio.move_on_after(30) as idle:
                     await self._progress.wait()
                 if idle.cancelled_caught:
@@ -524,7 +533,18 @@ class Prefetcher:
             self._inflight += size
             await self._batch(None, attrs=picks, reserved=size)
             if self.handoff is not None:
-                self._spawn(self.handoff, parent, picks)
+                self._handing += size
+                self._spawn(self._hand, parent, picks, size)
+
+    async def _hand(self, parent: int, picks: list[Attr], size: int) -> None:
+        """``handoff`` of a fetched batch; its bytes count against ``kernel_ahead`` meanwhile
+        (``handed_bytes`` takes those it gave the kernel once it has)."""
+        assert self.handoff is not None
+        try:
+            await self.handoff(parent, picks)
+        finally:
+            self._handing -= size
+            self._notify()
 
     # ------------------------------------------------------------------ co-access
 
@@ -763,7 +783,8 @@ class Prefetcher:
         self._notify()
 
     def _notify(self) -> None:
-        """Wake tasks waiting for room (a batch ended, a reader opened something)."""
+        """Wake tasks waiting for room (a batch ended, a reader opened something, a handed file
+        was read)."""
         ev, self._progress = self._progress, trio.Event()
         ev.set()
 
@@ -772,8 +793,14 @@ class Prefetcher:
         cfg = self.config
         share = int(self.cache.memory_bytes * cfg.cache_share)
         return min(cfg.inflight_bytes - self._inflight,
-                   share - self.cache.prefetched_unused_bytes - self.handed_bytes
-                   - self._inflight)
+                   share - self.cache.prefetched_unused_bytes - self._inflight)
+
+    def _kernel_room(self) -> int:
+        """Bytes a sweep may fetch now for the kernel's page cache (``kernel_ahead``), counting
+        what is in flight as bound there."""
+        if self.handoff is None:
+            return self.config.kernel_ahead
+        return self.config.kernel_ahead - self.handed_bytes - self._handing - self._inflight
 
     def _spawn(self, fn, *args) -> None:
         if self._nursery is not None:

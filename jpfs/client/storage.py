@@ -34,6 +34,7 @@ from ..config import Cluster
 from ..errors import ChecksumError, DeadlineError, JPFSError, Unavailable, error
 from ..proto import storage as P
 from ..rpc import Pool
+from ..rpc.frame import receive_buffer
 from ..types import Chunk
 
 log = logging.getLogger(__name__)
@@ -255,7 +256,7 @@ class StorageClient:
         else:
             # One buffer per blob, not one per batch: a caller that keeps a small blob (a cache)
             # must not keep the whole batch's memory alive with it.
-            into = [memoryview(bytearray(chunks[i].blob_len)) for i in batch]
+            into = [memoryview(receive_buffer(chunks[i].blob_len)) for i in batch]
         try:
             statuses, payload = await self.pool.call_payload(
                 node, P.GET_BLOBS, P.IdsReq(ids), into=into,

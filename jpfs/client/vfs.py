@@ -168,7 +168,7 @@ class VFS:
         client = AsyncClient(
             nursery, cluster, dir_cache_ttl=config.entry_timeout, cache=cache, keep_whole=True,
             prefetch=PrefetchConfig(enabled=prefetch, small_file=config.small_file,
-                                    layouts=config.read_only),
+                                    layouts=config.read_only, kernel_ahead=config.kernel_ahead),
             kernel_has=kernel_has)
         try:
             inodes = Inodes(await client.meta.getattr(ROOT_INO))

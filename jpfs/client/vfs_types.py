@@ -65,6 +65,9 @@ class VFSConfig:
     notify_store: bool = True
     """Hand small files to the kernel's page cache and drop them from the memory cache (at
     open, or where the kernel opens files itself once its READs have covered the file)."""
+    kernel_ahead: int = 1 << 30
+    """With ``notify_store`` on a read-only mount: bytes of swept directories handed to the
+    kernel's page cache that sweeps may run ahead of readers by (``PrefetchConfig``)."""
     readdir_page: int = 1000
     dir_leases: bool = True
     """Read-write: answer creates in directories this mount writes from memory under a lease
