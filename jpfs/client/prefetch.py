@@ -201,10 +201,10 @@ class Prefetcher:
         """Set by a mount whose kernel can take files before they are read: called with each
         batch of a directory sweep once its blobs are in the cache (see ``_run_sweep``)."""
         self.handed_bytes = 0
-        self._handing = 0
-        """Bytes of fetched sweep batches on their way to ``handoff``."""
         """Bytes ``handoff`` gave away that no reader has read yet (``kernel_ahead`` bounds
         them)."""
+        self._handing = 0
+        """Bytes of fetched sweep batches on their way to ``handoff``."""
         self.stats = PrefetchStats()
         self.listings = Listings(meta, self.config.listing_entries, self.config.listing_page)
         self._nursery: trio.Nursery | None = None
