@@ -414,13 +414,13 @@ class Prefetcher:
         elif 0 < s <= cfg.max_stride:
             if st.stride:
                 self._cancel(st.batch)
-            st.stride, st.run, st.window, st.ahead = s, 1, cfg.scan_start, pos
+            st.stride, st.run, st.window, st.ahead, st.given = s, 1, cfg.scan_start, pos, -1
             self.stats.scan_streams += 1
         else:
             if st.stride:
                 self.stats.scan_misses += 1
                 self._cancel(st.batch)
-            st.stride, st.run, st.window, st.ahead = 0, 0, cfg.scan_start, pos
+            st.stride, st.run, st.window, st.ahead, st.given = 0, 0, cfg.scan_start, pos, -1
             return
         if st.run < 2:  # three opens at one stride before anything is fetched
             return
@@ -435,7 +435,7 @@ class Prefetcher:
         where = [i for i in range(start, end + 1, stride) if lst.attrs[i].is_reg]
         then = None
         if self.handoff is not None:
-            then = functools.partial(self._hand_scanned, key, st, lst, where)
+            then = functools.partial(self._hand_scanned, key, st, stride, lst, where)
         done = self._launch(st.batch, attrs=[lst.attrs[i] for i in where], then=then)
         if done:
             self.stats.scan_files += done
@@ -443,12 +443,12 @@ class Prefetcher:
         elif not where:
             st.ahead = max(st.ahead, end)
 
-    async def _hand_scanned(self, key: tuple[int, int], st: _Scan, lst: Listing,
+    async def _hand_scanned(self, key: tuple[int, int], st: _Scan, stride: int, lst: Listing,
                             where: list[int], attrs: list[Attr]) -> None:
-        """``handoff`` of a scan's fetched files (``attrs``, of those at positions ``where``),
-        unless the scan was found wrong meanwhile (nobody would read them, and their bytes
-        would count against ``kernel_ahead``)."""
-        if self.handoff is None or self._scans.get(key) is not st or not st.stride:
+        """``handoff`` of a scan's fetched files (``attrs``, of those at positions ``where``,
+        fetched at ``stride``), unless the scan was found wrong meanwhile (nobody would read
+        them, and their bytes would count against ``kernel_ahead``)."""
+        if self.handoff is None or self._scans.get(key) is not st or st.stride != stride:
             return
         inos = {a.ino for a in attrs}
         st.given = max([st.given, *(i for i in where if lst.attrs[i].ino in inos)])

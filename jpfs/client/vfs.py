@@ -734,10 +734,9 @@ class VFS:
         handed whole before it: the READ of that page, answered from memory, releases them and
         counts as the file's open for prefetch. A shuffled reader reaches the sampled files at
         the pace it reaches the rest; a scan takes an in-order reader's jump past the files it
-        handed as the reader's progress. Files
-        whose opens co-access rules predict from (an episode's parquet, whose videos are
-        fetched when it is opened) all keep their last page while the partners' directory is
-        not swept, so those opens are still seen.
+        handed as the reader's progress. Files whose opens co-access rules predict from (an
+        episode's parquet, whose videos are fetched when it is opened) all keep their last page
+        while the partners' directory is not swept, so those opens are still seen.
 
         The kernel must hold an inode to take pages for it: the first batch of a directory
         lists it through the mount (its entries then are lookups the kernel counts), and a
