@@ -263,7 +263,8 @@ def _combine(every: list[dict], via: str, epoch: int, rtt: float | None, cold: b
     for p in pf:
         for k, v in p["opens"].items():
             opens[k] = opens.get(k, 0) + v
-    needed = sum(v for k, v in opens.items() if k not in ("kernel", "empty", "write"))
+    handed = sum(p.get("handed", 0) for p in pf)
+    needed = sum(v for k, v in opens.items() if k not in ("kernel", "empty", "write")) + handed
     return {
         "via": via, "epoch": epoch, "rtt_ms": None if rtt is None else rtt * 1e3,
         "cold": cold and all(r["cache"]["cold"] for r in every if r["cache"]["cold"] is not None),
@@ -276,8 +277,10 @@ def _combine(every: list[dict], via: str, epoch: int, rtt: float | None, cold: b
         "latency_ms": {"p50": _ms(percentile(lat, 0.5)), "p99": _ms(percentile(lat, 0.99))},
         "client_cpu_s_per_GB": sum(r["client_cpu_s"] for r in every) / gb if gb else None,
         "server_cpu_s_per_GB": sum(server) / gb if server and gb else None,
-        "prefetch_hit_rate": (opens.get("prefetched", 0) / needed) if needed else None,
+        "prefetch_hit_rate": ((opens.get("prefetched", 0) + handed) / needed) if needed
+        else None,
         "fuse_opens": opens or None,
+        "fuse_handed": handed if pf else None,
         "fuse_requests_per_file": (sum(p["fuse_requests"] for p in pf) / files)
         if pf and files else None,
         "errors": [e for r in every for e in r["errors"]][:20],

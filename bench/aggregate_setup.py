@@ -163,16 +163,19 @@ def _mount_kwargs(cluster_file: str, mp: str, cache: str, *, prefetch: bool,
 
 
 def prefetch_summary(before: dict, after: dict) -> dict:
-    """Opens by outcome during an epoch, and the prefetch hit rate: opens whose bytes were
-    already prefetched, over opens that needed bytes (not those the kernel cache served)."""
-    b = (before.get("fuse") or {}).get("opens", {})
-    a = (after.get("fuse") or {}).get("opens", {})
+    """Opens by outcome during an epoch, files prefetch gave the kernel before they were read
+    (a read-only mount: no open at all), and the prefetch hit rate: files whose bytes were
+    already prefetched (opens, and those given to the kernel), over files that needed bytes
+    (not those the kernel cache served)."""
+    fb, fa = before.get("fuse") or {}, after.get("fuse") or {}
+    b, a = fb.get("opens", {}), fa.get("opens", {})
     opens = {k: a.get(k, 0) - b.get(k, 0) for k in a}
-    needed = sum(v for k, v in opens.items() if k not in ("kernel", "empty", "write"))
-    rb = (before.get("fuse") or {}).get("requests_total", 0)
-    ra = (after.get("fuse") or {}).get("requests_total", 0)
-    return {"opens": opens, "prefetch_hit_rate": opens.get("prefetched", 0) / needed
-            if needed else None, "fuse_requests": ra - rb}
+    handed = fa.get("handed_files", 0) - fb.get("handed_files", 0)
+    needed = sum(v for k, v in opens.items() if k not in ("kernel", "empty", "write")) + handed
+    return {"opens": opens, "handed": handed,
+            "prefetch_hit_rate": (opens.get("prefetched", 0) + handed) / needed
+            if needed else None,
+            "fuse_requests": fa.get("requests_total", 0) - fb.get("requests_total", 0)}
 
 
 # ---------------------------------------------------------------------- the cluster

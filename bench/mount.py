@@ -255,15 +255,17 @@ def _counted(before: dict, after: dict) -> dict:
 
 
 def _fuse_delta(before: dict, after: dict, files: int, cpu: float) -> dict:
+    from .aggregate_setup import prefetch_summary
+
     fb, fa = before["fuse"], after["fuse"]
-    opens = {k: fa["opens"][k] - fb["opens"][k] for k in fa["opens"]}
     reqs = {k: fa["requests"][k] - fb["requests"][k] for k in fa["requests"]}
-    needed = sum(v for k, v in opens.items() if k not in ("kernel", "empty", "write"))
+    pf = prefetch_summary(before, after)
     return {
-        "requests_per_file": (fa["requests_total"] - fb["requests_total"]) / files,
+        "requests_per_file": pf["fuse_requests"] / files,
         "requests": {k: v for k, v in reqs.items() if v},
-        "opens": {k: v for k, v in opens.items() if v},
-        "prefetch_hit_rate": opens.get("prefetched", 0) / needed if needed else None,
+        "opens": {k: v for k, v in pf["opens"].items() if v},
+        "handed_files": pf["handed"],
+        "prefetch_hit_rate": pf["prefetch_hit_rate"],
         "mount_cpu_us_per_file": cpu / files * 1e6,
         "prefetch": _counted(before.get("prefetch", {}), after.get("prefetch", {})),
         "cache": _counted(before.get("cache", {}), after.get("cache", {})),

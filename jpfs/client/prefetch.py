@@ -141,7 +141,7 @@ class _Batch:
 
 
 class _Scan:
-    __slots__ = ("last", "last_name", "stride", "run", "ahead", "window", "batch")
+    __slots__ = ("last", "last_name", "stride", "run", "ahead", "given", "window", "batch")
 
     def __init__(self, start: int):
         self.last: int | None = None
@@ -149,6 +149,8 @@ class _Scan:
         self.stride = 0
         self.run = 0
         self.ahead = -1
+        self.given = -1
+        """The furthest position whose file this scan is giving or gave the kernel."""
         self.window = start
         self.batch = _Batch()
 
@@ -199,7 +201,8 @@ class Prefetcher:
         self.kernel_has = kernel_has or (lambda ino, version: False)
         self.handoff: Callable[[int, list[Attr]], Awaitable[None]] | None = None
         """Set by a mount whose kernel can take files before they are read: called with each
-        batch of a directory sweep once its blobs are in the cache (see ``_run_sweep``)."""
+        batch of a directory sweep or scan once its blobs are in the cache (``_run_sweep``,
+        ``_scan``)."""
         self.handed_bytes = 0
         """Bytes ``handoff`` gave away that no reader has read yet (``kernel_ahead`` bounds
         them)."""
@@ -405,18 +408,19 @@ class Prefetcher:
             return
         s = pos - prev
         cfg = self.config
-        if s > 0 and s == st.stride:
-            st.run += 1
+        if s > 0 and (s == st.stride or st.stride and s % st.stride == 0 and
+                      pos - st.stride <= st.given):
+            st.run += 1  # (past files it gave the kernel, which served them unseen here)
         elif 0 < s <= cfg.max_stride:
             if st.stride:
                 self._cancel(st.batch)
-            st.stride, st.run, st.window, st.ahead = s, 1, cfg.scan_start, pos
+            st.stride, st.run, st.window, st.ahead, st.given = s, 1, cfg.scan_start, pos, -1
             self.stats.scan_streams += 1
         else:
             if st.stride:
                 self.stats.scan_misses += 1
                 self._cancel(st.batch)
-            st.stride, st.run, st.window, st.ahead = 0, 0, cfg.scan_start, pos
+            st.stride, st.run, st.window, st.ahead, st.given = 0, 0, cfg.scan_start, pos, -1
             return
         if st.run < 2:  # three opens at one stride before anything is fetched
             return
@@ -429,12 +433,26 @@ class Prefetcher:
         start = max(st.ahead, pos) + stride
         end = min(len(lst) - 1, pos + stride * st.window)
         where = [i for i in range(start, end + 1, stride) if lst.attrs[i].is_reg]
-        done = self._launch(st.batch, attrs=[lst.attrs[i] for i in where])
+        then = None
+        if self.handoff is not None:
+            then = functools.partial(self._hand_scanned, key, st, stride, lst, where)
+        done = self._launch(st.batch, attrs=[lst.attrs[i] for i in where], then=then)
         if done:
             self.stats.scan_files += done
             st.ahead = where[done - 1]
         elif not where:
             st.ahead = max(st.ahead, end)
+
+    async def _hand_scanned(self, key: tuple[int, int], st: _Scan, stride: int, lst: Listing,
+                            where: list[int], attrs: list[Attr]) -> None:
+        """``handoff`` of a scan's fetched files (``attrs``, of those at positions ``where``,
+        fetched at ``stride``), unless the scan was found wrong meanwhile (nobody would read
+        them, and their bytes would count against ``kernel_ahead``)."""
+        if self.handoff is None or self._scans.get(key) is not st or st.stride != stride:
+            return
+        inos = {a.ino for a in attrs}
+        st.given = max([st.given, *(i for i in where if lst.attrs[i].ino in inos)])
+        await self.handoff(lst.ino, attrs)
 
     async def _fetch_listing(self, ino: int) -> None:
         try:
@@ -823,10 +841,12 @@ class Prefetcher:
             return
 
     def _launch(self, batch: _Batch | None, *, attrs: list[Attr] | None = None,
-                chunks: list[Chunk] | None = None) -> int:
+                chunks: list[Chunk] | None = None,
+                then: Callable[[list[Attr]], Awaitable[None]] | None = None) -> int:
         """Start fetching files (whole when small, else their first chunk) or chunks, as many
         from the front as the budget allows (their bytes are reserved now); returns how many
-        were taken care of (fetched, or not needed)."""
+        were taken care of (fetched, or not needed). ``then`` is called with the files once
+        their fetch ends (some may be missing from the cache: cancelled, failed)."""
         if self._nursery is None:
             return 0
         room = self._room()
@@ -867,11 +887,13 @@ class Prefetcher:
                 return done
         self._inflight += size
         self._nursery.start_soon(self._guarded, functools.partial(
-            self._run_batch, batch, attrs, chunks, size), False)
+            self._run_batch, batch, attrs, chunks, size, then), False)
         return done
 
-    async def _run_batch(self, batch, attrs, chunks, reserved) -> None:
+    async def _run_batch(self, batch, attrs, chunks, reserved, then=None) -> None:
         await self._batch(batch, attrs=attrs, chunks=chunks, reserved=reserved)
+        if then is not None and attrs:
+            await then(attrs)
 
     async def _batch(self, batch: _Batch | None, *, attrs: list[Attr] | None = None,
                      chunks: list[Chunk] | None = None, reserved: int) -> None:

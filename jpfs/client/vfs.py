@@ -721,22 +721,22 @@ class VFS:
         return out
 
     async def _hand_to_kernel(self, parent: int, attrs: list[Attr]) -> None:
-        """A read-only mount's directory sweep fetched ``attrs`` (files of ``parent``): give
-        them to the kernel's page cache now, before anybody reads them. Their readers then
+        """A read-only mount's directory sweep or scan fetched ``attrs`` (files of ``parent``):
+        give them to the kernel's page cache now, before anybody reads them. Their readers then
         make no request at all (the kernel holds the entries, the pages and, with no OPEN, the
         open), where each cost a LOOKUP and a READ carrying the file, and the mount frees the
         blobs at once, so its memory is reused warm rather than grown into (page faults,
         docs/perf.md).
 
         The kernel says nothing when it serves a file, and prefetch must still know how far
-        ahead of its readers it is (handed bytes count against its share of the memory cache,
-        as unread prefetched blobs do). So one file in ``HAND_SAMPLE`` is handed without its
-        last page and carries the bytes of the files handed whole before it: the READ of that
-        page, answered from memory, releases them and counts as the file's open for prefetch.
-        A shuffled reader reaches the sampled files at the pace it reaches the rest. Files
-        whose opens co-access rules predict from (an episode's parquet, whose videos are
-        fetched when it is opened) all keep their last page while the partners' directory is
-        not swept, so those opens are still seen.
+        ahead of its readers it is (handed bytes count against ``kernel_ahead``). So one file
+        in ``HAND_SAMPLE`` is handed without its last page and carries the bytes of the files
+        handed whole before it: the READ of that page, answered from memory, releases them and
+        counts as the file's open for prefetch. A shuffled reader reaches the sampled files at
+        the pace it reaches the rest; a scan takes an in-order reader's jump past the files it
+        handed as the reader's progress. Files whose opens co-access rules predict from (an
+        episode's parquet, whose videos are fetched when it is opened) all keep their last page
+        while the partners' directory is not swept, so those opens are still seen.
 
         The kernel must hold an inode to take pages for it: the first batch of a directory
         lists it through the mount (its entries then are lookups the kernel counts), and a
@@ -791,6 +791,8 @@ class VFS:
                 self._hand_group += 1
         stored = await self.notifier.store_many(files)
         for (node, layout, data), ok in zip(picked, stored, strict=True):
+            if ok and node.ino in self._unopened:
+                self._stored_under_reader(node.ino, len(data))
             if not ok or self.inodes.get(node.ino) is not node or node.opens \
                     or node.kernel_version == layout.attr.version:
                 continue  # gone, or read meanwhile: its READs opened it, the kernel has it
@@ -805,6 +807,17 @@ class VFS:
                 self._hand_carry = 0
             self.stats.notify_store_bytes += len(data) if held is None else held
             self.cache.delivered([c.blob for c in layout.chunks])
+
+    def _stored_under_reader(self, ino: int, nbytes: int) -> None:
+        """A file was read (its first READ opened it) while its hand-off was being stored:
+        the kernel now holds its first ``nbytes`` and will READ at most the rest (a sampled
+        file's last page), so the handle counts them as served and closes once the file is
+        covered, where it would have stayed open until the kernel forgot the inode."""
+        fh = self._unopened[ino][0]
+        h = self._handle(fh)
+        h.served = max(h.served, nbytes)
+        if h.served >= h.node.attr.size:
+            self._close_unopened(ino)
 
     def _unhand(self, ino: int) -> Handed | None:
         """A handed file's last page was asked for, or the kernel let go of it."""
