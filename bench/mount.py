@@ -14,6 +14,9 @@ The same files in the same order are read
   local            from the local copy (the baseline);
   fuse             through `jpfs mount --read-only` (dataset mode), prefetch on;
   fuse-noprefetch  the same mount with --no-prefetch;
+  fuse-socket      the same mount with --no-short-circuit: every blob over the storage nodes'
+                   sockets, as a mount on another host than the nodes reads them (the nodes
+                   run on this host, so `fuse` reads their volume files itself);
   fuse-hinted      the read-only mount told all of each epoch's paths, in order, through its hint
                    socket before the epoch starts (ShardDataset on a mount announces its coming
                    paths the same way, a bounded window at a time; only with --via fuse-hinted);
@@ -56,7 +59,8 @@ log = logging.getLogger(__name__)
 
 HELP = "FUSE mount files/s and FUSE requests per file, cold and warm, prefetch on/off, vs local"
 DESCRIPTION = __doc__
-VIAS = ("local", "fuse", "fuse-noprefetch", "fuse-hinted", "fuse-open", "fuse-rw")
+VIAS = ("local", "fuse", "fuse-noprefetch", "fuse-socket", "fuse-hinted", "fuse-open",
+        "fuse-rw")
 PHASES = ("read", "namespace", "large")
 
 
@@ -212,6 +216,7 @@ class Mount:
                                cache_dir=str(self.cache), prefetch=via != "fuse-noprefetch",
                                read_only=not via.startswith("fuse-rw"),
                                open_requests=via == "fuse-open",
+                               short_circuit=via != "fuse-socket",
                                write_behind=via == "fuse-rw-write-behind",
                                log_file=str(work / f"mount-{via}.log"))
         self.pid = fm.start_background(opts)

@@ -39,6 +39,8 @@ def test_daemons_export_prometheus_metrics(make_cluster):
         assert c.read_bytes("/m/f3") == b"x" * 1000
         with pytest.raises(FileNotFoundError):
             c.stat("/m/missing")
+    with jpfs.connect(d, short_circuit=False) as c:  # as a client on another host reads
+        assert c.read_bytes("/m/f4") == b"x" * 1000
     meta = _scrape(ports["meta"])
     shard = (("shard", "0"),)
     assert meta[("jpfs_meta_commits_total", shard)] > 0
@@ -54,6 +56,8 @@ def test_daemons_export_prometheus_metrics(make_cluster):
     assert storage[("jpfs_storage_live_bytes", node)] >= 20_000
     assert storage[("jpfs_storage_rpc_requests_total",
                     (("method", "get_blobs"), ("node", "0")))] >= 1
+    # the first client, on the node's host, read the volume file itself
+    assert storage[("jpfs_storage_blobs_located_total", node)] >= 1
 
 
 def test_cluster_up_with_metrics_records_and_serves_them(tmp_path):

@@ -89,6 +89,9 @@ async def client_for(nursery):
     made = []
 
     def make(sc: StorageCluster, **kw) -> StorageClient:
+        # these tests read through the nodes' sockets (what a client on another host does);
+        # test_short_circuit_* read the volume files of nodes on this host
+        kw.setdefault("short_circuit", False)
         c = StorageClient(nursery, sc.cluster, **kw)
         made.append(c)
         return c

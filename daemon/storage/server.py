@@ -230,7 +230,7 @@ class StorageServer:
         self._devnull = os.open(os.devnull, os.O_WRONLY)
         self.counters = dict.fromkeys(
             ("puts", "blobs_put", "gets", "blobs_sent", "segments_sent", "bytes_sent",
-             "cold_warmups", "compactions"), 0)
+             "cold_warmups", "compactions", "locates", "blobs_located"), 0)
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The group-commit writer and the scrubber; runs until cancelled."""
@@ -260,6 +260,8 @@ class StorageServer:
             P.BAD_BLOBS: Handler(self.bad_blobs),
             P.PULL_BLOBS: Handler(self.puller.pull),
             P.REPORT_BAD: Handler(self.puller.report_bad),
+            P.HOST_INFO: Handler(self.host_info),
+            P.LOCATE_BLOBS: Handler(self.locate_blobs),
         }
 
     # ------------------------------------------------------------------ put
@@ -348,6 +350,36 @@ class StorageServer:
         if nbytes <= _INLINE_MAX:
             return Reply(statuses, payload)
         return Reply(statuses, segments, on_sent=functools.partial(self.files.unpin, pinned))
+
+    # ------------------------------------------------------------------ short-circuit reads
+
+    async def host_info(self) -> dict:
+        """Where this node runs and keeps its volumes: a client on the same host (same boot,
+        same network namespace, the same directory at that path) reads them itself."""
+        st = os.stat(self.store.vol_dir)
+        return {"host": P.host_identity(), "volumes": str(self.store.vol_dir.resolve()),
+                "volumes_id": [st.st_dev, st.st_ino]}
+
+    async def locate_blobs(self, ids: list) -> list:
+        """Where each blob's bytes lie, for a client that reads them itself; refused as
+        ``get_blobs`` would refuse them (unknown, marked bad, past a volume's end)."""
+        P.check_ids(ids, "locate_blobs")
+        entries = self.store.lookup(ids)
+        short = self.store.short
+        bad = self.store.bad_ids
+        out: list = []
+        for bid, e in zip(ids, entries, strict=True):
+            if e is None:
+                out.append("ENOENT")
+                continue
+            vol, offset, length, xxh, _ = e
+            if (bad and bid in bad) or (short and vol in short and offset + length > short[vol]):
+                out.append("EIO")
+                continue
+            out.append([vol, offset, length, xxh])
+        self.counters["locates"] += 1
+        self.counters["blobs_located"] += len(ids)
+        return out
 
     # ------------------------------------------------------------------ delete, list
 

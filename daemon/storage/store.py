@@ -60,7 +60,7 @@ import lmdb
 import xxhash
 
 from jpfs.errors import JPFSError, error
-from jpfs.proto.storage import blob_name
+from jpfs.proto.storage import blob_name, volume_file
 
 from ..common import fault_point
 
@@ -275,7 +275,7 @@ class Store:
     # ------------------------------------------------------------------ paths and recovery
 
     def vol_path(self, vol: int) -> Path:
-        return self.vol_dir / f"v{vol:08d}.vol"
+        return self.vol_dir / volume_file(vol)
 
     @staticmethod
     def _vol_of(name: str) -> int | None:

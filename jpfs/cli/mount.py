@@ -66,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="never put file contents into the kernel's page cache ahead of its "
                    "READs (a --read-only mount gives it directories swept for a shuffled "
                    "epoch; with --open-requests, small files at open)")
+    p.add_argument("--no-short-circuit", dest="short_circuit", action="store_false",
+                   help="read the volumes of storage nodes on this host over their sockets "
+                   "too (by default the mount reads those files itself: one copy, no "
+                   "loopback)")
     p.add_argument("--kernel-ahead", type=parse_size, metavar="SIZE",
                    help="--read-only: how far the directories swept for a shuffled epoch may "
                    "run ahead of the readers in the kernel's page cache (default: an eighth of "
@@ -129,7 +133,8 @@ def _options(args: argparse.Namespace):
         notify_store=args.notify_store, kernel_ahead=args.kernel_ahead, metrics=args.metrics,
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
         max_tasks=args.max_tasks, nonempty=args.nonempty, cache_admit=args.cache_admit,
-        dir_leases=args.dir_leases, write_behind=args.write_behind)
+        dir_leases=args.dir_leases, write_behind=args.write_behind,
+        short_circuit=args.short_circuit)
 
 
 def cmd_mount(args: argparse.Namespace) -> int:

@@ -109,16 +109,19 @@ class AsyncClient:
             (the mount's page cache), so prefetch skips it.
         first_copy: which live copy of a chunk this client reads first (``StorageClient``;
             default: chosen at random, so readers spread over the copies).
+        short_circuit: read the volume files of storage nodes on this host directly
+            (``StorageClient``).
     """
 
     def __init__(self, nursery: trio.Nursery, cluster: config.Cluster, *,
                  dir_cache_ttl: float = 1.0, cache: BlobCache | None = None,
                  keep_whole: bool = False, prefetch: PrefetchConfig | None = None,
-                 kernel_has=None, first_copy: int | None = None):
+                 kernel_has=None, first_copy: int | None = None, short_circuit: bool = True):
         self.cluster = cluster
         self.nursery = nursery
         self.meta = MetaClient(nursery, cluster)
-        self.storage = StorageClient(nursery, cluster, first_copy=first_copy) \
+        self.storage = StorageClient(nursery, cluster, first_copy=first_copy,
+                                     short_circuit=short_circuit) \
             if cluster.n_nodes else None
         self.data = DataPath(self.meta, self.storage, cluster) if self.storage else None
         self.cache = cache if cache is not None else BlobCache(MEMORY_CACHE)

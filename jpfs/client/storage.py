@@ -36,6 +36,7 @@ from ..proto import storage as P
 from ..rpc import Pool
 from ..rpc.frame import receive_buffer
 from ..types import Chunk
+from .shortcircuit import INLINE_MAX, LocalVolumes, same_host
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class StorageClient:
             copy would leave the others idle; a per-client choice spreads readers over all
             copies, and because the one-chunk files of a directory run share their nodes, a
             client's reads of them still go to one node in one batch.
+        short_circuit: read the volume files of nodes on this host directly
+            (``shortcircuit.py``); False reads everything over the sockets.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class StorageClient:
         timeout: float = 60.0,
         peer_timeout: float | None = None,
         first_copy: int | None = None,
+        short_circuit: bool = True,
     ):
         self.cluster = cluster
         self.first_copy = random.randrange(1 << 16) if first_copy is None else first_copy
@@ -117,13 +121,34 @@ class StorageClient:
         self.write_retry_for = write_retry_for
         self.retry_for = self.pool.retry_for
         self._down_until: dict[int, float] = {}
+        self.short_circuit = short_circuit
+        self._local: dict[int, LocalVolumes | None] = {}
+        """Per node asked: its volumes when it is on this host, else None."""
+        self._asking: dict[int, trio.Event] = {}
+        self.counters = dict.fromkeys(("local_blobs", "local_bytes", "local_fallbacks"), 0)
+        """Blobs and bytes read from local volume files, and blobs a local read left to the
+        socket (not there, not readable, bytes that did not check)."""
 
     def close(self) -> None:
         self.pool.close()
+        for local in self._local.values():
+            if local is not None:
+                local.close()
+
+    def as_dict(self) -> dict:
+        """Counters for the mount's stats."""
+        return {"local_nodes": sum(v is not None for v in self._local.values()),
+                **self.counters}
 
     def follow(self, cluster: Cluster) -> None:
         """Take a new cluster map: grown node list, moved addresses, node states, writable."""
+        moved = [i for i, (a, s) in enumerate(zip(self.pool.addresses, cluster.storage,
+                                                   strict=False)) if a != s.address]
         self.pool.set_addresses([s.address for s in cluster.storage])
+        for i in moved:  # a node that moved may be elsewhere now: ask it again
+            local = self._local.pop(i, None)
+            if local is not None:
+                local.close()
         self.cluster = cluster
         self.n_nodes = cluster.n_nodes
         self.states = node_states(cluster)
@@ -250,13 +275,22 @@ class StorageClient:
 
     async def _get_batch(self, node, batch, chunks, dest, out, failures, corrupt, unreachable,
                          last) -> None:
-        ids = [chunks[i].blob for i in batch]
         if dest is not None:
             into = [dest[i] for i in batch]
         else:
             # One buffer per blob, not one per batch: a caller that keeps a small blob (a cache)
             # must not keep the whole batch's memory alive with it.
             into = [memoryview(receive_buffer(chunks[i].blob_len)) for i in batch]
+        local = None
+        if self.short_circuit:
+            local = self._local[node] if node in self._local else await self._ask_local(node)
+        if local is not None:
+            left = await self._get_local(local, node, batch, chunks, into, out)
+            if not left:
+                return
+            into = [v for k, v in enumerate(into) if batch[k] in left]
+            batch = [i for i in batch if i in left]
+        ids = [chunks[i].blob for i in batch]
         try:
             statuses, payload = await self.pool.call_payload(
                 node, P.GET_BLOBS, P.IdsReq(ids), into=into,
@@ -332,6 +366,71 @@ class StorageClient:
             elif dest is None and isinstance(payload, memoryview):
                 view = memoryview(bytearray(view))  # own memory (see above), not a slice
             out[i] = view
+
+    async def _ask_local(self, node: int) -> LocalVolumes | None:
+        """Whether ``node`` runs on this host with volumes this process can read (asked once
+        per node; a node that cannot say, or is down, is read over the socket)."""
+        while (asking := self._asking.get(node)) is not None:
+            await asking.wait()
+            if node in self._local:
+                return self._local[node]
+        if node in self._local:
+            return self._local[node]
+        self._asking[node] = done = trio.Event()
+        try:
+            info = await self.pool.call(node, P.HOST_INFO, P.NoArgs(),
+                                        retry_for=self.read_retry_for)
+            local = LocalVolumes(info["volumes"]) if isinstance(info, dict) \
+                and same_host(info) else None
+            if local is not None:
+                log.info("%s runs on this host: reading its volumes in %s directly",
+                         self.pool.name(node), local.dir)
+            self._local[node] = local
+            return local
+        except JPFSError as e:
+            if isinstance(e, Unavailable | DeadlineError):
+                return None  # ask again once it is back
+            self._local[node] = None  # an older node without host_info
+            return None
+        finally:
+            del self._asking[node]
+            done.set()
+
+    async def _get_local(self, local: LocalVolumes, node: int, batch: list[int],
+                         chunks: Sequence[Chunk], into: list[memoryview], out: list
+                         ) -> set[int]:
+        """Read what ``local`` can of ``batch`` into ``into`` (filling ``out``); returns the
+        chunk indexes left to the socket."""
+        try:
+            places = P.LOCATE_BLOBS.decode(await self.pool.call(
+                node, P.LOCATE_BLOBS, P.IdsReq([chunks[i].blob for i in batch]),
+                retry_for=self.read_retry_for))
+        except JPFSError:
+            return set(batch)  # the socket path meets the same trouble and reports it
+        found = P.BlobPlaces.found
+        jobs = [k for k, p in enumerate(places)
+                if found(p) and p[2] == chunks[batch[k]].blob_len] \
+            if len(places) == len(batch) else []
+        work = [(places[k][0], places[k][1], into[k], chunks[batch[k]].xxh) for k in jobs]
+        oks: list[bool | None] = [None] * len(work)
+        if sum(len(w[2]) for w in work) <= INLINE_MAX:
+            oks = local.read(work, nowait=True)
+        later = [j for j, ok in enumerate(oks) if ok is None]
+        if later:
+            got = await trio.to_thread.run_sync(local.read, [work[j] for j in later])
+            for j, ok in zip(later, got, strict=True):
+                oks[j] = ok
+        left = set(batch)
+        c = self.counters
+        for k, ok in zip(jobs, oks, strict=True):
+            if ok:
+                i = batch[k]
+                out[i] = into[k]
+                left.discard(i)
+                c["local_blobs"] += 1
+                c["local_bytes"] += len(into[k])
+        c["local_fallbacks"] += len(left)
+        return left
 
     def _report_bad(self, node: int, blob: bytes) -> None:
         """Tell ``node`` its copy of ``blob`` read bad (once per client), in the background."""

@@ -169,7 +169,7 @@ class VFS:
             nursery, cluster, dir_cache_ttl=config.entry_timeout, cache=cache, keep_whole=True,
             prefetch=PrefetchConfig(enabled=prefetch, small_file=config.small_file,
                                     layouts=config.read_only, kernel_ahead=config.kernel_ahead),
-            kernel_has=kernel_has)
+            kernel_has=kernel_has, short_circuit=config.short_circuit)
         try:
             inodes = Inodes(await client.meta.getattr(ROOT_INO))
         except BaseException:

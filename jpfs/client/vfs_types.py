@@ -69,6 +69,8 @@ class VFSConfig:
     """With ``notify_store`` on a read-only mount: bytes of swept directories handed to the
     kernel's page cache that sweeps may run ahead of readers by (``PrefetchConfig``)."""
     readdir_page: int = 1000
+    short_circuit: bool = True
+    """Read the volume files of storage nodes on this host directly (``shortcircuit.py``)."""
     dir_leases: bool = True
     """Read-write: answer creates in directories this mount writes from memory under a lease
     and commit them behind (``leases.py``)."""

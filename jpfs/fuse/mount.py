@@ -70,6 +70,8 @@ class MountOptions:
     read_ahead: int = 4 << 20
     small_file: int | None = None
     notify_store: bool = True
+    short_circuit: bool = True
+    """Read the volume files of storage nodes on this host directly."""
     kernel_ahead: int | None = None
     """None: ``default_kernel_ahead()``."""
     metrics: str | None = None
@@ -98,6 +100,7 @@ class MountOptions:
                          ("--open-requests", self.open_requests),
                          ("--allow-other", self.allow_other),
                          ("--no-notify-store", not self.notify_store),
+                         ("--no-short-circuit", not self.short_circuit),
                          ("--nonempty", self.nonempty),
                          ("--no-dir-leases", not self.dir_leases),
                          ("--write-behind", self.write_behind)):
@@ -245,7 +248,8 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
                 open_cache=opts.open_cache, small_file=small, notify_store=opts.notify_store,
                 kernel_ahead=opts.kernel_ahead if opts.kernel_ahead is not None
                 else default_kernel_ahead(opts.memory_cache),
-                dir_leases=opts.dir_leases, write_behind=opts.write_behind),
+                dir_leases=opts.dir_leases, write_behind=opts.write_behind,
+                short_circuit=opts.short_circuit),
                 KernelNotifier(mp), prefetch=opts.prefetch)
             sock = hints.socket_path(state_dir(), mp)
             if len(sock) > hints.MAX_PATH:

@@ -237,6 +237,7 @@ class Operations(pyfuse3.Operations):
             "fuse": self.stats.as_dict(v),
             "cache": vfs.cache.as_dict(),
             "prefetch": vfs.prefetcher.as_dict(),
+            "storage": vfs.client.storage.as_dict() if vfs.client.storage else {},
             "names": v["names"],
             "leases": v["leases"],
         }

@@ -82,7 +82,7 @@ def families(snap: dict) -> list:
     for key in _VFS_COUNTERS:
         out.append(CounterMetricFamily(f"jpfs_fuse_{key}", key.replace("_", " "),
                                        value=fuse[key]))
-    for section in ("cache", "prefetch", "names", "leases"):
+    for section in ("cache", "prefetch", "storage", "names", "leases"):
         for key, v in snap.get(section, {}).items():
             if isinstance(v, bool):
                 v = int(v)

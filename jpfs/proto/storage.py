@@ -35,11 +35,20 @@ Wire shapes (msgpack; ids are 16-byte ``bytes``):
 ``report_bad([id, ...])`` -> the number of those blobs newly marked bad: a client whose read
     failed its checksum tells the node, which re-reads those blobs from its volumes at once and
     marks the ones that fail (as its scrubber would), so the healer repairs them.
+``host_info()`` -> ``{"host": host_identity(), "volumes": path, "volumes_id": [dev, ino]}``:
+    where the node runs and where its volume files are, for a client that may read them
+    itself (short-circuit reads, ``jpfs.client.shortcircuit``).
+``locate_blobs([id, ...])`` -> ``[place, ...]``: per id, in request order, ``[volume, offset,
+    length, xxh]`` (the blob's bytes in file ``volume_file(volume)`` of the volumes directory)
+    or an errno name as in ``get_blobs``. Volume ids are never reused, and a volume's bytes
+    never change once written (compaction writes a new volume and unlinks the old one), so a
+    place stays true for as long as the reader holds the file open.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 from typing import NamedTuple
 
 from ..errors import error
@@ -171,6 +180,40 @@ class BadPage:
         return [(bid, length, xxh, found, reason) for bid, length, xxh, found, reason in w]
 
 
+class BlobPlaces:
+    """``locate_blobs``: per id, in request order, ``[volume, offset, length, xxh]`` or an
+    errno name; ``found`` tells the two apart."""
+
+    @staticmethod
+    def from_wire(w: list) -> list:
+        if type(w) is not list:
+            raise TypeError("locate_blobs places must be a list")
+        return w
+
+    @staticmethod
+    def found(place: object) -> bool:
+        return type(place) is list and len(place) == 4 and all(type(x) is int for x in place) \
+            and min(place) >= 0
+
+
+def volume_file(vol: int) -> str:
+    """The name of volume ``vol``'s file in a node's volumes directory."""
+    return f"v{vol:08d}.vol"
+
+
+def host_identity() -> list:
+    """``[boot id, network namespace inode]`` of this process: two processes that agree run
+    on one kernel and reach the same loopback (a node in another namespace, as `jpfs bench
+    --hosts` simulates remote hosts, counts as remote)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return ["", 0]
+    return [boot, netns]
+
+
 # ---- the methods (ids are stable: never reuse one) ---------------------------------------------
 
 PUT_BLOBS = Method(1, "put_blobs", PutBlobsReq, PutResult, idempotent=True, payload=True)
@@ -184,9 +227,12 @@ SCRUB_START = Method(8, "scrub_start", NoArgs, dict, idempotent=True)
 BAD_BLOBS = Method(9, "bad_blobs", BadBlobsReq, BadPage, idempotent=True)
 PULL_BLOBS = Method(10, "pull_blobs", PullBlobsReq, PullResult, idempotent=True)
 REPORT_BAD = Method(11, "report_bad", IdsReq, int, idempotent=True)
+HOST_INFO = Method(12, "host_info", NoArgs, dict, idempotent=True)
+LOCATE_BLOBS = Method(13, "locate_blobs", IdsReq, BlobPlaces, idempotent=True)
 
 METHODS = method_table(PUT_BLOBS, GET_BLOBS, DELETE_BLOBS, LIST_BLOBS, COMPACT, STATS,
-                       SCRUB_STATUS, SCRUB_START, BAD_BLOBS, PULL_BLOBS, REPORT_BAD)
+                       SCRUB_STATUS, SCRUB_START, BAD_BLOBS, PULL_BLOBS, REPORT_BAD, HOST_INFO,
+                       LOCATE_BLOBS)
 """Every storage method by name."""
 
 STATS_KEYS = (
@@ -217,6 +263,8 @@ STATS_KEYS = (
     "blobs_pulled",     # blobs newly stored by them
     "bytes_pulled",     # bytes fetched by them
     "reports_bad",      # report_bad requests (clients that saw a checksum mismatch)
+    "locates",          # locate_blobs requests (clients on this host reading volumes themselves)
+    "blobs_located",    # blobs those named
 )
 
 SCRUB_KEYS = (

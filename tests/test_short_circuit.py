@@ -1,0 +1,152 @@
+"""Short-circuit reads: a client on a storage node's host reads the node's volume files itself
+(real storage daemons on loopback, real volume files, a real kernel mount)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+from fuse_support import mounted, requires_fuse
+from storage_cluster import StorageCluster, blob_data, storage_cluster  # noqa: F401
+from test_storage import chunks_of, find_in_volumes, flip_byte, new_id
+
+import jpfs
+from jpfs import localcluster
+from jpfs.client import shortcircuit
+from jpfs.client.shortcircuit import same_host
+from jpfs.client.storage import StorageClient
+from jpfs.proto import storage as P
+
+
+@pytest.fixture
+async def client_for(nursery):
+    made = []
+
+    def make(sc: StorageCluster, **kw) -> StorageClient:
+        c = StorageClient(nursery, sc.cluster, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def held_volumes() -> list[str]:
+    """Volume files this process holds open (``(deleted)`` once unlinked)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.split(" ")[0].endswith(".vol"):
+            out.append(target)
+    return out
+
+
+async def test_reads_come_from_the_volume_files_not_the_socket(storage_cluster,  # noqa: F811
+                                                                client_for):
+    sc = storage_cluster(n=2, replicas=1)
+    client = client_for(sc)
+    blobs = [(new_id(), (i % 2,), os.urandom(size))
+             for i, size in enumerate([0, 1, 4096, 300_000, 5 << 20])]
+    chunks = chunks_of(blobs, await client.put(blobs))
+    got = await client.get(chunks)
+    assert [bytes(g) for g in got] == [d for _, _, d in blobs]
+    # into the caller's buffers, as a socket read would fill them
+    bufs = [bytearray(len(d)) for _, _, d in blobs]
+    got = await client.get(chunks, into=[memoryview(b) for b in bufs])
+    assert all(g.obj is b and bytes(b) == d for g, b, (_, _, d) in zip(got, bufs, blobs,
+                                                                      strict=True))
+    assert client.as_dict() == {"local_nodes": 2, "local_blobs": 10,
+                                "local_bytes": 2 * sum(len(d) for _, _, d in blobs),
+                                "local_fallbacks": 0}
+    for node in range(2):
+        st = await client.stats(node)
+        assert st["gets"] == 0 and st["blobs_sent"] == 0  # nothing came over the socket
+        assert st["blobs_located"] == 2 * sum(n == (node,) for _, n, _ in blobs)
+    # the same reads with short-circuit off go over the socket
+    remote = client_for(sc, short_circuit=False)
+    assert [bytes(g) for g in await remote.get(chunks)] == [d for _, _, d in blobs]
+    assert remote.as_dict()["local_blobs"] == 0
+    assert sum([(await remote.stats(n))["blobs_sent"] for n in range(2)]) == len(blobs)
+
+
+async def test_a_corrupt_copy_read_locally_fails_over(storage_cluster, client_for):  # noqa: F811
+    sc = storage_cluster(n=2, replicas=2)
+    client = client_for(sc, first_copy=0)
+    bid = new_id()
+    data = blob_data(bid, 200_000)
+    (chunk,) = chunks_of([(bid, (0, 1), data)], await client.put([(bid, (0, 1), data)]))
+    vol, off = find_in_volumes(sc.data_dir(0), data[:64])
+    flip_byte(vol, off + 100_000)
+    (got,) = await client.get([chunk])
+    assert bytes(got) == data  # from node 1's copy, after node 0's failed its checksum
+    c = client.as_dict()
+    assert c["local_fallbacks"] == 1 and c["local_blobs"] == 1
+    # the bad copy was reported as any socket read reports it
+    with trio.fail_after(10):
+        while (await client.stats(0))["reports_bad"] == 0:
+            await trio.sleep(0.05)
+
+
+async def test_compaction_under_a_local_reader(storage_cluster, client_for,  # noqa: F811
+                                               monkeypatch):
+    """A reader holding a volume open reads right across a compaction, and lets go of the old
+    volume (its space is freed) at its next check."""
+    monkeypatch.setattr(shortcircuit, "CHECK_EVERY", 0.0)
+    sc = storage_cluster(n=1, replicas=1, args=("--volume-size", "1MiB"))
+    client = client_for(sc)
+    blobs = [(new_id(), (0,), os.urandom(50_000 + i)) for i in range(60)]
+    chunks = chunks_of(blobs, await client.put(blobs))
+    assert [bytes(g) for g in await client.get(chunks)] == [d for _, _, d in blobs]
+    before = held_volumes()
+    assert before and not any("(deleted)" in v for v in before)
+    await client.delete([(bid, (0,)) for bid, _, _ in blobs[::2]])
+    summary = await client.compact(0, 0.3)
+    assert summary["volumes_compacted"] >= 1
+    keep = chunks[1::2]
+    assert [bytes(g) for g in await client.get(keep)] == [d for _, _, d in blobs[1::2]]
+    assert client.as_dict()["local_blobs"] == len(chunks) + len(keep)
+    assert not any("(deleted)" in v for v in held_volumes())
+
+
+async def test_a_node_elsewhere_is_read_over_the_socket(storage_cluster, client_for):  # noqa: F811
+    sc = storage_cluster(n=1, replicas=1)
+    client = client_for(sc)
+    info = await client.pool.call(0, P.HOST_INFO, P.NoArgs())
+    assert same_host(info)
+    boot, netns = info["host"]
+    assert not same_host({**info, "host": [boot, netns + 1]})  # another network namespace
+    assert not same_host({**info, "host": ["another-boot", netns]})  # another machine
+    assert not same_host({**info, "volumes_id": [info["volumes_id"][0], 1]})  # a look-alike
+    assert not same_host({**info, "volumes": str(Path(info["volumes"]) / "missing")})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sccluster")
+    localcluster.up(d, meta_shards=1, storage_nodes=2, sync=False)
+    yield d
+    localcluster.down(d, timeout=5)
+
+
+@requires_fuse
+@pytest.mark.fuse
+def test_mount_reads_local_volumes_and_can_be_told_not_to(cluster, tmp_path):
+    files = {f"/sc/{i}": os.urandom(150_000 + i) for i in range(12)}
+    with jpfs.connect(cluster) as c:
+        c.makedirs("/sc")
+        for p, b in files.items():
+            c.write_bytes(p, b)
+    for options, local in ((("--read-only",), True),
+                           (("--read-only", "--no-short-circuit"), False), ((), True)):
+        with mounted(cluster, tmp_path / "m", *options) as m:
+            for p, b in files.items():
+                assert (m.path / p.lstrip("/")).read_bytes() == b
+            st = m.stats()["storage"]
+            assert (st["local_blobs"] > 0) == local and st["local_fallbacks"] == 0, options
+            assert (st["local_nodes"] > 0) == local
