@@ -150,3 +150,20 @@ def test_mount_reads_local_volumes_and_can_be_told_not_to(cluster, tmp_path):
             st = m.stats()["storage"]
             assert (st["local_blobs"] > 0) == local and st["local_fallbacks"] == 0, options
             assert (st["local_nodes"] > 0) == local
+
+
+async def test_a_local_node_that_dies_fails_over_to_the_next_copy(storage_cluster,  # noqa: F811
+                                                                  client_for):
+    """Reading a volume file needs its node alive: it says where the blob lies (a dead node's
+    files may be mid-compaction, or its disk gone)."""
+    sc = storage_cluster(n=2, replicas=2)
+    client = client_for(sc, first_copy=0)
+    blobs = [(new_id(), (0, 1), os.urandom(70_000 + i)) for i in range(5)]
+    chunks = chunks_of(blobs, await client.put(blobs))
+    assert [bytes(g) for g in await client.get(chunks)] == [d for _, _, d in blobs]
+    assert client.as_dict()["local_nodes"] == 1  # only node 0 was asked
+    sc.kill(0)
+    with trio.fail_after(5):
+        assert [bytes(g) for g in await client.get(chunks)] == [d for _, _, d in blobs]
+    assert client.is_down(0)
+    assert client.as_dict()["local_blobs"] == 10 and client.as_dict()["local_nodes"] == 2

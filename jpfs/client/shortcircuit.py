@@ -84,11 +84,10 @@ class LocalVolumes:
             try:
                 n = os.preadv(fd, [view], offset, _NOWAIT) if nowait else \
                     os.preadv(fd, [view], offset)
-            except BlockingIOError:
-                out.append(None)
-                continue
             except OSError:
-                out.append(False)
+                # not cached (EAGAIN), or RWF_NOWAIT not supported here: the blocking read
+                # in a worker thread decides
+                out.append(None if nowait else False)
                 continue
             finally:
                 self._unpin(vol)

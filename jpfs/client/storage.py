@@ -285,7 +285,14 @@ class StorageClient:
         if self.short_circuit:
             local = self._local[node] if node in self._local else await self._ask_local(node)
         if local is not None:
-            left = await self._get_local(local, node, batch, chunks, into, out)
+            try:
+                left = await self._get_local(local, node, batch, chunks, into, out, last)
+            except (Unavailable, DeadlineError) as e:  # as the socket read below would be
+                self._mark_down(node, e)
+                for i in batch:
+                    failures[i].append(e.strerror)
+                    unreachable[i] += 1
+                return
             if not left:
                 return
             into = [v for k, v in enumerate(into) if batch[k] in left]
@@ -397,16 +404,18 @@ class StorageClient:
             done.set()
 
     async def _get_local(self, local: LocalVolumes, node: int, batch: list[int],
-                         chunks: Sequence[Chunk], into: list[memoryview], out: list
-                         ) -> set[int]:
+                         chunks: Sequence[Chunk], into: list[memoryview], out: list,
+                         last: bool) -> set[int]:
         """Read what ``local`` can of ``batch`` into ``into`` (filling ``out``); returns the
-        chunk indexes left to the socket."""
+        chunk indexes left to the socket. Raises what says the node is unreachable."""
         try:
             places = P.LOCATE_BLOBS.decode(await self.pool.call(
                 node, P.LOCATE_BLOBS, P.IdsReq([chunks[i].blob for i in batch]),
-                retry_for=self.read_retry_for))
+                retry_for=self.retry_for if last else self.read_retry_for))
+        except (Unavailable, DeadlineError):
+            raise
         except JPFSError:
-            return set(batch)  # the socket path meets the same trouble and reports it
+            return set(batch)  # the socket read meets the same trouble and reports it
         found = P.BlobPlaces.found
         jobs = [k for k, p in enumerate(places)
                 if found(p) and p[2] == chunks[batch[k]].blob_len] \
