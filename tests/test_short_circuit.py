@@ -9,29 +9,13 @@ from pathlib import Path
 import pytest
 import trio
 from fuse_support import mounted, requires_fuse
-from storage_cluster import StorageCluster, blob_data, storage_cluster  # noqa: F401
-from test_storage import chunks_of, find_in_volumes, flip_byte, new_id
+from storage_cluster import blob_data, storage_cluster  # noqa: F401
+from test_storage import chunks_of, client_for, find_in_volumes, flip_byte, new_id  # noqa: F401
 
 import jpfs
-from jpfs import localcluster
 from jpfs.client import shortcircuit
 from jpfs.client.shortcircuit import same_host
-from jpfs.client.storage import StorageClient
 from jpfs.proto import storage as P
-
-
-@pytest.fixture
-async def client_for(nursery):
-    made = []
-
-    def make(sc: StorageCluster, **kw) -> StorageClient:
-        c = StorageClient(nursery, sc.cluster, **kw)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
 
 
 def held_volumes() -> list[str]:
@@ -47,10 +31,10 @@ def held_volumes() -> list[str]:
     return out
 
 
-async def test_reads_come_from_the_volume_files_not_the_socket(storage_cluster,  # noqa: F811
-                                                                client_for):
+async def test_reads_come_from_the_volume_files_not_the_socket(
+        storage_cluster, client_for):  # noqa: F811
     sc = storage_cluster(n=2, replicas=1)
-    client = client_for(sc)
+    client = client_for(sc, short_circuit=True)
     blobs = [(new_id(), (i % 2,), os.urandom(size))
              for i, size in enumerate([0, 1, 4096, 300_000, 5 << 20])]
     chunks = chunks_of(blobs, await client.put(blobs))
@@ -69,7 +53,7 @@ async def test_reads_come_from_the_volume_files_not_the_socket(storage_cluster, 
         assert st["gets"] == 0 and st["blobs_sent"] == 0  # nothing came over the socket
         assert st["blobs_located"] == 2 * sum(n == (node,) for _, n, _ in blobs)
     # the same reads with short-circuit off go over the socket
-    remote = client_for(sc, short_circuit=False)
+    remote = client_for(sc)
     assert [bytes(g) for g in await remote.get(chunks)] == [d for _, _, d in blobs]
     assert remote.as_dict()["local_blobs"] == 0
     assert sum([(await remote.stats(n))["blobs_sent"] for n in range(2)]) == len(blobs)
@@ -77,7 +61,7 @@ async def test_reads_come_from_the_volume_files_not_the_socket(storage_cluster, 
 
 async def test_a_corrupt_copy_read_locally_fails_over(storage_cluster, client_for):  # noqa: F811
     sc = storage_cluster(n=2, replicas=2)
-    client = client_for(sc, first_copy=0)
+    client = client_for(sc, first_copy=0, short_circuit=True)
     bid = new_id()
     data = blob_data(bid, 200_000)
     (chunk,) = chunks_of([(bid, (0, 1), data)], await client.put([(bid, (0, 1), data)]))
@@ -99,7 +83,7 @@ async def test_compaction_under_a_local_reader(storage_cluster, client_for,  # n
     volume (its space is freed) at its next check."""
     monkeypatch.setattr(shortcircuit, "CHECK_EVERY", 0.0)
     sc = storage_cluster(n=1, replicas=1, args=("--volume-size", "1MiB"))
-    client = client_for(sc)
+    client = client_for(sc, short_circuit=True)
     blobs = [(new_id(), (0,), os.urandom(50_000 + i)) for i in range(60)]
     chunks = chunks_of(blobs, await client.put(blobs))
     assert [bytes(g) for g in await client.get(chunks)] == [d for _, _, d in blobs]
@@ -116,7 +100,7 @@ async def test_compaction_under_a_local_reader(storage_cluster, client_for,  # n
 
 async def test_a_node_elsewhere_is_read_over_the_socket(storage_cluster, client_for):  # noqa: F811
     sc = storage_cluster(n=1, replicas=1)
-    client = client_for(sc)
+    client = client_for(sc, short_circuit=True)
     info = await client.pool.call(0, P.HOST_INFO, P.NoArgs())
     assert same_host(info)
     boot, netns = info["host"]
@@ -126,17 +110,10 @@ async def test_a_node_elsewhere_is_read_over_the_socket(storage_cluster, client_
     assert not same_host({**info, "volumes": str(Path(info["volumes"]) / "missing")})
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sccluster")
-    localcluster.up(d, meta_shards=1, storage_nodes=2, sync=False)
-    yield d
-    localcluster.down(d, timeout=5)
-
-
 @requires_fuse
 @pytest.mark.fuse
-def test_mount_reads_local_volumes_and_can_be_told_not_to(cluster, tmp_path):
+def test_mount_reads_local_volumes_and_can_be_told_not_to(make_cluster, tmp_path):
+    cluster = make_cluster(meta_shards=1, storage_nodes=2)
     files = {f"/sc/{i}": os.urandom(150_000 + i) for i in range(12)}
     with jpfs.connect(cluster) as c:
         c.makedirs("/sc")
@@ -152,12 +129,12 @@ def test_mount_reads_local_volumes_and_can_be_told_not_to(cluster, tmp_path):
             assert (st["local_nodes"] > 0) == local
 
 
-async def test_a_local_node_that_dies_fails_over_to_the_next_copy(storage_cluster,  # noqa: F811
-                                                                  client_for):
+async def test_a_local_node_that_dies_fails_over_to_the_next_copy(
+        storage_cluster, client_for):  # noqa: F811
     """Reading a volume file needs its node alive: it says where the blob lies (a dead node's
     files may be mid-compaction, or its disk gone)."""
     sc = storage_cluster(n=2, replicas=2)
-    client = client_for(sc, first_copy=0)
+    client = client_for(sc, first_copy=0, short_circuit=True)
     blobs = [(new_id(), (0, 1), os.urandom(70_000 + i)) for i in range(5)]
     chunks = chunks_of(blobs, await client.put(blobs))
     assert [bytes(g) for g in await client.get(chunks)] == [d for _, _, d in blobs]

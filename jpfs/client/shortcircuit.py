@@ -136,10 +136,6 @@ class LocalVolumes:
                     os.close(fd)
                     del self._fds[vol]
 
-    @property
-    def open_files(self) -> int:
-        return len(self._fds)
-
     def close(self) -> None:
         with self._lock:
             for fd, _ in self._fds.values():
