@@ -7,9 +7,10 @@ and small files laid out in 4 KiB writes. ``large``: one large file read sequent
 reads, and many small files read in 4 KiB reads, page cache dropped before each. Each figure is
 measured on the local filesystem and through a read-write mount in the same run, the large
 phase's reads also through a read-only mount (no OPEN: its READs open files); ops/s and the
-ratio are reported. The namespace phase also runs through a naive pyfuse3 passthrough of a
-local directory (``passthrough.py``): what the FUSE round trips and a Python daemon alone cost
-here, so JPFS is measured against that floor as well as against the local filesystem. Each
+ratio are reported. Both phases also run through a naive pyfuse3 passthrough of a local
+directory (``passthrough.py``; for the large phase, of the local copy of its files): what the
+FUSE round trips and a Python daemon alone cost here, so JPFS is measured against that floor
+as well as against the local filesystem. Each
 namespace figure also says how much CPU each daemon spent per operation (the mount, the
 metadata shards, the storage nodes; the passthrough's one daemon as its "mount"): on a shared
 2-core machine that, more than the wait, is what bounds these rates.
@@ -268,9 +269,13 @@ def run_phases(args, work: Path) -> dict[str, Any]:
             with passthrough_mount(work / "passthrough-src", work / "mnt-passthrough") as (
                     mp_, pid):
                 (mp_ / "ns").mkdir()
-                out["passthrough"] = {"namespace": namespace_phase(
+                out.setdefault("passthrough", {})["namespace"] = namespace_phase(
                     mp_ / "ns", args.write_procs, args.namespace_ops, 100 << 10,
-                    args.small_write_files, args.layout_files, {"mount": [pid]})}
+                    args.small_write_files, args.layout_files, {"mount": [pid]})
+        if "large" in phases:  # the same reads through the naive layer, over the local copy
+            with passthrough_mount(src, work / "mnt-passthrough-large") as (mp_, _):
+                out.setdefault("passthrough", {})["large"] = large_phase(
+                    mp_, args.large_bytes, args.small_read_files, drop_caches)
         vias = ["local", "fuse-rw"]
         if "namespace" in phases and args.write_behind:
             vias.append("fuse-rw-write-behind")
@@ -323,12 +328,16 @@ def ratios(phases: dict[str, Any]) -> list[dict]:
         for name, r in phases.get(via, {}).get("namespace", {}).items():
             rows.append(_namespace_row(name + label, r, local["namespace"][name],
                                        floor.get(name)))
+    large_floor = phases.get("passthrough", {}).get("large", {})
     for via, label in (("fuse-rw", ""), ("fuse", " read-only")):
         for name, r in phases.get(via, {}).get("large", {}).items():
             base = local["large"][name]
-            rows.append({"phase": "large", "what": name + label, "unit": "MB/s",
-                         "local": base["MBps"], "fuse": r["MBps"],
-                         "ratio": r["MBps"] / base["MBps"]})
+            row = {"phase": "large", "what": name + label, "unit": "MB/s",
+                   "local": base["MBps"], "fuse": r["MBps"], "ratio": r["MBps"] / base["MBps"]}
+            if name in large_floor:
+                row["passthrough"] = large_floor[name]["MBps"]
+                row["ratio_passthrough"] = r["MBps"] / large_floor[name]["MBps"]
+            rows.append(row)
     return rows
 
 

@@ -51,6 +51,30 @@ def test_namespace_phase_against_local_and_a_passthrough(tmp_path):
         assert str(work) not in f.read()
 
 
+@requires_fuse
+def test_large_phase_against_local_and_a_passthrough(tmp_path):
+    """The large-file phase reads the same bytes locally, through the naive passthrough and
+    through read-write and read-only mounts, cold, and reports each against the first two."""
+    work = tmp_path / "w"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", "--phases", "large",
+         "--large-bytes", "6MiB", "--small-read-files", "12", "--dir", str(work), "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for via in ("local", "passthrough", "fuse-rw", "fuse"):
+        large = res["phases"][via]["large"]
+        assert large["large_1m"]["bytes"] == 6 << 20 and large["large_1m"]["MBps"] > 0
+        assert large["small_4k"]["files"] == 12 and large["small_4k"]["bytes"] == 12 * 100 << 10
+    rows = {r["what"]: r for r in res["phase_ratios"]}
+    assert set(rows) == {"large_1m", "small_4k", "large_1m read-only", "small_4k read-only"}
+    for r in rows.values():
+        assert r["ratio"] == pytest.approx(r["fuse"] / r["local"])
+        assert r["ratio_passthrough"] == pytest.approx(r["fuse"] / r["passthrough"])
+    with open("/proc/mounts") as f:
+        assert str(work) not in f.read()
+
+
 def test_a_failing_namespace_worker_stops_the_phase_at_once(tmp_path):
     """A worker that cannot work (a file lies where its directory should go) breaks the
     phase's barrier: the run fails at once, naming the workers' exits, instead of waiting out
