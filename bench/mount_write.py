@@ -10,10 +10,10 @@ phase's reads also through a read-only mount (no OPEN: its READs open files); op
 ratio are reported. Both phases also run through a naive pyfuse3 passthrough of a local
 directory (``passthrough.py``; for the large phase, of the local copy of its files): what the
 FUSE round trips and a Python daemon alone cost here, so JPFS is measured against that floor
-as well as against the local filesystem. Each
-namespace figure also says how much CPU each daemon spent per operation (the mount, the
-metadata shards, the storage nodes; the passthrough's one daemon as its "mount"): on a shared
-2-core machine that, more than the wait, is what bounds these rates.
+as well as against the local filesystem. Each namespace figure also says how much CPU each
+daemon spent per operation (the mount, the metadata shards, the storage nodes; the
+passthrough's one daemon as its "mount"): on a shared 2-core machine that, more than the wait,
+is what bounds these rates.
 
 The mount's cluster keeps its metadata durable as configured by default (each change is synced
 before it is answered); the local filesystem's baseline is ext4 as mounted, which syncs at its

@@ -65,7 +65,7 @@ def test_large_phase_against_local_and_a_passthrough(tmp_path):
     for via in ("local", "passthrough", "fuse-rw", "fuse"):
         large = res["phases"][via]["large"]
         assert large["large_1m"]["bytes"] == 6 << 20 and large["large_1m"]["MBps"] > 0
-        assert large["small_4k"]["files"] == 12 and large["small_4k"]["bytes"] == 12 * 100 << 10
+        assert large["small_4k"]["files"] == 12 and large["small_4k"]["bytes"] == 12 * (100 << 10)
     rows = {r["what"]: r for r in res["phase_ratios"]}
     assert set(rows) == {"large_1m", "small_4k", "large_1m read-only", "small_4k read-only"}
     for r in rows.values():
