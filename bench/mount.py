@@ -105,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read (the epochs above), namespace (creates, mkdirs, stats, renames, "
                    "removes, cp -r-like writes, 4 KiB-write layouts, through a read-write "
                    "mount and through a naive pyfuse3 passthrough of a local directory), "
-                   "large (a large file in 1 MiB reads, small files in 4 KiB reads, cold); "
+                   "large (a large file in 1 MiB reads, small files in 4 KiB reads, cold, "
+                   "through read-write and read-only mounts and the naive passthrough); "
                    "comma-separated (default read)")
     p.add_argument("--write-procs", type=int, default=2,
                    help="processes in the namespace phase (default 2)")
