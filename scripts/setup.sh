@@ -38,11 +38,16 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/jpfs" ]
 fi
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
+constrain=()
 case ",$EXTRAS," in
   *,torch,*)
     # torch first, pinned: this machine image carries a CPU build of this release on disk; an
-    # unpinned torch would pull a multi-GB CUDA build. The package itself asks for a range.
-    "$VENV/bin/python" -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0" ;;
+    # unpinned torch would pull a multi-GB CUDA build. The package itself asks for a range, and
+    # pip's resolver may still swap the installed build for a newer CUDA one while it installs
+    # the package (pip 26.3 does), so that install is held to the torch already there.
+    "$VENV/bin/python" -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
+    "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__)" > "$VENV/.jpfs-torch"
+    constrain=(-c "$VENV/.jpfs-torch") ;;
 esac
-$PIP install -q -e ".[$EXTRAS]"
+$PIP install -q ${constrain[@]+"${constrain[@]}"} -e ".[$EXTRAS]"
 echo "$want" > "$stamp"
