@@ -28,6 +28,13 @@ if ((${#need_apt[@]})); then
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
+  # A full disk fails pip deep in an install with a bare OSError; say it up front instead
+  free_mib=$(df --output=avail -BM "$(dirname "$VENV")" | tail -1 | tr -dc 0-9)
+  if [ "${free_mib:-0}" -lt 2500 ]; then
+    echo "scripts/setup.sh: only ${free_mib} MiB free here; a new virtualenv ($VENV) takes about" \
+      "2 GiB (torch's CPU build, pyarrow, the test tools). Free some space and run it again." >&2
+    exit 1
+  fi
   "$PYTHON" -m venv "$VENV"
 fi
 stamp="$VENV/.jpfs-setup"
