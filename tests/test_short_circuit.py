@@ -18,15 +18,17 @@ from jpfs.client.shortcircuit import same_host
 from jpfs.proto import storage as P
 
 
-def held_volumes() -> list[str]:
-    """Volume files this process holds open (``(deleted)`` once unlinked)."""
+def held_volumes(under: Path) -> list[str]:
+    """Volume files under ``under`` this process holds open (``(deleted)`` once unlinked).
+    Only those of the test's own cluster: a client an earlier test left cached (an fsspec
+    ``jpfs://`` instance) may hold volumes of a cluster whose directory is gone."""
     out = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if target.split(" ")[0].endswith(".vol"):
+        if target.startswith(f"{under}/") and target.split(" ")[0].endswith(".vol"):
             out.append(target)
     return out
 
@@ -87,7 +89,7 @@ async def test_compaction_under_a_local_reader(storage_cluster, client_for,  # n
     blobs = [(new_id(), (0,), os.urandom(50_000 + i)) for i in range(60)]
     chunks = chunks_of(blobs, await client.put(blobs))
     assert [bytes(g) for g in await client.get(chunks)] == [d for _, _, d in blobs]
-    before = held_volumes()
+    before = held_volumes(sc.data_dir(0))
     assert before and not any("(deleted)" in v for v in before)
     await client.delete([(bid, (0,)) for bid, _, _ in blobs[::2]])
     summary = await client.compact(0, 0.3)
@@ -95,7 +97,7 @@ async def test_compaction_under_a_local_reader(storage_cluster, client_for,  # n
     keep = chunks[1::2]
     assert [bytes(g) for g in await client.get(keep)] == [d for _, _, d in blobs[1::2]]
     assert client.as_dict()["local_blobs"] == len(chunks) + len(keep)
-    assert not any("(deleted)" in v for v in held_volumes())
+    assert not any("(deleted)" in v for v in held_volumes(sc.data_dir(0)))
 
 
 async def test_a_node_elsewhere_is_read_over_the_socket(storage_cluster, client_for):  # noqa: F811
