@@ -82,8 +82,9 @@ async def test_a_corrupt_copy_read_locally_fails_over(storage_cluster, client_fo
 async def test_compaction_under_a_local_reader(storage_cluster, client_for,  # noqa: F811
                                                monkeypatch):
     """A reader holding a volume open reads right across a compaction, and lets go of the old
-    volume (its space is freed) at its next check."""
-    monkeypatch.setattr(shortcircuit, "CHECK_EVERY", 0.0)
+    volume (its space is freed) within a check, though it reads nothing meanwhile; volumes no
+    read used for a while are let go too."""
+    monkeypatch.setattr(shortcircuit, "CHECK_EVERY", 0.05)
     sc = storage_cluster(n=1, replicas=1, args=("--volume-size", "1MiB"))
     client = client_for(sc, short_circuit=True)
     blobs = [(new_id(), (0,), os.urandom(50_000 + i)) for i in range(60)]
@@ -94,10 +95,19 @@ async def test_compaction_under_a_local_reader(storage_cluster, client_for,  # n
     await client.delete([(bid, (0,)) for bid, _, _ in blobs[::2]])
     summary = await client.compact(0, 0.3)
     assert summary["volumes_compacted"] >= 1
+    with trio.fail_after(10):  # idle: no read comes to notice the unlinked volumes
+        while any("(deleted)" in v for v in held_volumes(sc.data_dir(0))):
+            await trio.sleep(0.05)
     keep = chunks[1::2]
     assert [bytes(g) for g in await client.get(keep)] == [d for _, _, d in blobs[1::2]]
     assert client.as_dict()["local_blobs"] == len(chunks) + len(keep)
-    assert not any("(deleted)" in v for v in held_volumes(sc.data_dir(0)))
+    assert held_volumes(sc.data_dir(0))
+    monkeypatch.setattr(shortcircuit, "IDLE_CLOSE", 0.2)
+    with trio.fail_after(10):
+        while held_volumes(sc.data_dir(0)):
+            await trio.sleep(0.05)
+    assert [bytes(g) for g in await client.get(keep)] == [d for _, _, d in blobs[1::2]]
+    assert client.as_dict()["local_fallbacks"] == 0
 
 
 async def test_a_node_elsewhere_is_read_over_the_socket(storage_cluster, client_for):  # noqa: F811

@@ -16,8 +16,10 @@ container's look-alike). Reading the files needs the permission to open them; a 
 it reads over the socket.
 
 Volume ids are never reused and a volume's bytes never change once written (compaction writes
-a new volume and unlinks the old), so a descriptor held open stays right. Descriptors of volumes
-that were unlinked are closed at the next check (``CHECK_EVERY``), so their space is freed.
+a new volume and unlinks the old), so a descriptor held open stays right. The client tends the
+descriptors every ``CHECK_EVERY`` seconds whether or not it reads (``StorageClient``): those of
+volumes that were unlinked are closed, so a compaction's space is freed under an idle client
+too, and so are those no read used for ``IDLE_CLOSE`` seconds.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ KEEP = 64
 """Volume descriptors one node's ``LocalVolumes`` keeps open at most (least recently used go
 first, unless a read is using them)."""
 CHECK_EVERY = 10.0
-"""Seconds between looks for held volumes that were unlinked (compacted away)."""
+"""Seconds between looks for held volumes that were unlinked (compacted away) or idle."""
+IDLE_CLOSE = 60.0
+"""Seconds a volume descriptor no read used stays open."""
 INLINE_MAX = 256 << 10
 """Batches up to this many bytes are first read on the caller's thread with ``RWF_NOWAIT``
 (from the page cache, or not at all); the rest, and what was not cached, in a worker thread."""
@@ -67,8 +71,7 @@ class LocalVolumes:
     def __init__(self, directory: str):
         self.dir = directory
         self._lock = threading.Lock()
-        self._fds: OrderedDict[int, list[int]] = OrderedDict()  # vol -> [fd, reads using it]
-        self._checked = time.monotonic()
+        self._fds: OrderedDict[int, list] = OrderedDict()  # vol -> [fd, reads using it, used]
 
     def read(self, places: Sequence[tuple[int, int, memoryview, int]], *, nowait: bool = False
              ) -> list[bool | None]:
@@ -95,8 +98,6 @@ class LocalVolumes:
                 out.append(None)  # partly cached: a blocking read finishes it
                 continue
             out.append(n == len(view) and xxhash.xxh3_64_intdigest(view) == xxh)
-        if time.monotonic() - self._checked > CHECK_EVERY:
-            self._close_unlinked()
         return out
 
     def _pin(self, vol: int) -> int | None:
@@ -104,6 +105,7 @@ class LocalVolumes:
             slot = self._fds.get(vol)
             if slot is not None:
                 slot[1] += 1
+                slot[2] = time.monotonic()
                 self._fds.move_to_end(vol)
                 return slot[0]
         try:
@@ -116,7 +118,7 @@ class LocalVolumes:
                 os.close(fd)
                 slot[1] += 1
                 return slot[0]
-            self._fds[vol] = [fd, 1]
+            self._fds[vol] = [fd, 1, time.monotonic()]
             if len(self._fds) > KEEP:
                 for old in [v for v, s in self._fds.items() if not s[1]]:
                     if len(self._fds) <= KEEP:
@@ -128,16 +130,21 @@ class LocalVolumes:
         with self._lock:
             self._fds[vol][1] -= 1
 
-    def _close_unlinked(self) -> None:
+    def tend(self, idle_close: float | None = None) -> int:
+        """Close the descriptors no read is using whose volume was unlinked or that no read
+        used for ``idle_close`` seconds (default ``IDLE_CLOSE``); returns how many are still
+        open."""
+        idle_close = IDLE_CLOSE if idle_close is None else idle_close
         with self._lock:
-            self._checked = time.monotonic()
-            for vol, (fd, pins) in list(self._fds.items()):
-                if not pins and os.fstat(fd).st_nlink == 0:
+            now = time.monotonic()
+            for vol, (fd, pins, used) in list(self._fds.items()):
+                if not pins and (now - used > idle_close or os.fstat(fd).st_nlink == 0):
                     os.close(fd)
                     del self._fds[vol]
+            return len(self._fds)
 
     def close(self) -> None:
         with self._lock:
-            for fd, _ in self._fds.values():
+            for fd, *_ in self._fds.values():
                 os.close(fd)
             self._fds.clear()

@@ -36,6 +36,7 @@ from ..proto import storage as P
 from ..rpc import Pool
 from ..rpc.frame import receive_buffer
 from ..types import Chunk
+from . import shortcircuit
 from .shortcircuit import INLINE_MAX, LocalVolumes, same_host
 
 log = logging.getLogger(__name__)
@@ -125,12 +126,16 @@ class StorageClient:
         self._local: dict[int, LocalVolumes | None] = {}
         """Per node asked: its volumes when it is on this host, else None."""
         self._asking: dict[int, trio.Event] = {}
+        self._tending: trio.CancelScope | None = None
+        """The task that tends the local volumes' descriptors, once there are any."""
         self.counters = dict.fromkeys(("local_blobs", "local_bytes", "local_fallbacks"), 0)
         """Blobs and bytes read from local volume files, and blobs a local read left to the
         socket (not there, not readable, bytes that did not check)."""
 
     def close(self) -> None:
         self.pool.close()
+        if self._tending is not None:
+            self._tending.cancel()
         for local in self._local.values():
             if local is not None:
                 local.close()
@@ -392,6 +397,9 @@ class StorageClient:
             if local is not None:
                 log.info("%s runs on this host: reading its volumes in %s directly",
                          self.pool.name(node), local.dir)
+                if self._tending is None:
+                    self._tending = trio.CancelScope()
+                    self.nursery.start_soon(self._tend_local, self._tending)
             self._local[node] = local
             return local
         except JPFSError as e:
@@ -402,6 +410,16 @@ class StorageClient:
         finally:
             del self._asking[node]
             done.set()
+
+    async def _tend_local(self, scope: trio.CancelScope) -> None:
+        """Every ``CHECK_EVERY`` seconds, read or not, let go of the volume files that a
+        compaction unlinked or that no read used lately, so an idle client pins no space."""
+        with scope:
+            while True:
+                await trio.sleep(shortcircuit.CHECK_EVERY)
+                for local in list(self._local.values()):
+                    if local is not None:
+                        local.tend()
 
     async def _get_local(self, local: LocalVolumes, node: int, batch: list[int],
                          chunks: Sequence[Chunk], into: list[memoryview], out: list,
