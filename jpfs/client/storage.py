@@ -418,8 +418,12 @@ class StorageClient:
             while True:
                 await trio.sleep(shortcircuit.CHECK_EVERY)
                 for local in list(self._local.values()):
-                    if local is not None:
+                    if local is None:
+                        continue
+                    try:
                         local.tend()
+                    except OSError as e:  # a task of the client's own: log, never end it
+                        log.warning("tending the volume files in %s: %s", local.dir, e)
 
     async def _get_local(self, local: LocalVolumes, node: int, batch: list[int],
                          chunks: Sequence[Chunk], into: list[memoryview], out: list,
