@@ -105,8 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read (the epochs above), namespace (creates, mkdirs, stats, renames, "
                    "removes, cp -r-like writes, 4 KiB-write layouts, through a read-write "
                    "mount and through a naive pyfuse3 passthrough of a local directory), "
-                   "large (a large file in 1 MiB reads, small files in 4 KiB reads, cold, "
-                   "through read-write and read-only mounts and the naive passthrough); "
+                   "large (a large file in 1 MiB reads, small files in 4 KiB reads and whole "
+                   "by 4 threads, cold, through read-write and read-only mounts, the naive "
+                   "passthrough and a raw-protocol threaded one); "
                    "comma-separated (default read)")
     p.add_argument("--write-procs", type=int, default=2,
                    help="processes in the namespace phase (default 2)")
@@ -123,7 +124,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--large-bytes", type=parse_size, default="512M",
                    help="the large file of the large phase (default 512M)")
     p.add_argument("--small-read-files", type=int, default=1000,
-                   help="100 KB files read in 4 KiB reads in the large phase (default 1000)")
+                   help="100 KB files read in 4 KiB reads, then whole by 4 threads, in the "
+                   "large phase (default 1000)")
+    p.add_argument("--raw-threads", type=int, default=4,
+                   help="large phase: threads of the raw-protocol passthrough it also reads "
+                   "through (default 4; 0 leaves it out)")
 
 
 # ---- reading ----------------------------------------------------------------------------------
@@ -398,14 +403,23 @@ def report_phases(result: dict) -> None:
         floor = r.get("passthrough_cpu_ms_per_op")
         return mine + (f" ({floor:.2f})" if floor is not None else "")
 
+    def raw(r: dict) -> str:
+        if "raw_passthrough" not in r:
+            return "-"
+        return f"{r['raw_passthrough']:,.0f} ({fmt_ratio(r['raw_passthrough'] / r['local'])})"
+
     rows = [[r["phase"], r["what"], r["unit"], f"{r['local']:,.0f}",
-             f"{r['passthrough']:,.0f}" if "passthrough" in r else "-", f"{r['fuse']:,.0f}",
-             fmt_ratio(r["ratio"]), fmt_ratio(r.get("ratio_passthrough")), cpu(r)]
+             f"{r['passthrough']:,.0f}" if "passthrough" in r else "-", raw(r),
+             f"{r['fuse']:,.0f}", fmt_ratio(r["ratio"]), fmt_ratio(r.get("ratio_passthrough")),
+             cpu(r)]
             for r in result["phase_ratios"]]
-    print_table(["phase", "what", "unit", "local", "passthrough", "mount", "vs local",
+    threads = result.get("phases", {}).get("raw-passthrough", {}).get("threads")
+    print_table(["phase", "what", "unit", "local", "passthrough",
+                 f"raw x{threads} (vs local)" if threads else "raw", "mount", "vs local",
                  "vs passthrough", "CPU ms/op: mount / shards / storage (passthrough)"], rows,
                 title="writes, namespace changes and large files (passthrough: a naive pyfuse3 "
-                "mount of a local directory; CPU: each daemon's per operation)")
+                "mount of a local directory; raw: one speaking the FUSE protocol on threads; "
+                "CPU: each daemon's per operation)")
 
 
 def _median(reps: list[list[dict]]) -> list[dict]:

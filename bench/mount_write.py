@@ -10,10 +10,13 @@ phase's reads also through a read-only mount (no OPEN: its READs open files); op
 ratio are reported. Both phases also run through a naive pyfuse3 passthrough of a local
 directory (``passthrough.py``; for the large phase, of the local copy of its files): what the
 FUSE round trips and a Python daemon alone cost here, so JPFS is measured against that floor
-as well as against the local filesystem. Each namespace figure also says how much CPU each
-daemon spent per operation (the mount, the metadata shards, the storage nodes; the
-passthrough's one daemon as its "mount"): on a shared 2-core machine that, more than the wait,
-is what bounds these rates.
+as well as against the local filesystem. The large phase's reads (and its small files read whole
+by 4 threads, as an epoch's readers would) also run through a passthrough that speaks the FUSE
+protocol itself on several threads (``rawfuse.py``): what a daemon not bound to pyfuse3's one
+loop could reach. Both passthroughs get the mount's 4 MiB bdi read-ahead (1 MiB READs).
+Each namespace figure also says how much CPU each daemon spent per operation (the mount, the
+metadata shards, the storage nodes; the passthrough's one daemon as its "mount"): on a shared
+2-core machine that, more than the wait, is what bounds these rates.
 
 The mount's cluster keeps its metadata durable as configured by default (each change is synced
 before it is answered); the local filesystem's baseline is ext4 as mounted, which syncs at its
@@ -34,6 +37,10 @@ from typing import Any
 
 NAMESPACE_OPS = ("create", "mkdir", "stat", "rename", "remove", "rmdir")
 NAMESPACE_PHASES = (*NAMESPACE_OPS, "write_small", "layout_4k")
+WHOLE_READERS = 4
+"""Threads reading the large phase's small files whole, as an epoch's readers would."""
+FLOOR_READ_AHEAD_KB = 4096
+"""The passthroughs' bdi read-ahead: a JPFS mount's default (``--read-ahead 4M``)."""
 
 
 def _namespace_worker(root: str, n: int, small: int, small_files: int, layout_files: int,
@@ -170,13 +177,29 @@ def _read_sequential(path: Path, size: int) -> float:
     return time.perf_counter() - t0
 
 
-def _read_4k(paths: list[Path]) -> float:
-    buf = bytearray(4096)
-    t0 = time.perf_counter()
+def _read_files(paths: list[Path], chunk: int) -> None:
+    buf = bytearray(chunk)
     for p in paths:
         with open(p, "rb", buffering=0) as f:
             while f.readinto(buf):
                 pass
+
+
+def _read_4k(paths: list[Path]) -> float:
+    t0 = time.perf_counter()
+    _read_files(paths, 4096)
+    return time.perf_counter() - t0
+
+
+def _read_whole(paths: list[Path], readers: int) -> float:
+    """``paths`` read whole (1 MiB reads) by ``readers`` threads, each a share in turn."""
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=_read_files, args=(paths[k::readers], 1 << 20))
+               for k in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return time.perf_counter() - t0
 
 
@@ -205,22 +228,40 @@ def large_phase(root: Path, large_bytes: int, small_files: int, drop) -> dict[st
     secs = _read_4k(paths)
     out["small_4k"] = {"bytes": nbytes, "files": len(paths), "seconds": secs,
                        "MBps": nbytes / secs / 1e6}
+    drop()
+    secs = _read_whole(paths, WHOLE_READERS)
+    out[f"small_whole_x{WHOLE_READERS}"] = {"bytes": nbytes, "files": len(paths),
+                                            "seconds": secs, "MBps": nbytes / secs / 1e6}
     return out
 
 
+def _set_read_ahead(mountpoint: Path, kb: int) -> None:
+    """The read-ahead of the mount's bdi, as a JPFS mount sets its own (where /sys allows)."""
+    dev = os.stat(mountpoint).st_dev
+    try:
+        Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").write_text(str(kb))
+    except OSError:
+        pass
+
+
 @contextmanager
-def passthrough_mount(source: Path, mountpoint: Path):
-    """A naive pyfuse3 passthrough of ``source`` mounted at ``mountpoint`` while in the block;
+def passthrough_mount(source: Path, mountpoint: Path, threads: int | None = None):
+    """A passthrough of ``source`` mounted at ``mountpoint`` while in the block: the naive
+    pyfuse3 one, or with ``threads`` the raw-protocol one (read-only) on that many threads;
     gives the mountpoint and the daemon's pid."""
     source.mkdir(parents=True, exist_ok=True)
     mountpoint.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "jpfs_bench.passthrough", str(source),
-                             str(mountpoint)], stdout=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "jpfs_bench.passthrough", str(source), str(mountpoint)]
+    if threads:
+        cmd = [sys.executable, "-m", "jpfs_bench.rawfuse", str(source), str(mountpoint),
+               "--threads", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the passthrough mount at {mountpoint} did not start "
                                f"(exit {proc.wait()})")
+        _set_read_ahead(mountpoint, FLOOR_READ_AHEAD_KB)
         yield mountpoint, proc.pid
     finally:
         subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True)
@@ -276,6 +317,11 @@ def run_phases(args, work: Path) -> dict[str, Any]:
             with passthrough_mount(src, work / "mnt-passthrough-large") as (mp_, _):
                 out.setdefault("passthrough", {})["large"] = large_phase(
                     mp_, args.large_bytes, args.small_read_files, drop_caches)
+            if args.raw_threads:
+                with passthrough_mount(src, work / "mnt-raw-large", args.raw_threads) as (
+                        mp_, _):
+                    out["raw-passthrough"] = {"threads": args.raw_threads, "large": large_phase(
+                        mp_, args.large_bytes, args.small_read_files, drop_caches)}
         vias = ["local", "fuse-rw"]
         if "namespace" in phases and args.write_behind:
             vias.append("fuse-rw-write-behind")
@@ -320,7 +366,7 @@ def _namespace_row(what: str, r: dict, base: dict, floor: dict | None) -> dict:
 
 
 def ratios(phases: dict[str, Any]) -> list[dict]:
-    """One row per figure: local, mount, mount vs local (and the passthrough, where run)."""
+    """One row per figure: local, mount, mount vs local (and the passthroughs, where run)."""
     rows = []
     local = phases.get("local", {})
     floor = phases.get("passthrough", {}).get("namespace", {})
@@ -329,6 +375,7 @@ def ratios(phases: dict[str, Any]) -> list[dict]:
             rows.append(_namespace_row(name + label, r, local["namespace"][name],
                                        floor.get(name)))
     large_floor = phases.get("passthrough", {}).get("large", {})
+    raw_floor = phases.get("raw-passthrough", {}).get("large", {})
     for via, label in (("fuse-rw", ""), ("fuse", " read-only")):
         for name, r in phases.get(via, {}).get("large", {}).items():
             base = local["large"][name]
@@ -337,6 +384,8 @@ def ratios(phases: dict[str, Any]) -> list[dict]:
             if name in large_floor:
                 row["passthrough"] = large_floor[name]["MBps"]
                 row["ratio_passthrough"] = r["MBps"] / large_floor[name]["MBps"]
+            if name in raw_floor:
+                row["raw_passthrough"] = raw_floor[name]["MBps"]
             rows.append(row)
     return rows
 

@@ -53,8 +53,9 @@ def test_namespace_phase_against_local_and_a_passthrough(tmp_path):
 
 @requires_fuse
 def test_large_phase_against_local_and_a_passthrough(tmp_path):
-    """The large-file phase reads the same bytes locally, through the naive passthrough and
-    through read-write and read-only mounts, cold, and reports each against the first two."""
+    """The large-file phase reads the same bytes locally, through the naive passthrough, the
+    threaded raw-protocol one and read-write and read-only mounts, cold, and reports each mount
+    against the local filesystem and the passthroughs."""
     work = tmp_path / "w"
     proc = subprocess.run(
         [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", "--phases", "large",
@@ -62,15 +63,20 @@ def test_large_phase_against_local_and_a_passthrough(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    for via in ("local", "passthrough", "fuse-rw", "fuse"):
+    for via in ("local", "passthrough", "raw-passthrough", "fuse-rw", "fuse"):
         large = res["phases"][via]["large"]
         assert large["large_1m"]["bytes"] == 6 << 20 and large["large_1m"]["MBps"] > 0
-        assert large["small_4k"]["files"] == 12 and large["small_4k"]["bytes"] == 12 * (100 << 10)
+        for name in ("small_4k", "small_whole_x4"):
+            assert large[name]["files"] == 12 and large[name]["bytes"] == 12 * (100 << 10)
+    assert res["phases"]["raw-passthrough"]["threads"] == 4
     rows = {r["what"]: r for r in res["phase_ratios"]}
-    assert set(rows) == {"large_1m", "small_4k", "large_1m read-only", "small_4k read-only"}
+    assert set(rows) == {f"{name}{via}" for name in ("large_1m", "small_4k", "small_whole_x4")
+                         for via in ("", " read-only")}
     for r in rows.values():
         assert r["ratio"] == pytest.approx(r["fuse"] / r["local"])
         assert r["ratio_passthrough"] == pytest.approx(r["fuse"] / r["passthrough"])
+        assert r["raw_passthrough"] > 0
+    assert "raw x4 (vs local)" in proc.stdout
     with open("/proc/mounts") as f:
         assert str(work) not in f.read()
 
