@@ -104,7 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phases", type=_list(str, PHASES), default=["read"],
                    help="read (the epochs above), namespace (creates, mkdirs, stats, renames, "
                    "removes, cp -r-like writes, 4 KiB-write layouts, through a read-write "
-                   "mount and through a naive pyfuse3 passthrough of a local directory), "
+                   "mount and through a naive pyfuse3 passthrough of a local directory and a "
+                   "raw-protocol threaded one), "
                    "large (a large file in 1 MiB reads, small files in 4 KiB reads and whole "
                    "by 4 threads, cold, through read-write and read-only mounts, the naive "
                    "passthrough and a raw-protocol threaded one); "
@@ -127,8 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="100 KB files read in 4 KiB reads, then whole by 4 threads, in the "
                    "large phase (default 1000)")
     p.add_argument("--raw-threads", type=int, default=4,
-                   help="large phase: threads of the raw-protocol passthrough it also reads "
-                   "through (default 4; 0 leaves it out)")
+                   help="namespace and large phases: threads of the raw-protocol passthrough "
+                   "they also run through (default 4; 0 leaves it out)")
 
 
 # ---- reading ----------------------------------------------------------------------------------

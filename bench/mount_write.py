@@ -10,10 +10,10 @@ phase's reads also through a read-only mount (no OPEN: its READs open files); op
 ratio are reported. Both phases also run through a naive pyfuse3 passthrough of a local
 directory (``passthrough.py``; for the large phase, of the local copy of its files): what the
 FUSE round trips and a Python daemon alone cost here, so JPFS is measured against that floor
-as well as against the local filesystem. The large phase's reads (and its small files read whole
-by 4 threads, as an epoch's readers would) also run through a passthrough that speaks the FUSE
-protocol itself on several threads (``rawfuse.py``): what a daemon not bound to pyfuse3's one
-loop could reach. Both passthroughs get the mount's 4 MiB bdi read-ahead (1 MiB READs).
+as well as against the local filesystem. Both phases (the large one also with its small files
+read whole by 4 threads, as an epoch's readers would) run through a passthrough that speaks
+the FUSE protocol itself on several threads as well (``rawfuse.py``): what a daemon not bound
+to pyfuse3's one loop could reach. Both passthroughs get the mount's 4 MiB bdi read-ahead.
 Each namespace figure also says how much CPU each daemon spent per operation (the mount, the
 metadata shards, the storage nodes; the passthrough's one daemon as its "mount"): on a shared
 2-core machine that, more than the wait, is what bounds these rates.
@@ -245,16 +245,17 @@ def _set_read_ahead(mountpoint: Path, kb: int) -> None:
 
 
 @contextmanager
-def passthrough_mount(source: Path, mountpoint: Path, threads: int | None = None):
+def passthrough_mount(source: Path, mountpoint: Path, threads: int | None = None,
+                      read_write: bool = False):
     """A passthrough of ``source`` mounted at ``mountpoint`` while in the block: the naive
-    pyfuse3 one, or with ``threads`` the raw-protocol one (read-only) on that many threads;
-    gives the mountpoint and the daemon's pid."""
+    pyfuse3 one, or with ``threads`` the raw-protocol one on that many threads (read-only
+    unless ``read_write``); gives the mountpoint and the daemon's pid."""
     source.mkdir(parents=True, exist_ok=True)
     mountpoint.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "jpfs_bench.passthrough", str(source), str(mountpoint)]
     if threads:
         cmd = [sys.executable, "-m", "jpfs_bench.rawfuse", str(source), str(mountpoint),
-               "--threads", str(threads)]
+               "--threads", str(threads), *(["--read-write"] if read_write else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -313,6 +314,14 @@ def run_phases(args, work: Path) -> dict[str, Any]:
                 out.setdefault("passthrough", {})["namespace"] = namespace_phase(
                     mp_ / "ns", args.write_procs, args.namespace_ops, 100 << 10,
                     args.small_write_files, args.layout_files, {"mount": [pid]})
+            if args.raw_threads:
+                with passthrough_mount(work / "raw-src", work / "mnt-raw", args.raw_threads,
+                                       read_write=True) as (mp_, pid):
+                    (mp_ / "ns").mkdir()
+                    out.setdefault("raw-passthrough", {"threads": args.raw_threads})[
+                        "namespace"] = namespace_phase(
+                        mp_ / "ns", args.write_procs, args.namespace_ops, 100 << 10,
+                        args.small_write_files, args.layout_files, {"mount": [pid]})
         if "large" in phases:  # the same reads through the naive layer, over the local copy
             with passthrough_mount(src, work / "mnt-passthrough-large") as (mp_, _):
                 out.setdefault("passthrough", {})["large"] = large_phase(
@@ -320,8 +329,9 @@ def run_phases(args, work: Path) -> dict[str, Any]:
             if args.raw_threads:
                 with passthrough_mount(src, work / "mnt-raw-large", args.raw_threads) as (
                         mp_, _):
-                    out["raw-passthrough"] = {"threads": args.raw_threads, "large": large_phase(
-                        mp_, args.large_bytes, args.small_read_files, drop_caches)}
+                    out.setdefault("raw-passthrough", {"threads": args.raw_threads})[
+                        "large"] = large_phase(mp_, args.large_bytes, args.small_read_files,
+                                               drop_caches)
         vias = ["local", "fuse-rw"]
         if "namespace" in phases and args.write_behind:
             vias.append("fuse-rw-write-behind")
@@ -350,9 +360,10 @@ def run_phases(args, work: Path) -> dict[str, Any]:
     return out
 
 
-def _namespace_row(what: str, r: dict, base: dict, floor: dict | None) -> dict:
+def _namespace_row(what: str, r: dict, base: dict, floor: dict | None,
+                   raw: dict | None = None) -> dict:
     """One namespace figure: the mount's against the local filesystem's (and the
-    passthrough's, where run)."""
+    passthroughs', where run)."""
     row = {"phase": "namespace", "what": what, "unit": "ops/s", "local": base["ops_s"],
            "fuse": r["ops_s"], "ratio": r["ops_s"] / base["ops_s"]}
     if floor is not None:
@@ -360,6 +371,8 @@ def _namespace_row(what: str, r: dict, base: dict, floor: dict | None) -> dict:
         row["ratio_passthrough"] = r["ops_s"] / floor["ops_s"]
         if "cpu_ms_per_op" in floor:
             row["passthrough_cpu_ms_per_op"] = floor["cpu_ms_per_op"]["mount"]
+    if raw is not None:
+        row["raw_passthrough"] = raw["ops_s"]
     if "cpu_ms_per_op" in r:
         row["cpu_ms_per_op"] = r["cpu_ms_per_op"]
     return row
@@ -370,10 +383,11 @@ def ratios(phases: dict[str, Any]) -> list[dict]:
     rows = []
     local = phases.get("local", {})
     floor = phases.get("passthrough", {}).get("namespace", {})
+    raw_ns = phases.get("raw-passthrough", {}).get("namespace", {})
     for via, label in (("fuse-rw", ""), ("fuse-rw-write-behind", " --write-behind")):
         for name, r in phases.get(via, {}).get("namespace", {}).items():
             rows.append(_namespace_row(name + label, r, local["namespace"][name],
-                                       floor.get(name)))
+                                       floor.get(name), raw_ns.get(name)))
     large_floor = phases.get("passthrough", {}).get("large", {})
     raw_floor = phases.get("raw-passthrough", {}).get("large", {})
     for via, label in (("fuse-rw", ""), ("fuse", " read-only")):

@@ -12,13 +12,16 @@ out. Reads and writes of the descriptor and ``pread`` release the GIL, so thread
 the bytes are.
 
 It serves what reading needs (LOOKUP, GETATTR, READLINK, OPEN, READ, RELEASE, OPENDIR,
-READDIR, RELEASEDIR, STATFS, FLUSH, FORGET) with the kernel settings of the pyfuse3
-passthrough (entry and attribute timeouts of 1 s, ``default_permissions``, cached pages kept
-across opens, up to 1 MiB a read). Anything else is answered ENOSYS; the mount is read-only.
+READDIR, RELEASEDIR, STATFS, FLUSH, FORGET) and, with ``--read-write``, what the namespace
+phase's writers do (CREATE, MKDIR, UNLINK, RMDIR, RENAME, SETATTR, WRITE, FSYNC, GETXATTR:
+the kernel asks for ``security.capability`` before each write, as through the pyfuse3 one),
+with that passthrough's kernel settings: entry and attribute timeouts of 1 s,
+``default_permissions``, cached pages kept across opens, no writeback cache, up to 1 MiB a
+request. Anything else is answered ENOSYS.
 
-Run as ``python -m jpfs_bench.rawfuse SOURCE MOUNTPOINT [--threads N]`` (root); it mounts,
-writes ``ready`` to stdout, and serves until unmounted or sent SIGTERM/SIGINT. Nothing of JPFS
-is imported.
+Run as ``python -m jpfs_bench.rawfuse SOURCE MOUNTPOINT [--threads N] [--read-write]`` (root);
+it mounts, writes ``ready`` to stdout, and serves until unmounted or sent SIGTERM/SIGINT.
+Nothing of JPFS is imported.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import stat
 import struct
 import sys
 import threading
+import time
 
 TIMEOUT = 1
 """Entry and attribute timeouts in seconds, as the pyfuse3 passthrough's."""
@@ -45,8 +49,10 @@ BUFSIZE = MAX_PAGES * 4096 + 4096
 
 # <linux/fuse.h>: protocol 7.31 (max_pages is 7.28); the kernel speaks older minors to us.
 MAJOR, MINOR = 7, 31
-FUSE_LOOKUP, FUSE_FORGET, FUSE_GETATTR, FUSE_READLINK = 1, 2, 3, 5
-FUSE_OPEN, FUSE_READ, FUSE_STATFS, FUSE_RELEASE = 14, 15, 17, 18
+FUSE_LOOKUP, FUSE_FORGET, FUSE_GETATTR, FUSE_SETATTR, FUSE_READLINK = 1, 2, 3, 4, 5
+FUSE_MKDIR, FUSE_UNLINK, FUSE_RMDIR, FUSE_RENAME = 9, 10, 11, 12
+FUSE_OPEN, FUSE_READ, FUSE_WRITE, FUSE_STATFS, FUSE_RELEASE = 14, 15, 16, 17, 18
+FUSE_FSYNC, FUSE_GETXATTR, FUSE_CREATE, FUSE_RENAME2 = 20, 22, 35, 45
 FUSE_FLUSH, FUSE_INIT, FUSE_OPENDIR, FUSE_READDIR, FUSE_RELEASEDIR = 25, 26, 27, 28, 29
 FUSE_INTERRUPT, FUSE_DESTROY, FUSE_BATCH_FORGET = 36, 38, 42
 NO_REPLY = {FUSE_FORGET, FUSE_BATCH_FORGET, FUSE_INTERRUPT}
@@ -69,6 +75,23 @@ RELEASE_IN = struct.Struct("<Q")  # fh
 DIRENT = struct.Struct("<QQII")  # ino, off, namelen, type; then the name, padded to 8
 STATFS_OUT = struct.Struct("<QQQQQIII28x")  # blocks, bfree, bavail, files, ffree, bsize,
 # namelen, frsize; padding and spare
+OPEN_IN = struct.Struct("<I")  # flags
+CREATE_IN = struct.Struct("<IIII")  # flags, mode, umask, open_flags; then the name
+MKDIR_IN = struct.Struct("<II")  # mode, umask; then the name
+RENAME_IN = struct.Struct("<Q")  # newdir; then both names
+RENAME2_IN = struct.Struct("<QII")  # newdir, flags, padding; then both names
+WRITE_IN = struct.Struct("<QQI4xQI4x")  # fh, offset, size, (write_flags), lock_owner, flags
+WRITE_OUT = struct.Struct("<II")  # size, padding
+SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")  # valid, pad, fh, size, lock_owner, atime,
+# mtime, ctime, atimensec, mtimensec, ctimensec, mode, unused, uid, gid, unused
+FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE, FATTR_ATIME, FATTR_MTIME = 1, 2, 4, 8, 16, 32
+FATTR_ATIME_NOW, FATTR_MTIME_NOW = 1 << 7, 1 << 8
+GETXATTR_IN = struct.Struct("<II")  # size, padding; then the name
+
+
+def names(body: memoryview) -> list[bytes]:
+    """The NUL-terminated names that end a request."""
+    return bytes(body).split(b"\0")
 
 
 def attr_bytes(st: os.stat_result, ino: int) -> bytes:
@@ -92,13 +115,17 @@ class RawPassthrough:
     def _ino(self, path: str, st: os.stat_result) -> int:
         return 1 if path == self.source else st.st_ino
 
-    def lookup(self, nodeid: int, body: memoryview) -> bytes:
-        name = bytes(body[:-1]) if body[-1:] == b"\0" else bytes(body)
-        path = os.path.join(self.paths[nodeid], os.fsdecode(name))
+    def _child(self, nodeid: int, name: bytes | memoryview) -> str:
+        return os.path.join(self.paths[nodeid], os.fsdecode(bytes(name)))
+
+    def _entry(self, path: str) -> bytes:
         st = os.lstat(path)
         ino = self._ino(path, st)
         self.paths[ino] = path
         return ENTRY_OUT.pack(ino, 0, TIMEOUT, TIMEOUT, 0, 0) + attr_bytes(st, ino)
+
+    def lookup(self, nodeid: int, body: memoryview) -> bytes:
+        return self._entry(self._child(nodeid, names(body)[0]))
 
     def getattr(self, nodeid: int, body: memoryview) -> bytes:
         st = os.lstat(self.paths[nodeid])
@@ -108,8 +135,93 @@ class RawPassthrough:
         return os.fsencode(os.readlink(self.paths[nodeid]))
 
     def open(self, nodeid: int, body: memoryview) -> bytes:
-        fd = os.open(self.paths[nodeid], os.O_RDONLY | os.O_CLOEXEC)
+        flags = OPEN_IN.unpack_from(body)[0] & ~(os.O_CREAT | os.O_EXCL | os.O_NOCTTY)
+        fd = os.open(self.paths[nodeid], flags | os.O_CLOEXEC)
         return OPEN_OUT.pack(fd, FOPEN_KEEP_CACHE, 0)
+
+    # ---- changes (--read-write)
+    def create(self, nodeid: int, body: memoryview) -> bytes:
+        flags, mode = CREATE_IN.unpack_from(body)[:2]
+        path = self._child(nodeid, names(body[CREATE_IN.size:])[0])
+        fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, mode)
+        try:
+            return self._entry(path) + OPEN_OUT.pack(fd, FOPEN_KEEP_CACHE, 0)
+        except OSError:
+            os.close(fd)
+            raise
+
+    def mkdir(self, nodeid: int, body: memoryview) -> bytes:
+        mode = MKDIR_IN.unpack_from(body)[0]
+        path = self._child(nodeid, names(body[MKDIR_IN.size:])[0])
+        os.mkdir(path, mode)
+        return self._entry(path)
+
+    def unlink(self, nodeid: int, body: memoryview) -> bytes:
+        os.unlink(self._child(nodeid, names(body)[0]))
+        return b""
+
+    def rmdir(self, nodeid: int, body: memoryview) -> bytes:
+        os.rmdir(self._child(nodeid, names(body)[0]))
+        return b""
+
+    def rename(self, nodeid: int, body: memoryview) -> bytes:
+        return self._rename(nodeid, RENAME_IN.unpack_from(body)[0], 0, body[RENAME_IN.size:])
+
+    def rename2(self, nodeid: int, body: memoryview) -> bytes:
+        newdir, flags, _ = RENAME2_IN.unpack_from(body)
+        return self._rename(nodeid, newdir, flags, body[RENAME2_IN.size:])
+
+    def _rename(self, nodeid: int, newdir: int, flags: int, body: memoryview) -> bytes:
+        if flags:
+            raise OSError(errno.EINVAL, "rename flags")
+        old_name, new_name = names(body)[:2]
+        old, new = self._child(nodeid, old_name), self._child(newdir, new_name)
+        ino = os.lstat(old).st_ino
+        os.rename(old, new)
+        if ino in self.paths:
+            self.paths[ino] = new
+        return b""
+
+    def setattr(self, nodeid: int, body: memoryview) -> bytes:
+        (valid, _, _, size, _, atime, mtime, _, atime_ns, mtime_ns, _, mode, _, uid, gid,
+         _) = SETATTR_IN.unpack_from(body)
+        path = self.paths[nodeid]
+        if valid & FATTR_SIZE:
+            os.truncate(path, size)
+        if valid & FATTR_MODE:
+            os.chmod(path, stat.S_IMODE(mode))
+        if valid & (FATTR_UID | FATTR_GID):
+            os.chown(path, uid if valid & FATTR_UID else -1, gid if valid & FATTR_GID else -1,
+                     follow_symlinks=False)
+        if valid & (FATTR_ATIME | FATTR_MTIME | FATTR_ATIME_NOW | FATTR_MTIME_NOW):
+            st = os.lstat(path)
+            now = time.time_ns()
+            a = now if valid & FATTR_ATIME_NOW else \
+                atime * 10**9 + atime_ns if valid & FATTR_ATIME else st.st_atime_ns
+            m = now if valid & FATTR_MTIME_NOW else \
+                mtime * 10**9 + mtime_ns if valid & FATTR_MTIME else st.st_mtime_ns
+            os.utime(path, ns=(a, m), follow_symlinks=False)
+        return self.getattr(nodeid, body)
+
+    def write(self, nodeid: int, body: memoryview) -> bytes:
+        fh, offset, size = WRITE_IN.unpack_from(body)[:3]
+        data = body[WRITE_IN.size:WRITE_IN.size + size]
+        return WRITE_OUT.pack(os.pwrite(fh, data, offset), 0)
+
+    def fsync(self, nodeid: int, body: memoryview) -> bytes:
+        fh, flags = struct.unpack_from("<QI", body)
+        (os.fdatasync if flags & 1 else os.fsync)(fh)
+        return b""
+
+    def getxattr(self, nodeid: int, body: memoryview) -> bytes:
+        size = GETXATTR_IN.unpack_from(body)[0]
+        name = os.fsdecode(names(body[GETXATTR_IN.size:])[0])
+        value = os.getxattr(self.paths[nodeid], name, follow_symlinks=False)
+        if size == 0:
+            return WRITE_OUT.pack(len(value), 0)
+        if len(value) > size:
+            raise OSError(errno.ERANGE, "xattr too large")
+        return value
 
     def release(self, nodeid: int, body: memoryview) -> bytes:
         os.close(RELEASE_IN.unpack_from(body)[0])
@@ -154,7 +266,7 @@ class RawPassthrough:
         return b""
 
     # ---- the protocol
-    def serve(self, fd: int) -> None:
+    def serve(self, fd: int, read_write: bool = False) -> None:
         """Read requests from ``fd`` and answer them on it, until the mount goes away."""
         buf = bytearray(BUFSIZE)
         view = memoryview(buf)
@@ -165,6 +277,12 @@ class RawPassthrough:
                     FUSE_RELEASE: self.release, FUSE_OPENDIR: self.opendir,
                     FUSE_READDIR: self.readdir, FUSE_RELEASEDIR: self.releasedir,
                     FUSE_STATFS: self.statfs, FUSE_FLUSH: self.flush}
+        if read_write:
+            handlers.update({
+                FUSE_CREATE: self.create, FUSE_MKDIR: self.mkdir, FUSE_UNLINK: self.unlink,
+                FUSE_RMDIR: self.rmdir, FUSE_RENAME: self.rename, FUSE_RENAME2: self.rename2,
+                FUSE_SETATTR: self.setattr, FUSE_WRITE: self.write, FUSE_FSYNC: self.fsync,
+                FUSE_GETXATTR: self.getxattr})
         while True:
             try:
                 n = os.readv(fd, [buf])
@@ -232,7 +350,7 @@ def clone(session_fd: int) -> int:
     return fd
 
 
-def mount(mountpoint: str, fsname: str) -> int:
+def mount(mountpoint: str, fsname: str, read_write: bool = False) -> int:
     """A FUSE file system mounted at ``mountpoint`` by the system call (root): its session fd."""
     fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
     st = os.stat(mountpoint)
@@ -240,7 +358,7 @@ def mount(mountpoint: str, fsname: str) -> int:
             f"allow_other,default_permissions,max_read={MAX_PAGES * 4096}")
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.mount(fsname.encode(), mountpoint.encode(), f"fuse.{fsname}".encode(),
-                  MS_RDONLY | MS_NOSUID | MS_NODEV, opts.encode()) != 0:
+                  (0 if read_write else MS_RDONLY) | MS_NOSUID | MS_NODEV, opts.encode()) != 0:
         e = ctypes.get_errno()
         os.close(fd)
         raise OSError(e, f"mount {mountpoint}: {os.strerror(e)}")
@@ -257,10 +375,12 @@ def main(argv: list[str]) -> None:
     p.add_argument("source")
     p.add_argument("mountpoint")
     p.add_argument("--threads", type=int, default=4, help="serving threads (default 4)")
+    p.add_argument("--read-write", action="store_true",
+                   help="serve changes too (default: a read-only mount)")
     args = p.parse_args(argv)
     fs = RawPassthrough(os.path.abspath(args.source))
     mountpoint = os.path.abspath(args.mountpoint)
-    session = mount(mountpoint, "jpfs-bench-rawfuse")
+    session = mount(mountpoint, "jpfs-bench-rawfuse", args.read_write)
     try:
         answer_init(session)
         fds = [session] + [clone(session) for _ in range(args.threads - 1)]
@@ -271,7 +391,7 @@ def main(argv: list[str]) -> None:
 
     def serve(fd: int) -> None:
         try:
-            fs.serve(fd)
+            fs.serve(fd, args.read_write)
         finally:
             done.set()
 

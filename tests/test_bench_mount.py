@@ -27,7 +27,7 @@ def test_namespace_phase_against_local_and_a_passthrough(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "vs passthrough" in proc.stdout
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    for via in ("local", "passthrough", "fuse-rw", "fuse-rw-write-behind"):
+    for via in ("local", "passthrough", "raw-passthrough", "fuse-rw", "fuse-rw-write-behind"):
         ns = res["phases"][via]["namespace"]
         assert set(ns) == {"create", "mkdir", "stat", "rename", "remove", "rmdir",
                            "write_small", "layout_4k"}
@@ -44,9 +44,11 @@ def test_namespace_phase_against_local_and_a_passthrough(tmp_path):
     assert sum(r["passthrough_cpu_ms_per_op"] for r in res["phase_ratios"]
                if r["phase"] == "namespace") > 0
     assert "CPU ms/op" in proc.stdout
-    # the passthrough wrote through to its directory, and everything was unmounted
-    small = work / "passthrough-src" / "ns" / "p0" / "small" / "s00003"
-    assert small.stat().st_size == 100 << 10
+    assert all(r["raw_passthrough"] > 0 for r in res["phase_ratios"])
+    # the passthroughs wrote through to their directories, and everything was unmounted
+    for src in ("passthrough-src", "raw-src"):
+        small = work / src / "ns" / "p0" / "small" / "s00003"
+        assert small.stat().st_size == 100 << 10
     with open("/proc/mounts") as f:
         assert str(work) not in f.read()
 

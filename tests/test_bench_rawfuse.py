@@ -1,7 +1,8 @@
 """The raw-protocol passthrough ``jpfs bench mount`` reads through (``bench/rawfuse.py``), tried as
 a reader would: on 4 threads sharing one FUSE connection it serves a directory's bytes, listings
 and attributes unchanged to concurrent readers, answers a missing name with ENOENT and a write
-with EROFS, and goes away cleanly when unmounted."""
+with EROFS, and goes away cleanly when unmounted; with ``--read-write`` a writer's changes land
+in the directory below."""
 
 from __future__ import annotations
 
@@ -84,3 +85,51 @@ def test_errors_and_unmount(served):
     assert proc.wait(timeout=30) == 0
     with open("/proc/mounts") as f:
         assert str(mp) not in f.read()
+
+
+@requires_fuse
+def test_read_write_serves_a_writers_changes(tmp_path):
+    """With --read-write: the namespace phase's changes land in the directory below, and what
+    a writer reads back through the mount is what it wrote."""
+    src, mp = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "jpfs_bench.rawfuse", str(src), str(mp),
+                             "--threads", "3", "--read-write"], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    try:
+        (mp / "d").mkdir(mode=0o750)
+        data = os.urandom(300_000)
+        with open(mp / "d" / "f", "wb") as f:  # CREATE, WRITEs of up to 128 KiB
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        assert (src / "d" / "f").read_bytes() == data
+        assert (mp / "d" / "f").read_bytes() == data
+        with open(mp / "d" / "f", "r+b") as f:  # OPEN for writing, a write at an offset
+            f.seek(1000)
+            f.write(b"abc")
+        assert (src / "d" / "f").read_bytes()[998:1005] == \
+            data[998:1000] + b"abc" + data[1003:1005]
+        os.truncate(mp / "d" / "f", 10)
+        os.chmod(mp / "d" / "f", 0o600)
+        os.utime(mp / "d" / "f", ns=(1_000_000_123, 2_000_000_456))
+        st = os.stat(src / "d" / "f")
+        assert (st.st_size, st.st_mode & 0o777, st.st_mtime_ns) == (10, 0o600, 2_000_000_456)
+        assert os.stat(mp / "d" / "f").st_size == 10
+        os.rename(mp / "d" / "f", mp / "g")
+        assert not (src / "d" / "f").exists() and (src / "g").read_bytes() == data[:10]
+        assert (mp / "g").read_bytes() == data[:10]
+        (mp / "d" / "h").write_bytes(b"x")
+        with pytest.raises(OSError) as e:
+            os.rmdir(mp / "d")
+        assert e.value.errno == errno.ENOTEMPTY
+        os.unlink(mp / "d" / "h")
+        os.rmdir(mp / "d")
+        with pytest.raises(FileExistsError):
+            os.open(mp / "g", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        assert sorted(os.listdir(mp)) == sorted(os.listdir(src)) == ["g"]
+    finally:
+        subprocess.run(["umount", "-l", str(mp)], capture_output=True)
+        proc.wait(timeout=30)
