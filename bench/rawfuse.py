@@ -102,7 +102,7 @@ def attr_bytes(st: os.stat_result, ino: int) -> bytes:
 
 
 class RawPassthrough:
-    """The directory ``source`` served read-only; inode numbers are the source's (1 its root)."""
+    """The directory ``source``, served; inode numbers are the source's (1 its root)."""
 
     def __init__(self, source: str):
         self.source = source
@@ -111,7 +111,7 @@ class RawPassthrough:
         self.next_dir = 1
         self.lock = threading.Lock()
 
-    # ---- answers: (payload, or an errno to answer with)
+    # ---- answers: each returns the reply's payload or raises OSError (its errno is the answer)
     def _ino(self, path: str, st: os.stat_result) -> int:
         return 1 if path == self.source else st.st_ino
 
@@ -311,10 +311,13 @@ class RawPassthrough:
                         err = errno.ENOSYS
                     else:
                         parts = [handler(nodeid, body)]
-            except KeyError:
+            except KeyError:  # a node id this file system never gave (or a stale one)
                 err = errno.ENOENT
             except OSError as e:
                 err = e.errno or errno.EIO
+            except Exception as e:  # a request it cannot parse: answered, and the thread goes on
+                print(f"rawfuse: opcode {opcode}: {e!r}", file=sys.stderr)
+                err = errno.EIO
             if err:
                 parts = []
             size = OUT_HEADER.size + sum(len(p) for p in parts)
