@@ -479,3 +479,47 @@ def test_rank_and_world_size_default_to_torch_distributed(lerobot, tmp_path):
     assert r0[-2:] == [0, 2] and r1[-2:] == [1, 2]
     total = ShardDataset(lerobot["v2.1"], video=False).num_samples
     assert sorted(r0[:-2] + r1[:-2]) == list(range(total))
+
+
+def _strategy_collate(samples: list[dict]) -> dict:
+    """Default collate, plus the sharing strategy of the process that collates (a worker)."""
+    from torch.utils.data import default_collate
+
+    batch = default_collate(samples)
+    batch["strategy"] = torch.multiprocessing.get_sharing_strategy()
+    return batch
+
+
+def _torch_shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("torch_")}
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_workers_hand_batches_over_by_shared_memory_name(lerobot, batched):
+    """DataLoader workers pass their batches to the training process by shared-memory name
+    (torch's ``file_system`` strategy, in the workers only): one descriptor handed over a socket
+    per tensor was what bounded many workers. The samples are the same either way, the training
+    process keeps torch's setting, and no shared memory is left behind."""
+    main_strategy = torch.multiprocessing.get_sharing_strategy()
+    before = _torch_shm()
+    got = {}
+    for sharing in ("file_system", None):
+        ds = ShardDataset(lerobot["v3.0"], video=False, seed=2, worker_sharing=sharing,
+                          batch_size=8 if batched else None,
+                          delta_timestamps={"action": [0.0, 1 / 30]})
+        kw = {"batch_size": None} if batched else {"batch_size": 8,
+                                                    "collate_fn": _strategy_collate}
+        batches = list(DataLoader(ds, num_workers=2, **kw))
+        if not batched:
+            assert {b.pop("strategy") for b in batches} == {sharing or main_strategy}
+        got[sharing] = sorted(((int(i), b["action"][j].tolist()) for b in batches
+                               for j, i in enumerate(b["index"])))
+        del batches
+    assert got["file_system"] == got[None] and len(got[None]) == ds.num_samples
+    assert torch.multiprocessing.get_sharing_strategy() == main_strategy
+    assert _torch_shm() <= before
+
+
+def test_worker_sharing_is_checked():
+    with pytest.raises(ValueError, match="worker_sharing"):
+        ShardDataset(".", worker_sharing="by carrier pigeon")
