@@ -329,8 +329,8 @@ class ShardDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         if info is not None and self.worker_sharing is not None:
-            # before this worker allocates anything it sends (a storage shared one way is
-            # not sent the other); the training process rebuilds either kind
+            # before this worker allocates anything, so all it sends is shared by name; the
+            # training process rebuilds either kind whatever its own setting
             torch.multiprocessing.set_sharing_strategy(self.worker_sharing)
         plan = self._plan(info.num_workers if info is not None else 0)
         if self.batch_size:
