@@ -70,6 +70,24 @@ def delta_indices(delta_timestamps: Mapping[str, list[float]] | None, fps: float
     return out
 
 
+def _share_as(strategy: str) -> None:
+    """Make this DataLoader worker send tensors by ``strategy``, before it allocates anything
+    (so all it sends is shared that way; the training process rebuilds either kind whatever
+    its own setting). Where shared memory by name does not work here (no torch_shm_manager, a
+    /dev/shm that refuses it), the worker keeps the strategy it had, and logs why."""
+    mp = torch.multiprocessing
+    before = mp.get_sharing_strategy()
+    if before == strategy:
+        return
+    mp.set_sharing_strategy(strategy)
+    try:
+        torch.empty(1).share_memory_()
+    except RuntimeError as e:
+        mp.set_sharing_strategy(before)
+        log.warning("DataLoader workers keep the %r sharing strategy: %r fails here (%s)",
+                    before, strategy, e)
+
+
 class ShardDataset(IterableDataset):
     """Stream the frames of a dataset at ``root`` (``jpfs://...``, an fsspec URL, or a directory).
 
@@ -329,9 +347,7 @@ class ShardDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         if info is not None and self.worker_sharing is not None:
-            # before this worker allocates anything, so all it sends is shared by name; the
-            # training process rebuilds either kind whatever its own setting
-            torch.multiprocessing.set_sharing_strategy(self.worker_sharing)
+            _share_as(self.worker_sharing)
         plan = self._plan(info.num_workers if info is not None else 0)
         if self.batch_size:
             return self._batches(plan, shared_alloc if info is not None else plain_alloc)
