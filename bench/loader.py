@@ -73,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="dataset and shuffle seed")
     parser.add_argument("--no-lerobot", action="store_true",
                         help="leave out the official LeRobotDataset even where it is installed")
+    parser.add_argument("--worker-sharing", default="file_system",
+                        choices=["file_system", "file_descriptor", "keep"],
+                        help="how ShardDataset's DataLoader workers hand tensors over "
+                             "(ShardDataset's worker_sharing; keep: torch's setting, "
+                             "file_descriptor by default; default file_system)")
 
 
 # The baseline -------------------------------------------------------------------------------
@@ -283,6 +288,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             dl_kw["prefetch_factor"] = 4
         torch.set_num_threads(1)
 
+        sharing = None if args.worker_sharing == "keep" else args.worker_sharing
+
         def naive() -> Any:
             g = torch.Generator().manual_seed(args.seed)
             return DataLoader(naive_dataset(roots["v2.1"], deltas, args.video),
@@ -290,19 +297,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         def dropin(fmt: str) -> Any:
             ds = ShardDataset(roots[fmt], delta_timestamps=deltas, video=args.video,
-                              seed=args.seed)
+                              seed=args.seed, worker_sharing=sharing)
             return DataLoader(ds, batch_size=args.batch_size, **dl_kw)
 
         def packed(fmt: str) -> Any:
             from jpfs.torch import collate
 
             ds = ShardDataset(roots[fmt], delta_timestamps=deltas, video=args.video,
-                              seed=args.seed)
+                              seed=args.seed, worker_sharing=sharing)
             return DataLoader(ds, batch_size=args.batch_size, collate_fn=collate, **dl_kw)
 
         def batched(fmt: str) -> Any:
             ds = ShardDataset(roots[fmt], delta_timestamps=deltas, video=args.video,
-                              seed=args.seed, batch_size=args.batch_size)
+                              seed=args.seed, batch_size=args.batch_size,
+                              worker_sharing=sharing)
             return DataLoader(ds, batch_size=None, **dl_kw)
 
         def ring(fmt: str) -> Any:
@@ -344,7 +352,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lerobot_s = res["lerobot v3.0"]["samples_s"] if "lerobot v3.0" in res else None
     print(f"{gen['v2.1']['episodes']} episodes, {gen['v2.1']['frames']} frames; "
           f"v3.0: {gen['v3.0']['data_files']} data files; workers {args.workers}, "
-          f"batch {args.batch_size}, action chunk {args.chunk}, cores {os.cpu_count()}")
+          f"batch {args.batch_size}, action chunk {args.chunk}, cores {os.cpu_count()}; "
+          f"ShardDataset workers share by {args.worker_sharing}")
     if lerobot_why is not None:
         print(f"lerobot baseline: skipped: {lerobot_why}")
     elif video_keys:
@@ -360,6 +369,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(line + f"{r['episodes_per_batch']:>16.1f}")
     fig: dict[str, Any] = {
         "workers": args.workers, "batch_size": args.batch_size, "video": args.video,
+        "worker_sharing": args.worker_sharing,
         "cameras": args.cameras if args.video else 0,
         "episodes": gen["v2.1"]["episodes"], "frames": gen["v2.1"]["frames"],
         "lerobot_skipped": lerobot_why,

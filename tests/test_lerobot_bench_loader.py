@@ -37,6 +37,7 @@ def test_bench_loader_says_why_the_lerobot_baseline_is_missing(tmp_path):
     assert "lerobot baseline: skipped:" in out
     assert "lerobot_v30_samples_s" not in fig and "ratio_dropin_vs_lerobot" not in fig
     assert fig["naive_v21_samples_s"] > 0 and fig["batched_v30_samples_s"] > 0
+    assert fig["worker_sharing"] == "file_system" and "share by file_system" in out
     # How far each shuffle mixes: distinct episodes in a batch, 1 to min(batch, episodes).
     for key in ("naive_v21", "dropin_v30", "batched_v30", "ring_v30"):
         assert 1 <= fig[f"{key}_episodes_per_batch"] <= 3, key
