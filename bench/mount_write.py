@@ -39,8 +39,6 @@ NAMESPACE_OPS = ("create", "mkdir", "stat", "rename", "remove", "rmdir")
 NAMESPACE_PHASES = (*NAMESPACE_OPS, "write_small", "layout_4k")
 WHOLE_READERS = 4
 """Threads reading the large phase's small files whole, as an epoch's readers would."""
-FLOOR_READ_AHEAD_KB = 4096
-"""The passthroughs' bdi read-ahead: a JPFS mount's default (``--read-ahead 4M``)."""
 
 
 def _namespace_worker(root: str, n: int, small: int, small_files: int, layout_files: int,
@@ -235,15 +233,6 @@ def large_phase(root: Path, large_bytes: int, small_files: int, drop) -> dict[st
     return out
 
 
-def _set_read_ahead(mountpoint: Path, kb: int) -> None:
-    """The read-ahead of the mount's bdi, as a JPFS mount sets its own (where /sys allows)."""
-    dev = os.stat(mountpoint).st_dev
-    try:
-        Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").write_text(str(kb))
-    except OSError:
-        pass
-
-
 @contextmanager
 def passthrough_mount(source: Path, mountpoint: Path, threads: int | None = None,
                       read_write: bool = False):
@@ -262,7 +251,10 @@ def passthrough_mount(source: Path, mountpoint: Path, threads: int | None = None
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the passthrough mount at {mountpoint} did not start "
                                f"(exit {proc.wait()})")
-        _set_read_ahead(mountpoint, FLOOR_READ_AHEAD_KB)
+        # the read-ahead a JPFS mount sets itself by default, so READs are as large
+        from jpfs.fuse.mount import MountOptions, tune_readahead
+
+        tune_readahead(str(mountpoint), MountOptions.read_ahead)
         yield mountpoint, proc.pid
     finally:
         subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True)

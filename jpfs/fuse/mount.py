@@ -207,7 +207,7 @@ def _timeouts(opts: MountOptions) -> tuple[float, float, float]:
     return entry, attr, (entry if opts.read_only else 0.0)
 
 
-def _tune_readahead(mountpoint: str, nbytes: int) -> None:
+def tune_readahead(mountpoint: str, nbytes: int) -> None:
     """Raise the FUSE bdi's read-ahead: the kernel then reads in 1 MiB requests, not 128 KiB."""
     e = mount_entry(mountpoint)
     if e is None or nbytes <= 0:
@@ -224,7 +224,7 @@ async def _tune_after_init(ops: Operations, mp: str, nbytes: int) -> None:
     """The kernel sets the mount's read-ahead from its INIT answer: change it after that."""
     await ops.initialized.wait()
     await trio.lowlevel.checkpoint()  # the answer was written before this task runs again
-    _tune_readahead(mp, nbytes)
+    tune_readahead(mp, nbytes)
 
 
 async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> None:
