@@ -18,6 +18,7 @@ from storage_cluster import StorageCluster, blob_data, storage_cluster  # noqa: 
 
 from jpfs.client.storage import StorageClient
 from jpfs.errors import ChecksumError, JPFSError, Unavailable
+from jpfs.proto import storage as P
 from jpfs.types import Chunk
 
 MiB = 1 << 20
@@ -239,6 +240,36 @@ async def test_corrupt_byte_is_detected_and_served_from_replica(storage_cluster,
         await client.get([chunks[1]])  # no good copy anywhere
     assert info.value.errno == errno.EIO
     assert only0[0].hex() in str(info.value) and "checksum" in str(info.value)
+
+
+async def test_a_closing_client_waits_for_its_report_of_a_bad_copy(storage_cluster,  # noqa: F811
+                                                                  client_for):
+    """A node drops a request whose connection closes: a client closed right after a read that
+    failed its checksum must still get its report answered, or the copy is never healed."""
+    sc = storage_cluster(n=2, replicas=2)
+    client = client_for(sc, first_copy=0)
+    blob = (new_id(), (0, 1), os.urandom(100_000))
+    res = await client.put([blob])
+    assert res[0][0] == (0, 1)
+    vol, pos = find_in_volumes(sc.data_dir(0), blob[2][:64])
+    flip_byte(vol, pos + 777)
+    call = client.pool.call
+
+    async def slow_report(index, method, args, *a, **kw):  # a busy node takes its time
+        if method is P.REPORT_BAD:
+            await trio.sleep(0.5)
+        return await call(index, method, args, *a, **kw)
+
+    client.pool.call = slow_report  # type: ignore[method-assign]
+    got = await client.get(chunks_of([blob], res))  # node 0 reads bad: node 1 serves it
+    assert bytes(got[0]) == blob[2]
+    with trio.CancelScope() as scope:  # closing as a cancelled caller does
+        scope.cancel()
+        assert await client.reports_answered()
+    client.close()
+    other = client_for(sc)
+    bad = P.BAD_BLOBS.decode(await other.pool.call(0, P.BAD_BLOBS, P.BadBlobsReq(b"", 10)))
+    assert [b[0] for b in bad] == [blob[0]], bad
 
 
 async def test_kill9_replica_failover_and_restart(storage_cluster, client_for):  # noqa: F811

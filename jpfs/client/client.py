@@ -728,5 +728,7 @@ async def aconnect(cluster: str | os.PathLike | config.Cluster | None = None, **
         try:
             yield client
         finally:
+            if client.storage is not None:  # before the connections close
+                await client.storage.reports_answered()
             client.close()
             nursery.cancel_scope.cancel()

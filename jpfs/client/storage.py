@@ -17,7 +17,9 @@ states steer both sides. Writes go to *writable* (active) nodes only: a preferre
 draining or removed is replaced like a down one. Reads try active replicas first, then draining
 ones, and a removed node's copy only when nothing else answered (its copies no longer count, but
 a node drained to the end may still serve them). A read that fails its checksum tells that node
-(``report_bad``), which re-verifies the blob and marks it for the healer to repair.
+(``report_bad``), which re-verifies the blob and marks it for the healer to repair. A closing
+client first waits (up to ``REPORT_GRACE``) for its reports to be answered: the node drops a
+request whose connection closes, so a report still under way would otherwise be lost.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ ACTIVE, DRAINING, REMOVED = "active", "draining", "removed"
 
 _REPORTED_MAX = 4096
 """Bad copies remembered as reported (each is reported once per client, not on every read)."""
+
+REPORT_GRACE = 10.0
+"""Seconds a closing client waits at most for its reports of bad copies to be answered."""
 
 _TRANSIENT = frozenset({errno.EHOSTUNREACH, errno.ETIMEDOUT, errno.ENOSPC, errno.EIO,
                         errno.EROFS, errno.EDQUOT, errno.EAGAIN})
@@ -110,6 +115,10 @@ class StorageClient:
         self.replicas = cluster.replicas
         self._demoted = frozenset(i for i, st in enumerate(self.states) if st != ACTIVE)
         self._reported: set[tuple[int, bytes]] = set()
+        self._reports_out = 0
+        self._reports_answered = trio.Event()
+        """Set while no report is in flight (``reports_answered`` waits on it)."""
+        self._reports_answered.set()
         self.pool = Pool(
             nursery, [s.address for s in cluster.storage], cluster.secret, role="storage",
             connections_per_server=connections_per_node, retry_for=retry_for, timeout=timeout,
@@ -470,7 +479,21 @@ class StorageClient:
         if len(self._reported) >= _REPORTED_MAX:
             self._reported.clear()
         self._reported.add((node, blob))
+        if not self._reports_out:
+            self._reports_answered = trio.Event()
+        self._reports_out += 1
         self.nursery.start_soon(self._send_report, node, blob)
+
+    async def reports_answered(self, timeout: float = REPORT_GRACE) -> bool:
+        """Wait, shielded from cancellation, at most ``timeout`` seconds until every report of a
+        bad copy in flight was answered (before closing: a node drops a request whose
+        connection closed, report or not). False if some were not."""
+        with trio.move_on_after(timeout, shield=True) as scope:
+            await self._reports_answered.wait()
+        if scope.cancelled_caught:
+            log.warning("closing with %d reports of bad copies unanswered (the nodes' "
+                        "scrubbers will find those copies)", self._reports_out)
+        return not scope.cancelled_caught
 
     async def _send_report(self, node: int, blob: bytes) -> None:
         try:
@@ -481,6 +504,10 @@ class StorageClient:
         except JPFSError as e:  # an older node, or one gone meanwhile: the scrubber finds it
             log.warning("could not report bad blob %s to %s: %s", P.blob_name(blob),
                         self.pool.name(node), e.strerror)
+        finally:
+            self._reports_out -= 1
+            if not self._reports_out:
+                self._reports_answered.set()
 
     # ------------------------------------------------------------------ put
 

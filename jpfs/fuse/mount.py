@@ -265,6 +265,8 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
             await _serve_mounted(ops, mp, opts, fuse_options, nursery, cache_dir, ready)
         finally:
             if vfs is not None:
+                if vfs.client.storage is not None:  # before the connections close
+                    await vfs.client.storage.reports_answered()
                 vfs.close()
             cache.close()
             nursery.cancel_scope.cancel()
