@@ -30,14 +30,17 @@ STUB_MAGIC = b"JPFS-STUB-VIDEO "
 _STUB_HEAD_MAX = 1 << 20
 
 # PyAV encoder name -> (codec name LeRobot records, encoder options). A keyframe every 2 frames as
-# LeRobot encodes, no B-frames so pts == dts and every frame is one packet.
+# LeRobot encodes, no B-frames; ``encode(options=...)`` overrides them (tests make B-frames, long
+# and open GOPs with it).
 ENCODERS: dict[str, tuple[str, dict[str, str]]] = {
     "libsvtav1": ("av1", {"g": "2", "crf": "30", "preset": "12"}),
     "libx264": ("h264", {"g": "2", "crf": "30", "preset": "ultrafast", "bf": "0"}),
     "libvpx-vp9": ("vp9", {"g": "2", "crf": "30", "b": "0", "deadline": "realtime",
                            "cpu-used": "8"}),
+    "libx265": ("hevc", {"g": "2", "crf": "30", "preset": "ultrafast",
+                         "x265-params": "log-level=error:bframes=0"}),
 }
-CODEC_ALIASES = {"av1": "libsvtav1", "h264": "libx264", "vp9": "libvpx-vp9"}
+CODEC_ALIASES = {"av1": "libsvtav1", "h264": "libx264", "vp9": "libvpx-vp9", "hevc": "libx265"}
 
 
 def have_av() -> bool:
@@ -91,26 +94,33 @@ def synth_frames(n: int, height: int, width: int, seed: int,
     return frames
 
 
-def encode(frames: np.ndarray, fps: int, encoder: str) -> bytes:
-    """An mp4 of ``frames`` ((n, H, W, 3) uint8 RGB): pts 0, 1, 2... in units of 1/fps."""
+def encode(frames: np.ndarray, fps: int, encoder: str, options: dict[str, str] | None = None,
+           pts: list[int] | None = None, time_base: Fraction | None = None) -> bytes:
+    """An mp4 of ``frames`` ((n, H, W, 3) uint8 RGB).
+
+    Frame ``i`` is shown at ``pts[i] * time_base`` (default ``i / fps``: pts 0, 1, 2... in units
+    of 1/fps); ``options`` are added to the encoder's defaults in :data:`ENCODERS`.
+    """
     import io
 
     import av
 
     os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its banner to stderr otherwise
-    _, options = ENCODERS[encoder]
+    opts = {**ENCODERS[encoder][1], **(options or {})}
+    tb = time_base or Fraction(1, fps)
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as out:
         # ENCODERS names video encoders only; PyAV types a codec chosen by a run-time name as
         # any kind of stream.
-        stream = cast("VideoStream", out.add_stream(encoder, rate=fps, options=dict(options)))
+        stream = cast("VideoStream", out.add_stream(encoder, rate=fps, options=opts))
         stream.width = frames.shape[2]
         stream.height = frames.shape[1]
         stream.pix_fmt = "yuv420p"
-        tb = Fraction(1, fps)
+        if time_base is not None:
+            stream.codec_context.time_base = tb
         for i, rgb in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
-            frame.pts = i
+            frame.pts = i if pts is None else pts[i]
             frame.time_base = tb
             for packet in stream.encode(frame):
                 out.mux(packet)
@@ -237,15 +247,21 @@ class Segment:
 
 def concat(fs: fsspec.AbstractFileSystem, inputs: list[str], output: str,
            expected_frames: list[int] | None = None) -> list[Segment]:
-    """Join episode videos into one file by stream copy (no re-encode), timestamps continuous.
+    """Join episode videos into one file by stream copy (no re-encode), as FFmpeg's concat
+    demuxer does for LeRobot's converter.
 
-    Each input's first frame lands right after the previous input's last frame ends, so episode
-    ``k`` spans ``[start_k, start_k + duration_k)`` in the output. Stand-in videos are joined
+    Each input is rebased on its first *presentation* time, so its first frame is shown where
+    the previous input's last frame ends and every frame keeps its place relative to the
+    episode's start: episode ``k`` spans ``[start_k, start_k + duration_k)`` in the output,
+    ``duration_k`` running from its first frame's pts to the end of its last frame. Decode times
+    move with the presentation times, so a stream with B-frames (whose first decode time lies
+    before its first presentation time) keeps its reordering. Stand-in videos are joined
     byte-wise under one new header. ``output`` is a local OS path.
 
     Raises:
         DatasetError: naming the input that is missing, unreadable, truncated, holds another
-            number of frames than expected, or cannot be joined to the first (other codec).
+            number of frames than expected, hides frames behind an edit list, or cannot be
+            joined to the first by stream copy (other codec parameters).
     """
     stubs = [_read_stub(fs, p) if fs.exists(p) else None for p in inputs[:1]]
     if stubs and stubs[0]:
@@ -256,7 +272,9 @@ def concat(fs: fsspec.AbstractFileSystem, inputs: list[str], output: str,
     with av.open(output, "w", format="mp4", options={"movflags": "faststart"}) as out:
         ostream = None
         ref: tuple[Any, ...] = ()  # the first input's codec parameters, set with ostream
-        offset = 0  # output ticks
+        out_tb = Fraction(1)
+        offset = 0  # output ticks where the next input's first frame is shown
+        last_dts: int | None = None  # the last decode time written, output ticks
         for i, path in enumerate(inputs):
             with open_input(fs, path) as src:
                 try:
@@ -264,11 +282,8 @@ def concat(fs: fsspec.AbstractFileSystem, inputs: list[str], output: str,
                 except av.error.FFmpegError as e:
                     raise _av_error(path, e) from None
                 with inp:
-                    if not inp.streams.video:
-                        raise DatasetError(path, "has no video stream")
-                    s = inp.streams.video[0]
-                    cc = s.codec_context
-                    key = (cc.name, cc.width, cc.height, bytes(cc.extradata or b""))
+                    s = _video_stream(path, inp)
+                    key = _stream_key(s)
                     if ostream is None:
                         ostream = out.add_stream_from_template(s, opaque=True)
                         out_tb = _time_base(path, s)
@@ -277,54 +292,92 @@ def concat(fs: fsspec.AbstractFileSystem, inputs: list[str], output: str,
                     elif key != ref:
                         raise DatasetError(
                             path, f"cannot be joined by stream copy to {inputs[0]}: codec "
-                            f"parameters differ ({key[:3]} vs {ref[:3]})")
+                            f"parameters differ ({_describe_key(key)} vs {_describe_key(ref)}); "
+                            "re-encode the episodes' videos with one encoder setting")
                     in_tb = _time_base(path, s)
-                    same = in_tb == out_tb  # the usual case: plain integer offsets per packet
-                    scale = in_tb / out_tb
                     step = _frame_ticks(s)
-                    first: int | None = None
-                    end = 0
-                    frames = 0
-                    try:
-                        for pkt in inp.demux(s):
-                            dts = pkt.dts
-                            if dts is None:  # the demuxer's final flush packet
-                                continue
-                            pts = pkt.pts
-                            if pts is None:
-                                pts = dts
-                            if first is None:
-                                first = min(pts, dts)
-                            dur = pkt.duration or step
-                            rel = pts - first
-                            if rel + dur > end:
-                                end = rel + dur
-                            if same:
-                                pkt.pts = offset + rel
-                                pkt.dts = offset + dts - first
-                                pkt.duration = dur
-                            else:
-                                pkt.pts = offset + round(rel * scale)
-                                pkt.dts = offset + round((dts - first) * scale)
-                                pkt.duration = round(dur * scale)
-                                pkt.time_base = out_tb
-                            pkt.stream = ostream
-                            out.mux(pkt)
-                            frames += 1
-                    except av.error.FFmpegError as e:
-                        raise _av_error(path, e) from None
+                    packets = _episode_packets(path, inp, s)
             want = expected_frames[i] if expected_frames else None
-            if want is not None and frames != want:
-                raise DatasetError(path, f"holds {frames} frames, the episode has {want} "
+            if want is not None and len(packets) != want:
+                raise DatasetError(path, f"holds {len(packets)} frames, the episode has {want} "
                                          "(truncated or wrong video)")
-            ticks = _rescale(end, in_tb, out_tb)
-            segments.append(Segment(frames, Fraction(end) * in_tb, Fraction(offset) * out_tb))
-            offset += ticks
+            first = min(p.pts for p in packets)
+            end = max(p.pts + (p.duration or step) for p in packets)
+            scale = in_tb / out_tb
+            # A later input that reorders more than the ones before it would decode before
+            # their last frame: it starts that much later (its timestamps say where).
+            lead = min(_rescale(p.dts - first, scale) for p in packets)
+            if last_dts is not None and offset + lead <= last_dts:
+                offset = last_dts + 1 - lead
+            try:
+                for pkt in packets:
+                    pts, dts, dur = pkt.pts, pkt.dts, pkt.duration or step
+                    pkt.pts = offset + _rescale(pts - first, scale)
+                    pkt.dts = offset + _rescale(dts - first, scale)
+                    pkt.duration = _rescale(dur, scale)
+                    pkt.time_base = out_tb
+                    pkt.stream = ostream
+                    last_dts = pkt.dts
+                    out.mux(pkt)
+            except av.error.FFmpegError as e:
+                raise DatasetError(path, f"cannot be joined by stream copy ({e})") from None
+            segments.append(Segment(len(packets), Fraction(end - first) * in_tb,
+                                    Fraction(offset) * out_tb))
+            offset += _rescale(end - first, scale)
     return segments
 
 
-def _rescale(ticks: int, src: Fraction, dst: Fraction) -> int:
-    return ticks if src == dst else round(ticks * src / dst)
+def _video_stream(path: str, inp: Any) -> Any:
+    if not inp.streams.video:
+        raise DatasetError(path, "has no video stream")
+    return inp.streams.video[0]
+
+
+def _stream_key(stream: Any) -> tuple[Any, ...]:
+    """What must be equal for two streams' packets to share one output stream."""
+    cc = stream.codec_context
+    return (cc.name, cc.width, cc.height, cc.pix_fmt, bytes(cc.extradata or b""))
+
+
+def _describe_key(key: tuple[Any, ...]) -> str:
+    name, width, height, pix_fmt, extradata = key
+    return f"{name} {width}x{height} {pix_fmt}, {len(extradata)}-byte codec header"
+
+
+def _episode_packets(path: str, inp: Any, stream: Any) -> list[Any]:
+    """Every packet of one episode's video (timestamps in the stream's time base, pts set).
+
+    Raises:
+        DatasetError: the file is corrupt, holds no frame, or hides frames (an edit list that
+            starts after the first decoded frame: stream copy into a joined file would show
+            them).
+    """
+    import av
+
+    packets = []
+    hidden = 0
+    try:
+        for pkt in inp.demux(stream):
+            if pkt.dts is None:  # the demuxer's final flush packet
+                continue
+            if pkt.pts is None:
+                pkt.pts = pkt.dts
+            hidden += bool(pkt.is_discard)
+            packets.append(pkt)
+    except av.error.FFmpegError as e:
+        raise _av_error(path, e) from None
+    if not packets:
+        raise DatasetError(path, "holds no frames")
+    if hidden:
+        raise DatasetError(path, f"hides {hidden} decoded frames behind an mp4 edit list; stream "
+                                 "copy into a joined file would show them: re-encode this video "
+                                 "without the edit list")
+    return packets
+
+
+def _rescale(ticks: int, scale: Fraction) -> int:
+    """Ticks of one time base in another (``scale`` = source / destination time base)."""
+    return ticks if scale == 1 else round(ticks * scale)
 
 
 def _concat_stubs(fs: fsspec.AbstractFileSystem, inputs: list[str], output: str,
