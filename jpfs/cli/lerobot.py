@@ -24,23 +24,35 @@ concatenated in episode order into data files of up to --data-file-mb, each came
 mp4s are joined by stream copy (no re-encode) into video files of up to --video-file-mb, and
 meta/ is rewritten (info.json, tasks.parquet, episodes/, stats.json). SRC is never modified.
 
+Each episode's video keeps its frames where they were: rebased on its first presentation time
+(B-frames included), shown from where the previous episode's last frame ends. Videos that
+cannot be joined by stream copy (other codec parameters, frames hidden by an edit list) are
+refused with the episode named, never re-timed or re-encoded silently.
+
 Output files are written in parallel (--workers) under temporary names and renamed when
 complete; a progress journal in DST/.jpfs-convert lets a rerun with the same arguments finish
 an interrupted conversion. meta/info.json is written last, so an unfinished DST never looks like
-a valid dataset.
+a valid dataset. What was written is then checked against SRC (--verify, default sample: every
+row, every frame's time and count, and the decoded pixels of each episode's first, middle and
+last frames; full decodes every frame); a mismatch exits 1 and names the episode and frame.
 
 SRC and DST are local paths or JPFS paths (jpfs:/datasets/aloha).
 
 examples:
   jpfs lerobot convert /data/aloha-v21 /data/aloha-v30
-  jpfs lerobot convert jpfs:/lerobot/pusht jpfs:/lerobot/pusht-v30 --workers 4 --verify
+  jpfs lerobot convert jpfs:/lerobot/pusht jpfs:/lerobot/pusht-v30 --workers 4 --verify full
 """
 
 VERIFY_DESCRIPTION = """\
-Check that DST (v3.0) is a faithful conversion of SRC (v2.1): every frame's data row is equal,
-every episode's video holds SRC's compressed frames byte for byte, at continuous timestamps
-inside its recorded from/to range, and episodes, tasks and index ranges match. Exits 1 and lists
-the problems when anything differs.
+Check that DST (v3.0) is a faithful conversion of SRC (v2.1), by what a loader sees: every
+frame's data row is equal; inside each episode's from/to span DST's video holds exactly SRC's
+frames, each shown at the same time relative to the episode's start and decoding to SRC's
+pixels bit for bit; episodes, tasks and index ranges match. Compressed packets are not
+compared: a remuxer may rewrite them and keep every frame. Exits 1 and lists the problems when
+anything differs, naming the episode, camera and frame, and where the wanted frame was found.
+
+--frames full (default) decodes every frame of both; sample decodes each episode's first,
+middle and last frames (frame times and counts are still checked for every frame).
 """
 
 INFO_DESCRIPTION = """\
@@ -76,8 +88,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="parquet row groups: 0 (default) puts each episode in its own row group "
                         "so one episode is read without its neighbours; N packs whole episodes "
                         "until a group has N rows (faster full scans)")
-    c.add_argument("--verify", action="store_true",
-                   help="run `jpfs lerobot verify SRC DST` after converting")
+    c.add_argument("--verify", nargs="?", const="full", default="sample",
+                   choices=("sample", "full", "off"),
+                   help="check DST against SRC after converting: sample (default) decodes each "
+                        "episode's first, middle and last frames, full (or a bare --verify) "
+                        "every frame, off skips the check")
     _common(c)
     c.set_defaults(func=_convert)
 
@@ -87,6 +102,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("dst", metavar="DST", help="its v3.0 conversion")
     v.add_argument("--workers", type=int, default=None, metavar="N",
                    help="files checked in parallel (default: one per core, at most 8)")
+    v.add_argument("--frames", choices=("full", "sample"), default="full",
+                   help="decode every video frame (full, default) or each episode's first, "
+                        "middle and last (sample)")
     _common(v)
     v.set_defaults(func=_verify)
 
@@ -163,7 +181,8 @@ def _convert(args: argparse.Namespace) -> int:
         _root(args.src), _root(args.dst), data_file_mb=args.data_file_mb,
         video_file_mb=args.video_file_mb, workers=args.workers,
         chunks_size=args.files_per_chunk, executor=args.executor,
-        row_group_rows=args.row_group_rows, progress=not args.no_progress), args.src)
+        row_group_rows=args.row_group_rows, progress=not args.no_progress, verify="off"),
+        args.src)
     if figures.get("already_done"):
         print(f"{args.dst} already holds the finished v3.0 dataset; nothing to do")
     else:
@@ -179,22 +198,25 @@ def _convert(args: argparse.Namespace) -> int:
         if figures["tasks_resumed"]:
             print(f"  resumed: {figures['tasks_resumed']} files were already done")
     rc = 0
-    if args.verify:
-        report = _run_verify(args)
+    if args.verify != "off":
+        report = _run_verify(args, args.verify)
         figures["verify"] = report
         rc = 0 if report["ok"] else 1
     _emit(args, figures)
     return rc
 
 
-def _run_verify(args: argparse.Namespace) -> dict[str, Any]:
+def _run_verify(args: argparse.Namespace, frames: str) -> dict[str, Any]:
     from jpfs.lerobot.verify import verify
 
     report = _dataset(lambda: verify(_root(args.src), _root(args.dst), workers=args.workers,
-                                     progress=not args.no_progress), args.src, args.dst)
+                                     progress=not args.no_progress, frames=frames),
+                      args.src, args.dst)
     if report["ok"]:
+        decoded = (f" ({report['video_frames_decoded']} video frames decoded, {frames})"
+                   if report["episode_videos_checked"] else "")
         print(f"verified {report['episodes']} episodes: {report['frames_checked']} frames and "
-              f"{report['episode_videos_checked']} episode videos match")
+              f"{report['episode_videos_checked']} episode videos match{decoded}")
         for n in report.get("notes", ()):
             print(f"  note: {n}")
     else:
@@ -205,7 +227,7 @@ def _run_verify(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    report = _run_verify(args)
+    report = _run_verify(args, args.frames)
     _emit(args, report)
     return 0 if report["ok"] else 1
 

@@ -55,7 +55,7 @@ from .workers import default_workers, worker_pool
 
 log = logging.getLogger(__name__)
 
-__all__ = ["convert", "plan_conversion", "ConvertPlan", "Task", "JOURNAL_DIR"]
+__all__ = ["convert", "plan_conversion", "ConvertPlan", "Task", "JOURNAL_DIR", "VerifyError"]
 
 JOURNAL_DIR = ".jpfs-convert"
 # Data files are written in row groups of whole episodes: by default one episode per row group,
@@ -67,6 +67,17 @@ DEFAULT_ROW_GROUP_ROWS = 0
 # Below this much source data a process pool costs more to start than it saves.
 INLINE_BELOW_BYTES = 64 * 1024 * 1024
 MB = 1024 * 1024
+
+
+class VerifyError(DatasetError):
+    """The conversion was written but does not check out against SRC (``report`` says how)."""
+
+    def __init__(self, path: str, message: str, report: dict[str, Any] | None = None):
+        super().__init__(path, message)
+        self.report = report or {}
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.message, self.report))
 
 
 @dataclass(frozen=True)
@@ -387,7 +398,8 @@ def convert(src: str, dst: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_M
             chunks_size: int = layout.CHUNKS_SIZE, executor: str = "thread",
             row_group_rows: int = DEFAULT_ROW_GROUP_ROWS,
             progress: bool = True,
-            on_task_done: Callable[[Task], None] | None = None) -> dict[str, Any]:
+            on_task_done: Callable[[Task], None] | None = None,
+            verify: str = "sample") -> dict[str, Any]:
     """Convert the v2.1 dataset at ``src`` into a v3.0 dataset at ``dst``; resumes if unfinished.
 
     Args:
@@ -400,10 +412,19 @@ def convert(src: str, dst: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_M
         chunks_size: files per chunk folder (LeRobot: 1000; small values force chunk rollovers).
         executor: "thread" (default, measured faster) or "process" workers.
         on_task_done: called after each output file is journaled (tests, progress hooks).
+        verify: check what was written against SRC (:func:`jpfs.lerobot.verify.verify`):
+            "sample" (default) decodes each episode's first, middle and last frames, "full"
+            every frame, "off" skips it. Every frame's time and count is checked unless "off".
 
     Returns:
-        Figures: episodes, frames, files and bytes in and out, tasks run and resumed, seconds.
+        Figures: episodes, frames, files and bytes in and out, tasks run and resumed, seconds
+        (the verification's report under "verify", its time under "verify_seconds").
+
+    Raises:
+        VerifyError: DST was written but decodes to other frames or rows than SRC.
     """
+    if verify not in ("sample", "full", "off"):
+        raise ValueError(f"verify must be sample, full or off, not {verify!r}")
     t0 = time.perf_counter()
     workers = None if workers is None else max(1, workers)
     sfs, sbase = get_fs(src)
@@ -471,6 +492,15 @@ def convert(src: str, dst: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_M
     replace(dfs, info_tmp, join(dbase, layout.INFO_PATH))
     journal.remove()
     seconds = time.perf_counter() - t0
+    report = None
+    if verify != "off":
+        from .verify import verify as check
+
+        report = check(src, dst, workers=workers, executor=executor, progress=progress,
+                       frames=verify)
+        if not report["ok"]:
+            raise VerifyError(dst, f"the conversion does not match SRC ({report['problem_count']} "
+                              f"problems; the first: {report['problems'][0]})", report)
     out_bytes = sum(r["size"] for r in results.values())
     data_files = sum(1 for t in plan.tasks if t.kind == "data")
     figures = {
@@ -481,6 +511,9 @@ def convert(src: str, dst: str, data_file_mb: float = layout.DEFAULT_DATA_FILE_M
         "tasks_run": len(todo), "tasks_resumed": len(plan.tasks) - len(todo),
         "resumed": resuming, "workers": workers, "executor": executor, "seconds": seconds,
     }
+    if report is not None:
+        figures["verify"] = report
+        figures["verify_seconds"] = time.perf_counter() - t0 - seconds
     log.info("converted %d episodes in %.2f s", len(meta.episodes), seconds)
     return figures
 

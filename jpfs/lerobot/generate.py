@@ -55,9 +55,15 @@ DEFAULT_TASKS = (
 IMAGE_STAT_SAMPLES = 100  # frames per episode that camera stats are computed from, as LeRobot
 
 
-def episode_lengths(episodes: int, frames_per_episode: int | tuple[int, int], seed: int
-                    ) -> list[int]:
-    """Each episode's frame count: fixed, or uniform in [lo, hi] from the seed."""
+def episode_lengths(episodes: int, frames_per_episode: int | tuple[int, int] | list[int],
+                    seed: int) -> list[int]:
+    """Each episode's frame count: fixed, uniform in [lo, hi] from the seed, or a list of one
+    count per episode."""
+    if isinstance(frames_per_episode, list):
+        if len(frames_per_episode) != episodes or min(frames_per_episode, default=1) < 1:
+            raise ValueError(f"frames_per_episode lists {len(frames_per_episode)} counts for "
+                             f"{episodes} episodes (each at least 1)")
+        return [int(n) for n in frames_per_episode]
     if isinstance(frames_per_episode, int):
         if frames_per_episode < 1:
             raise ValueError("frames_per_episode must be at least 1")
@@ -126,7 +132,7 @@ def generate(
     root: str,
     episodes: int = 50,
     cameras: int = 2,
-    frames_per_episode: int | tuple[int, int] = (200, 800),
+    frames_per_episode: int | tuple[int, int] | list[int] = (200, 800),
     fps: int = 30,
     video: str = "auto",
     video_bytes: int = 256 * 1024,
@@ -144,6 +150,7 @@ def generate(
     chunks_size: int = layout.CHUNKS_SIZE,
     workers: int | None = None,
     progress: bool = True,
+    video_options: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Write a synthetic LeRobot dataset at ``root`` (a local path or an fsspec URL).
 
@@ -155,7 +162,10 @@ def generate(
         format: "v2.1", or "v3.0" (generated as v2.1 and converted with the file size limits
             ``data_file_mb``/``video_file_mb`` and ``chunks_size`` files per chunk folder).
         resolution: (width, height) of the cameras; real cameras are 640x480, tests want tiny.
-        codec: PyAV encoder or alias (av1, h264, vp9); default AV1 as LeRobot, else H.264.
+        codec: PyAV encoder or alias (av1, h264, hevc, vp9); default AV1 as LeRobot, else
+            H.264.
+        video_options: encoder options over the codec's defaults (a keyframe every 2 frames,
+            no B-frames), e.g. ``{"g": "30", "bf": "2"}`` for H.264 with B-frames.
         workers: processes writing episodes, and converter workers for v3.0 (default: inline
             for small datasets, one per core for large ones).
 
@@ -185,7 +195,7 @@ def generate(
             figures = generate(tmp, episodes, cameras, frames_per_episode, fps, video,
                                video_bytes, layout.V21, seed, state_dim, action_dim, tasks,
                                rewards, resolution, codec, robot_type, workers=workers,
-                               progress=progress)
+                               progress=progress, video_options=video_options)
             convert(tmp, root, data_file_mb, video_file_mb, workers=workers,
                     chunks_size=chunks_size, progress=progress)
         finally:
@@ -196,15 +206,15 @@ def generate(
         video = "encoded" if vio.have_av() else "stub"
     return _generate_v21(fs, base, root, episodes, cameras, frames_per_episode, fps, video,
                          video_bytes, seed, state_dim, action_dim, tasks, rewards, resolution,
-                         codec, robot_type, progress, t0, workers)
+                         codec, robot_type, progress, t0, workers, video_options or {})
 
 
 def _generate_v21(fs: Any, base: str, root: str, episodes: int, cameras: int,
-                  frames_per_episode: int | tuple[int, int], fps: int, video_kind: str,
-                  video_bytes: int, seed: int, state_dim: int, action_dim: int,
+                  frames_per_episode: int | tuple[int, int] | list[int], fps: int,
+                  video_kind: str, video_bytes: int, seed: int, state_dim: int, action_dim: int,
                   tasks: int | Sequence[str], rewards: bool, resolution: tuple[int, int],
                   codec: str | None, robot_type: str, progress: bool, t0: float,
-                  workers: int | None) -> dict[str, Any]:
+                  workers: int | None, video_options: dict[str, str]) -> dict[str, Any]:
     width, height = resolution
     encoder = vio.pick_encoder(codec) if video_kind == "encoded" and cameras else None
     codec_name = vio.ENCODERS[encoder][0] if encoder else layout.STUB_CODEC
@@ -221,7 +231,8 @@ def _generate_v21(fs: Any, base: str, root: str, episodes: int, cameras: int,
     for d in drawn:
         task_index.setdefault(task_list[d], len(task_index))
     info = layout.info_v21(features, fps, episodes, sum(lengths), len(task_index), robot_type)
-    job = _EpisodeJob(root, info, schema, encoder, keys, width, height, fps, video_bytes, seed)
+    job = _EpisodeJob(root, info, schema, encoder, keys, width, height, fps, video_bytes, seed,
+                      video_options)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
     args = [(ep, length, int(starts[ep]), task_index[task_list[drawn[ep]]])
             for ep, length in enumerate(lengths)]
@@ -265,6 +276,7 @@ class _EpisodeJob:
     fps: int
     video_bytes: int
     seed: int
+    video_options: dict[str, str]
 
     def __call__(self, arg: tuple[int, int, int, int]) -> dict[str, Any]:
         ep, length, start, task_index = arg
@@ -280,7 +292,7 @@ class _EpisodeJob:
             if self.encoder:
                 frames = vio.synth_frames(length, self.height, self.width, seed=cam_seed)
                 ep_stats[key] = stats.feature_stats(frames[sample], image=True)
-                data = vio.encode(frames, self.fps, self.encoder)
+                data = vio.encode(frames, self.fps, self.encoder, self.video_options)
             else:
                 ep_stats[key] = stats.feature_stats(
                     vio.synth_frames(length, self.height, self.width, cam_seed, sample),

@@ -1,0 +1,189 @@
+"""Decoded camera frames, for checking conversions by what a loader sees.
+
+A conversion is judged by decoded pixels at presentation times, never by compressed packets:
+a remuxer may rewrite a packet's bytes (FFmpeg's concat demuxer does, for some keyframes) and
+leave every decoded frame the same, and a timestamp shift leaves every packet's bytes the same
+while a loader gets another frame. Pixels stay in the stream's own format (no colour
+conversion), so equal frames compare equal bit for bit and the check costs only the decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from .fsutil import DatasetError, open_input
+
+__all__ = ["Frame", "FrameSeeker", "frame_times", "iter_frames", "same_image"]
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One decoded frame: its presentation time in the file (seconds) and its pixels."""
+
+    time: Fraction
+    image: np.ndarray
+
+
+def _open(path: str, src: Any) -> Any:
+    import av
+
+    try:
+        container = av.open(src, "r")
+    except av.error.FFmpegError as e:
+        raise DatasetError(path, f"not a readable video, truncated or corrupt ({e})") from None
+    if not container.streams.video:
+        container.close()
+        raise DatasetError(path, "has no video stream")
+    return container
+
+
+def _time_base(path: str, stream: Any) -> Fraction:
+    if stream.time_base is None:
+        raise DatasetError(path, "has a video stream without a time base")
+    return Fraction(stream.time_base)
+
+
+def _pixels(frame: Any) -> np.ndarray:
+    """The frame's planes as one array in its own pixel format (RGB where PyAV has no array
+    layout for that format)."""
+    try:
+        return frame.to_ndarray()
+    except (ValueError, NotImplementedError):
+        return frame.to_ndarray(format="rgb24")
+
+
+def same_image(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit-for-bit equal frames."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
+
+
+def frame_times(fs: fsspec.AbstractFileSystem, path: str) -> list[Fraction]:
+    """Presentation times of every frame, sorted, from the packet headers (no decoding)."""
+    import av
+
+    with open_input(fs, path) as src:
+        container = _open(path, src)
+        with container:
+            stream = container.streams.video[0]
+            tb = _time_base(path, stream)
+            times = []
+            try:
+                for pkt in container.demux(stream):
+                    if pkt.dts is None:
+                        continue
+                    times.append(Fraction(pkt.pts if pkt.pts is not None else pkt.dts) * tb)
+            except av.error.FFmpegError as e:
+                raise DatasetError(path, f"not a readable video ({e})") from None
+    times.sort()
+    return times
+
+
+def iter_frames(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Frame]:
+    """Every frame of a video in presentation order, decoded from the start."""
+    import av
+
+    with open_input(fs, path) as src:
+        container = _open(path, src)
+        with container:
+            stream = container.streams.video[0]
+            tb = _time_base(path, stream)
+            try:
+                for frame in container.decode(stream):
+                    if frame.pts is not None:
+                        yield Frame(Fraction(frame.pts) * tb, _pixels(frame))
+            except av.error.FFmpegError as e:
+                raise DatasetError(path, f"not a decodable video ({e})") from None
+
+
+class FrameSeeker:
+    """Frames at chosen times, as a loader reads them: seek to the keyframe at or before the
+    time, decode forward, take the nearest frame.
+
+    Each time seeks (a keyframe every few frames, as LeRobot encodes, makes that short), unless
+    it falls between the two frames the last call decoded.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str):
+        self.path = path
+        self._input = open_input(fs, path)
+        try:
+            self._container = _open(path, self._input.__enter__())
+        except BaseException:
+            self._input.__exit__(None, None, None)
+            raise
+        self._stream = self._container.streams.video[0]
+        self._tb = _time_base(path, self._stream)
+        self._frames: Iterator[Any] | None = None
+        self._prev: Frame | None = None  # the last frame decoded at or before the last time
+        self._ahead: Frame | None = None  # decoded past the last time, not yet handed out
+        self.decoded = 0
+
+    def __enter__(self) -> FrameSeeker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the video."""
+        self._container.close()
+        self._input.__exit__(None, None, None)
+
+    def _seek(self, t: Fraction) -> None:
+        self._container.seek(max(0, int(t / self._tb)), stream=self._stream, backward=True,
+                             any_frame=False)
+        self._frames = None
+        self._prev = self._ahead = None
+
+    def _next(self) -> Frame | None:
+        import av
+
+        if self._ahead is not None:
+            f, self._ahead = self._ahead, None
+            return f
+        if self._frames is None:
+            self._frames = iter(self._container.decode(self._stream))
+        try:
+            while True:
+                frame = next(self._frames)
+                if frame.pts is not None:
+                    self.decoded += 1
+                    return Frame(Fraction(frame.pts) * self._tb, _pixels(frame))
+        except StopIteration:
+            return None
+        except av.error.FFmpegError as e:
+            raise DatasetError(self.path, f"not a decodable video ({e})") from None
+
+    def at(self, t: Fraction) -> Frame | None:
+        """The decoded frame nearest to ``t`` (seconds), or None for a video with no frames."""
+        prev, ahead = self._prev, self._ahead
+        if prev is not None and ahead is not None and prev.time <= t < ahead.time:
+            return ahead if ahead.time - t < t - prev.time else prev
+        self._seek(t)
+        found = self._forward(t)
+        if found is None or (self._prev is None and found.time > t):
+            # The seek landed past ``t`` (demuxers may index keyframes by decode time): start
+            # over from the beginning, which is always a keyframe.
+            self._seek(Fraction(0))
+            found = self._forward(t)
+        return found
+
+    def _forward(self, t: Fraction) -> Frame | None:
+        """Decode until a frame lies past ``t``; the nearer of it and the one before."""
+        while True:
+            f = self._next()
+            if f is None:
+                return self._prev
+            if f.time <= t:
+                self._prev = f
+                continue
+            self._ahead = f
+            if self._prev is None or f.time - t < t - self._prev.time:
+                return f
+            return self._prev
