@@ -447,3 +447,28 @@ def test_variable_frame_durations_keep_their_times(tmp_path):
     spans = [(e.videos[key].from_timestamp, e.videos[key].to_timestamp) for e in new.episodes]
     assert spans[1][0] == pytest.approx(6 / FPS)
     assert spans[2][0] > spans[1][0] + 24000 / 90000  # past the uneven episode's last frame
+
+
+def test_info_says_when_the_files_contradict_info_json(tmp_path):
+    src = _make(tmp_path / "src", "h264", {}, lengths=[3, 4])
+    proc = subprocess.run([sys.executable, "-m", "jpfs.cli.main", "lerobot", "info", str(src),
+                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout.strip().splitlines()[-1])
+    (cam,) = d["cameras"].values()
+    assert cam["mismatch"] == [] and "warning" not in proc.stdout
+    assert (cam["probed"]["codec"], cam["probed"]["height"], cam["probed"]["width"]) == \
+        ("h264", 24, 32)
+    info_path = src / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    key = load_meta(str(src)).video_keys[0]
+    ft = info["features"][key]
+    ft["shape"] = [480, 640, 3]
+    ft["info"].update({"video.codec": "av1", "video.height": 480, "video.width": 640})
+    info_path.write_text(json.dumps(info))
+    proc = subprocess.run([sys.executable, "-m", "jpfs.cli.main", "lerobot", "info", str(src)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f"warning    {key}: info.json says av1, the files hold h264" in proc.stdout
+    assert f"warning    {key}: info.json says 480x640 (height x width), the files hold 24x32" \
+        in proc.stdout

@@ -58,7 +58,8 @@ middle and last frames (frame times and counts are still checked for every frame
 INFO_DESCRIPTION = """\
 Print a dataset's summary: LeRobot version, episodes, frames, fps, cameras and codecs, tasks,
 and file counts and sizes of data/, videos/ and meta/. Works on v2.1 and v3.0 datasets, local or
-in JPFS (jpfs:/path).
+in JPFS (jpfs:/path). The first video file of each camera is probed, and a codec or frame size
+that contradicts meta/info.json is printed as a warning.
 """
 
 
@@ -247,6 +248,8 @@ def _info(args: argparse.Namespace) -> int:
     for key, cam in d["cameras"].items():
         shape = "x".join(str(s) for s in cam["shape"] or [])
         print(f"  camera     {key}: {shape} {cam['codec']}, {plural(cam['files'], 'file')}")
+        for line in cam.get("mismatch", ()):
+            print(f"  warning    {key}: {line}")
     for part, v in d["parts"].items():
         if v["files"]:
             print(f"  {part + '/':<10} {plural(v['files'], 'file')}, {format_size(v['bytes'])}")

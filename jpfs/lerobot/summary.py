@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import layout
+from . import layout, video
 from .dataset import load_meta
 from .fsutil import DatasetError, get_fs, join
 
@@ -35,11 +35,14 @@ def describe(root: str) -> dict[str, Any]:
     for key in meta.video_keys:
         ft = meta.features[key]
         vinfo = ft.get("info", {})
+        files = list(dict.fromkeys(ep.videos[key].path for ep in meta.episodes))
         cameras[key] = {
             "shape": ft.get("shape"),
             "codec": vinfo.get("video.codec"),
-            "files": len({ep.videos[key].path for ep in meta.episodes}),
+            "files": len(files),
         }
+        if files:
+            cameras[key].update(_probe_camera(fs, join(base, files[0]), ft))
     lengths = [ep.length for ep in meta.episodes]
     out: dict[str, Any] = {
         "root": root,
@@ -62,3 +65,25 @@ def describe(root: str) -> dict[str, Any]:
         out["data_files_size_in_mb"] = meta.info.get("data_files_size_in_mb")
         out["video_files_size_in_mb"] = meta.info.get("video_files_size_in_mb")
     return out
+
+
+def _probe_camera(fs: Any, path: str, feature: dict[str, Any]) -> dict[str, Any]:
+    """What the camera's first file holds (``probed``), and where that contradicts info.json
+    (``mismatch``: a list of sentences, empty when they agree)."""
+    try:
+        got = video.probe(fs, path)
+    except DatasetError as e:
+        return {"probed": None, "mismatch": [f"its first file cannot be read: {e}"]}
+    vinfo = feature.get("info", {})
+    shape = feature.get("shape") or [None, None]
+    said_codec = vinfo.get("video.codec")
+    said_h = vinfo.get("video.height", shape[0])
+    said_w = vinfo.get("video.width", shape[1])
+    mismatch = []
+    if said_codec and said_codec != got.codec and not got.stub:
+        mismatch.append(f"info.json says {said_codec}, the files hold {got.codec} ({path})")
+    if (said_h, said_w) != (None, None) and (said_h, said_w) != (got.height, got.width):
+        mismatch.append(f"info.json says {said_h}x{said_w} (height x width), the files hold "
+                        f"{got.height}x{got.width} ({path})")
+    return {"probed": {"path": path, "codec": got.codec, "height": got.height,
+                       "width": got.width}, "mismatch": mismatch}
