@@ -21,7 +21,10 @@ Generate (or take with --src) a LeRobot v2.1 dataset and measure:
 
   convert  episodes/s and MB/s of `jpfs lerobot convert` for each --workers x --executor setting,
            with the file-count reduction; the baseline is one inline worker, run in the same
-           invocation, and every setting is reported as a ratio against it.
+           invocation, and every setting is reported as a ratio against it. Conversions are
+           timed without their check; the check (`jpfs lerobot verify`, sample and full
+           decoded-frame levels, at the fastest setting's workers) is timed after them and
+           reported as a share of that conversion's time.
   read     time to read every frame's data (all parquet rows) of the dataset as v2.1 and as
            v3.0, for each --via (where the files are read from), in two patterns: "scan" (every
            data file in order) and "episodes" (each episode's rows on its own, shuffled, as a
@@ -140,7 +143,8 @@ def _bench_convert(args: argparse.Namespace, src: str, work: str) -> dict[str, A
             c0 = _cpu_seconds()
             last = convert(src, dst, data_file_mb=args.data_file_mb,
                            video_file_mb=args.video_file_mb, workers=workers,
-                           executor="thread" if kind == "inline" else kind, progress=False)
+                           executor="thread" if kind == "inline" else kind, progress=False,
+                           verify="off")
             cpu[(workers, kind)].append(_cpu_seconds() - c0)
             times[(workers, kind)].append(last["seconds"])
     shutil.rmtree(os.path.join(work, "v30-other"), ignore_errors=True)
@@ -170,9 +174,43 @@ def _bench_convert(args: argparse.Namespace, src: str, work: str) -> dict[str, A
     print(f"  files: {source_files} -> {output_files} ({reduction:.1f}x fewer); bytes: "
           f"{last['source_bytes'] / 1e6:.1f} MB -> {last['output_bytes'] / 1e6:.1f} MB")
     best = max(runs, key=lambda r: r["episodes_per_s"])
+    checks = _bench_verify(args, src, base_dst, best)
     return {"runs": runs, "file_reduction": reduction, "source_files": source_files,
             "output_files": output_files, "source_bytes": last["source_bytes"],
-            "output_bytes": last["output_bytes"], "best": best, "dst": base_dst}
+            "output_bytes": last["output_bytes"], "best": best, "dst": base_dst,
+            "verify": checks}
+
+
+def _bench_verify(args: argparse.Namespace, src: str, dst: str, best: dict[str, Any]
+                  ) -> list[dict[str, Any]]:
+    """The conversion's own check at each decoded-frame level, against the best conversion."""
+    from jpfs.lerobot.verify import verify
+
+    out = []
+    executor = "thread" if best["executor"] == "inline" else best["executor"]
+    for frames in ("sample", "full"):
+        secs, cpu = [], []
+        report: dict[str, Any] = {}
+        for _ in range(max(1, args.repeat)):
+            c0, t0 = _cpu_seconds(), time.perf_counter()
+            report = verify(src, dst, workers=best["workers"], executor=executor,
+                            progress=False, frames=frames)
+            secs.append(time.perf_counter() - t0)
+            cpu.append(_cpu_seconds() - c0)
+        if not report["ok"]:
+            raise RuntimeError(f"the benchmark's conversion does not verify: "
+                               f"{report['problems'][:3]}")
+        median = statistics.median(secs)
+        out.append({"frames": frames, "seconds": median, "cpu_seconds": statistics.median(cpu),
+                    "video_frames_decoded": report["video_frames_decoded"],
+                    "share_of_convert": median / best["seconds"]})
+    print(f"\nverify after convert, median of {max(1, args.repeat)} ({best['workers']} workers, "
+          f"against the best conversion's {best['seconds']:.2f} s)")
+    print(f"  {'frames':>7} {'seconds':>8} {'cpu s':>7} {'decoded':>8} {'x convert':>9}")
+    for r in out:
+        print(f"  {r['frames']:>7} {r['seconds']:>8.2f} {r['cpu_seconds']:>7.2f} "
+              f"{r['video_frames_decoded']:>8} {r['share_of_convert']:>9.2f}")
+    return out
 
 
 def _cpu_seconds() -> float:

@@ -391,6 +391,10 @@ def test_bench_convert_runs(tmp_path: Path):
     runs = d["convert"]["runs"]
     assert [r["workers"] for r in runs] == [1, 2] and runs[0]["speedup"] == 1.0
     assert d["convert"]["file_reduction"] > 1
+    checks = {c["frames"]: c for c in d["convert"]["verify"]}
+    assert set(checks) == {"sample", "full"}
+    assert 0 < checks["sample"]["video_frames_decoded"] <= checks["full"]["video_frames_decoded"]
+    assert checks["full"]["video_frames_decoded"] == 2 * d["frames"] * d["cameras"]
     for via in ("local", "memory://bench-test"):
         for pattern in ("scan", "episodes"):
             res = d["read"][via][pattern]
