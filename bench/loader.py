@@ -359,6 +359,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     elif video_keys:
         print(f"lerobot baseline: LeRobotDataset, video decoded by {backend} (its default "
               "here: torchcodec where it loads, else pyav)")
+        if backend != "torchcodec":
+            print("  torchcodec did not load: it needs FFmpeg's shared libraries (Debian: "
+                  "apt-get install ffmpeg); lerobot's default decoder is torchcodec")
     print(f"{'loader':<16}{'samples/s':>12}{'MB/s':>10}{'x naive':>10}"
           + (f"{'x lerobot':>11}" if lerobot_s else "") + f"{'episodes/batch':>16}")
     for name, r in res.items():
