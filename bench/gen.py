@@ -23,6 +23,7 @@ examples:
   jpfs bench gen /data/aloha-sim --episodes 200 --cameras 3
   jpfs bench gen jpfs:/datasets/toy --episodes 20 --video stub --video-bytes 512K
   jpfs bench gen /tmp/v30 --format v3.0 --episodes 100 --data-file-mb 10
+  jpfs bench gen /tmp/bframes --codec h264 --video-options g=30,bf=2,preset=fast
 """
 
 
@@ -35,6 +36,16 @@ def _frames(text: str) -> int | tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a frame count or range: {text!r} (200 or 200-800)"
                                          ) from None
+
+
+def _options(text: str) -> dict[str, str]:
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"not KEY=VALUE: {item!r} (e.g. g=30,bf=2)")
+        out[key] = value
+    return out
 
 
 def _resolution(text: str) -> tuple[int, int]:
@@ -61,7 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resolution", type=_resolution, default=(96, 72), metavar="WxH",
                         help="camera resolution of encoded videos (default 96x72)")
     parser.add_argument("--codec", default=None,
-                        help="video encoder: av1, h264 or vp9 (default av1, else h264)")
+                        help="video encoder: av1, h264, hevc or vp9 (default av1, else h264)")
+    parser.add_argument("--video-options", type=_options, default={}, metavar="K=V[,K=V...]",
+                        help="encoder options over the codec's defaults (a keyframe every 2 "
+                             "frames, no B-frames), e.g. g=30,bf=2 for H.264 with B-frames")
     parser.add_argument("--format", choices=("v2.1", "v3.0"), default="v2.1",
                         help="LeRobot layout (default v2.1; v3.0 is generated then converted)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -93,7 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         state_dim=args.state_dim, action_dim=args.action_dim, tasks=args.tasks,
         rewards=args.rewards, resolution=args.resolution, codec=args.codec,
         data_file_mb=args.data_file_mb, video_file_mb=args.video_file_mb,
-        workers=args.workers, progress=not args.no_progress,
+        workers=args.workers, progress=not args.no_progress, video_options=args.video_options,
     )
     print(f"generated {figures['format']} dataset at {args.dir}")
     print(f"  episodes  {figures['episodes']}")
