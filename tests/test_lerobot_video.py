@@ -49,6 +49,7 @@ CASES: dict[str, tuple[str, dict[str, str]]] = {
                                        "log-level=error:bframes=2:open-gop=1"}),
     "av1": ("av1", {}),
     "av1-gop-longer-than-episodes": ("av1", {"g": "1000"}),
+    "av1-libaom": ("libaom-av1", {}),
     "vp9": ("vp9", {}),
 }
 
@@ -164,6 +165,23 @@ def test_episodes_follow_each_other_from_zero(case):
                     ep.length / FPS, abs=1e-9)
             with av.open(str(dst / rel)) as c:
                 assert c.streams.video[0].start_time == 0
+
+
+@pytest.mark.parametrize("name", ["h264-bframes", "hevc-bframes-open-gop"])
+def test_a_one_frame_episode_between_reordering_ones(name, tmp_path):
+    """A one-frame episode decodes without reordering; the episodes after it reorder again.
+    In one file they still follow each other with no gap, and a seek to any of them (which a
+    demuxer answers by decode time) lands in the episode, not in the one before it."""
+    codec, options = CASES[name]
+    src = _make(tmp_path / "src", codec, options, lengths=[7, 1, 12, 1, 5])
+    dst = tmp_path / "dst"
+    convert(str(src), str(dst), workers=1, progress=False)  # one video file
+    new = load_meta(str(dst))
+    key = new.video_keys[0]
+    assert len({ep.videos[key].path for ep in new.episodes}) == 1
+    for a, b in zip(new.episodes, new.episodes[1:], strict=False):
+        assert b.videos[key].from_timestamp == a.videos[key].to_timestamp
+    assert_frames_in_place(src, dst)
 
 
 def test_full_verify_decodes_every_frame(case):
@@ -373,6 +391,48 @@ def test_verify_names_swapped_frames_and_where_they_went(intra, tmp_path):
     assert f"episode 0 camera {key}: frame 3 (at 0.100000 s of the episode) decodes to other " \
            "pixels than SRC's; SRC's frame 3 is DST's frame 2 of the episode" in \
         "\n".join(report["problems"]), report["problems"]
+
+
+def _drop_packet(path: Path, k: int) -> None:
+    """Remove frame ``k`` (every frame a keyframe); the frames after it move one frame earlier,
+    so the video shows the rest on time but one short."""
+    with av.open(str(path)) as c:
+        s = c.streams.video[0]
+        packets = [(p.pts, p.dts, p.duration, bytes(p)) for p in c.demux(s) if p.dts is not None]
+        kept = [(times, p[3]) for times, p in zip(packets, packets[:k] + packets[k + 1:],
+                                                     strict=False)]
+        tmp = path.with_suffix(".tmp.mp4")
+        with av.open(str(tmp), "w", format="mp4") as out:
+            o = out.add_stream_from_template(template=s, opaque=True)
+            o.time_base = s.time_base
+            for (pts, dts, dur, _), data in kept:
+                pkt = av.Packet(data)
+                pkt.pts, pkt.dts, pkt.duration = pts, dts, dur
+                pkt.time_base = s.time_base
+                pkt.is_keyframe = True
+                pkt.stream = o
+                out.mux(pkt)
+    os.replace(tmp, path)
+
+
+def test_verify_names_a_dropped_frame(intra, tmp_path):
+    src, good = intra
+    dst = tmp_path / "dropped"
+    shutil.copytree(good, dst)
+    meta = load_meta(str(dst))
+    key = meta.video_keys[0]
+    ep = meta.episodes[-1]
+    _drop_packet(dst / ep.videos[key].path, 2)
+    report = verify(str(src), str(dst), workers=1, progress=False, frames="full")
+    text = "\n".join(report["problems"])
+    # The file's first episode shows its later frames one frame early...
+    first = next(e for e in meta.episodes if e.videos[key].path == ep.videos[key].path)
+    assert f"episode {first.index} camera {key}: frame 2 (at 0.066667 s of the episode) decodes " \
+           "to other pixels than SRC's; DST shows SRC's frame 3 there, and SRC's frame 2 " \
+           "nowhere near (+1 frames)" in text, text
+    # ...and its last episode, one frame short, says so.
+    assert f"episode {ep.index} camera {key}: frame {ep.length - 1} is shown at " in text, text
+    assert f"DST's span holds only {ep.length - 1} frames" in text
 
 
 def test_verify_and_convert_fail_on_another_cameras_frames(intra, tmp_path):

@@ -105,8 +105,10 @@ class FrameSeeker:
     """Frames at chosen times, as a loader reads them: seek to the keyframe at or before the
     time, decode forward, take the nearest frame.
 
-    Each time seeks (a keyframe every few frames, as LeRobot encodes, makes that short), unless
-    it falls between the two frames the last call decoded.
+    Every time seeks (a keyframe every few frames, as LeRobot encodes, makes that short): two
+    frames decoded one after the other need not be neighbours, as a decoder may drop frames it
+    cannot decode after a seek (FFmpeg's HEVC decoder, started at a CRA, drops the frames up
+    to the next CRA of a joined file).
     """
 
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str):
@@ -162,9 +164,6 @@ class FrameSeeker:
 
     def at(self, t: Fraction) -> Frame | None:
         """The decoded frame nearest to ``t`` (seconds), or None for a video with no frames."""
-        prev, ahead = self._prev, self._ahead
-        if prev is not None and ahead is not None and prev.time <= t < ahead.time:
-            return ahead if ahead.time - t < t - prev.time else prev
         self._seek(t)
         found = self._forward(t)
         if found is None or (self._prev is None and found.time > t):

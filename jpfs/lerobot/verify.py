@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import logging
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -372,6 +373,14 @@ class _DecodedFile:
 def _compare_all(dst: _DecodedFile, src: Iterator[fr.Frame], start: Fraction, tol: Fraction
                  ) -> tuple[str | None, int]:
     """Every decoded frame of one episode, DST against SRC; (problem or None, frames decoded)."""
+    try:
+        return _compare_frames(dst, src, start, tol)
+    finally:
+        src.close()  # type: ignore[attr-defined]  # a generator: closes its video
+
+
+def _compare_frames(dst: _DecodedFile, src: Iterator[fr.Frame], start: Fraction, tol: Fraction
+                    ) -> tuple[str | None, int]:
     decoded = 0
     recent: deque[fr.Frame] = deque(maxlen=NEAR)
     dst.recent.clear()
@@ -386,15 +395,16 @@ def _compare_all(dst: _DecodedFile, src: Iterator[fr.Frame], start: Fraction, to
             return (f"frame {j} decodes at {float(d.time - start):.6f} s of the episode in DST, "
                     f"{float(s.time - first):.6f} s in SRC"), decoded
         if not fr.same_image(d.image, s.image):
-            return _mismatch(j, s, list(recent), list(dst.recent)[:-1], d, dst.peek(NEAR),
-                             start, first), decoded
+            src_after = list(itertools.islice(src, NEAR))
+            return _mismatch(j, s, list(recent), src_after, list(dst.recent)[:-1], d,
+                             dst.peek(NEAR), first), decoded
         recent.append(s)
-    src.close()  # type: ignore[attr-defined]  # a generator
     return None, decoded
 
 
-def _mismatch(j: int, s: fr.Frame, src_before: list[fr.Frame], dst_before: list[fr.Frame],
-              d: fr.Frame, dst_after: list[fr.Frame], start: Fraction, first: Fraction) -> str:
+def _mismatch(j: int, s: fr.Frame, src_before: list[fr.Frame], src_after: list[fr.Frame],
+              dst_before: list[fr.Frame], d: fr.Frame, dst_after: list[fr.Frame],
+              first: Fraction) -> str:
     """Frame ``j`` differs: say where SRC's frame ``j`` went, or which SRC frame DST shows."""
     head = (f"frame {j} (at {float(s.time - first):.6f} s of the episode) decodes to other pixels "
             f"than SRC's")
@@ -404,10 +414,18 @@ def _mismatch(j: int, s: fr.Frame, src_before: list[fr.Frame], dst_before: list[
         if fr.same_image(f.image, s.image):
             return (f"{head}; SRC's frame {j} is DST's frame {j + k - here} of the episode, at "
                     f"{float(f.time):.6f} s in the file ({k - here:+d} frames)")
-    for k, f in enumerate(reversed(src_before), start=1):
-        if fr.same_image(f.image, d.image):
-            return f"{head}; DST shows SRC's frame {j - k} there ({-k:+d} frames)"
+    shown = [*src_before, s, *src_after]
+    here = len(src_before)
+    for k, f in enumerate(shown):
+        if k != here and fr.same_image(f.image, d.image):
+            return (f"{head}; DST shows SRC's frame {j + k - here} there, and SRC's frame {j} "
+                    f"nowhere near ({k - here:+d} frames)")
     return f"{head}; no frame within {NEAR} of it matches (re-encoded or corrupt)"
+
+
+def _same_at(seeker: fr.FrameSeeker, t: Fraction, want: fr.Frame) -> bool:
+    got = seeker.at(t)
+    return got is not None and fr.same_image(got.image, want.image)
 
 
 def _compare_sample(seeker: fr.FrameSeeker, fs: Any, src_path: str, dst_times: list[Fraction],
@@ -424,20 +442,22 @@ def _compare_sample(seeker: fr.FrameSeeker, fs: Any, src_path: str, dst_times: l
                 return f"frame {j} does not decode", decoded
             if fr.same_image(d.image, s.image):
                 continue
-            found = None
-            for k in range(max(0, j - NEAR), min(n, j + NEAR + 1)):
-                other = seeker.at(dst_times[k])
-                if k != j and other is not None and fr.same_image(other.image, s.image):
-                    found = k
-                    break
+            near = range(max(0, j - NEAR), min(n, j + NEAR + 1))
+            found = next((k for k in near if k != j and _same_at(seeker, dst_times[k], s)), None)
+            shown = None if found is not None else next(
+                (k for k in near if k != j and _same_at(src, src_times[k], d)), None)
             head = (f"frame {j} (at {float(src_times[j] - src_times[0]):.6f} s of the episode) "
                     "decodes to other pixels than SRC's")
             decoded = src.decoded + seeker.decoded - before
-            if found is None:
-                return f"{head}; no frame within {NEAR} of it matches (re-encoded or corrupt)", \
-                    decoded
-            return (f"{head}; SRC's frame {j} is DST's frame {found} of the episode, at "
-                    f"{float(dst_times[found]):.6f} s in the file ({found - j:+d} frames)"), decoded
+            if found is not None:
+                return (f"{head}; SRC's frame {j} is DST's frame {found} of the episode, at "
+                        f"{float(dst_times[found]):.6f} s in the file ({found - j:+d} frames)"
+                        ), decoded
+            if shown is not None:
+                return (f"{head}; DST shows SRC's frame {shown} there, and SRC's frame {j} "
+                        f"nowhere near ({shown - j:+d} frames)"), decoded
+            return f"{head}; no frame within {NEAR} of it matches (re-encoded or corrupt)", \
+                decoded
         decoded = src.decoded + seeker.decoded - before
     return None, decoded
 

@@ -39,6 +39,7 @@ ENCODERS: dict[str, tuple[str, dict[str, str]]] = {
                            "cpu-used": "8"}),
     "libx265": ("hevc", {"g": "2", "crf": "30", "preset": "ultrafast",
                          "x265-params": "log-level=error:bframes=0"}),
+    "libaom-av1": ("av1", {"g": "2", "crf": "30", "cpu-used": "8"}),  # where PyAV has it
 }
 CODEC_ALIASES = {"av1": "libsvtav1", "h264": "libx264", "vp9": "libvpx-vp9", "hevc": "libx265"}
 
@@ -275,6 +276,7 @@ def concat(fs: fsspec.AbstractFileSystem, inputs: list[str], output: str,
         out_tb = Fraction(1)
         offset = 0  # output ticks where the next input's first frame is shown
         last_dts: int | None = None  # the last decode time written, output ticks
+        lead_ref: int | None = None  # the first input's decode lead, output ticks
         for i, path in enumerate(inputs):
             with open_input(fs, path) as src:
                 try:
@@ -304,16 +306,25 @@ def concat(fs: fsspec.AbstractFileSystem, inputs: list[str], output: str,
             first = min(p.pts for p in packets)
             end = max(p.pts + (p.duration or step) for p in packets)
             scale = in_tb / out_tb
-            # A later input that reorders more than the ones before it would decode before
-            # their last frame: it starts that much later (its timestamps say where).
-            lead = min(_rescale(p.dts - first, scale) for p in packets)
-            if last_dts is not None and offset + lead <= last_dts:
-                offset = last_dts + 1 - lead
+            # How far the first decode time lies before the first presentation time (B-frames
+            # reorder). Every input decodes that far ahead of its start as the first one does:
+            # demuxers index keyframes by decode time and shift a seek by the first input's lead,
+            # so an input that led less (a one-frame episode) would be found only by seeking to
+            # a keyframe of the input before it, whose decoder may then drop frames (FFmpeg's
+            # HEVC decoder does, after starting at a CRA).
+            lead = -min(_rescale(p.dts - first, scale) for p in packets)
+            if lead_ref is None:
+                lead_ref = lead
+            extra = max(0, lead_ref - lead)
+            # An input that reorders more than the first would decode before the previous
+            # input's last frame: it starts that much later (its timestamps say where).
+            if last_dts is not None and offset - lead - extra <= last_dts:
+                offset = last_dts + 1 + lead + extra
             try:
                 for pkt in packets:
                     pts, dts, dur = pkt.pts, pkt.dts, pkt.duration or step
                     pkt.pts = offset + _rescale(pts - first, scale)
-                    pkt.dts = offset + _rescale(dts - first, scale)
+                    pkt.dts = offset + _rescale(dts - first, scale) - extra
                     pkt.duration = _rescale(dur, scale)
                     pkt.time_base = out_tb
                     pkt.stream = ostream
