@@ -11,7 +11,9 @@ SRC is a local LeRobot v2.1 dataset (``jpfs bench gen`` makes one; add ``--codec
 twice, with lerobot's ``convert_dataset`` and with ``jpfs.lerobot.convert``, at the same file
 size limits; checks both with ``jpfs lerobot verify --frames full``; then reads every sample of
 both copies through the official ``LeRobotDataset`` (its default video decoder: torchcodec where
-it loads, else PyAV) and compares every key, bit for bit. Exits 1 on any difference and names it.
+it loads, else PyAV) and compares every key, bit for bit. Exits 1 on any difference and names it;
+3 when lerobot's converter fails on SRC (JPFS's conversion is then verified and read whole by
+``LeRobotDataset`` alone).
 """
 
 from __future__ import annotations
@@ -61,15 +63,31 @@ def main() -> int:
             shutil.rmtree(p, ignore_errors=True)
         shutil.copytree(args.src, theirs)
         t0 = time.perf_counter()
-        convert_dataset("local/parity", root=theirs, push_to_hub=False,
-                        data_file_size_in_mb=args.data_file_mb,
-                        video_file_size_in_mb=args.video_file_mb)
+        lerobot_failed = None
+        try:
+            convert_dataset("local/parity", root=theirs, push_to_hub=False,
+                            data_file_size_in_mb=args.data_file_mb,
+                            video_file_size_in_mb=args.video_file_mb)
+        except Exception as e:  # noqa: BLE001 - whatever lerobot raises is the finding
+            lerobot_failed = f"{type(e).__name__}: {e}"
         t1 = time.perf_counter()
         convert(args.src, str(ours), data_file_mb=args.data_file_mb,
                 video_file_mb=args.video_file_mb, progress=False, verify="off")
         t2 = time.perf_counter()
         print(f"converted: lerobot {t1 - t0:.1f} s, jpfs {t2 - t1:.1f} s")
         failures = 0
+        backend = args.backend or _default_backend()
+        if lerobot_failed:
+            print(f"lerobot's converter failed on this dataset: {lerobot_failed}")
+            report = verify(args.src, str(ours), progress=False, frames="full")
+            print(f"verify --frames full of jpfs's conversion: "
+                  f"{'ok' if report['ok'] else 'FAILED'}; " + "; ".join(report["problems"][:5]))
+            a = LeRobotDataset("local/parity-jpfs", root=ours, video_backend=backend)
+            for i in range(len(a)):
+                a[i]  # raises where a frame is not within the loader's tolerance
+            print(f"LeRobotDataset read all {len(a)} samples of jpfs's conversion ({backend}); "
+                  "no parity to show")
+            return 3
         for name, root in (("jpfs", ours), ("lerobot", theirs)):
             report = verify(args.src, str(root), progress=False, frames="full")
             state = "ok" if report["ok"] else f"FAILED ({report['problem_count']} problems)"
@@ -78,7 +96,6 @@ def main() -> int:
             for line in report["problems"][:10]:
                 print(f"  {line}")
             failures += not report["ok"]
-        backend = args.backend or _default_backend()
         a = LeRobotDataset("local/parity-jpfs", root=ours, video_backend=backend)
         b = LeRobotDataset("local/parity-lerobot", root=theirs, video_backend=backend)
         print(f"LeRobotDataset: {len(a)} and {len(b)} samples, video decoded by {backend}")
