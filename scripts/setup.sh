@@ -53,7 +53,10 @@ case ",$EXTRAS," in
     # pip's resolver may still swap the installed build for a newer CUDA one while it installs
     # the package (pip 26.3 does), so that install is held to the torch already there.
     "$VENV/bin/python" -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
-    "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__)" > "$VENV/.jpfs-torch"
+    # The installed distribution's version, not torch.__version__: PyPI's CUDA wheels say
+    # 2.11.0 in their metadata and 2.11.0+cu130 at run time, and pip matches the former.
+    "$VENV/bin/python" -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
+      > "$VENV/.jpfs-torch"
     constrain=(-c "$VENV/.jpfs-torch") ;;
 esac
 $PIP install -q ${constrain[@]+"${constrain[@]}"} -e ".[$EXTRAS]"
