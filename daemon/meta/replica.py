@@ -208,7 +208,7 @@ class Replication:
         if not await etcd.put_if(key, named, mod_revision=kv.mod_revision, lease=lease):
             return
         self.valid_until = t0 + self.ttl * 0.75
-        await self._lead(etcd, lease, term)
+        await self._lead(etcd, lease, term, t0)
 
     async def _may_campaign(self) -> bool:
         """Ask every other copy where it is: campaign only with a majority and nobody ahead."""
@@ -246,7 +246,7 @@ class Replication:
 
     # ---- leading --------------------------------------------------------------------------------
 
-    async def _lead(self, etcd: Etcd, lease: int, term: int) -> None:
+    async def _lead(self, etcd: Etcd, lease: int, term: int, granted: float) -> None:
         self.elections += 1
         self._vacant_since = None
         log.info("shard %d replica %d leads (term %d, at seq %d)", self.shard, self.replica,
@@ -262,7 +262,7 @@ class Replication:
         try:
             async with trio.open_nursery() as nursery:
                 self._lead_scope = nursery.cancel_scope
-                nursery.start_soon(self._guard, self._keepalive, etcd, lease)
+                nursery.start_soon(self._guard, self._keepalive, etcd, lease, granted)
                 nursery.start_soon(self._guard, self._stalls)
                 for j in range(self.n):
                     if j != self.replica:
@@ -319,21 +319,32 @@ class Replication:
                 f"confirm the change within {self.stall:.3g} s ({reachable} reachable); it may "
                 "still apply once they are back: run `jpfs cluster status`")))
 
-    async def _keepalive(self, etcd: Etcd, lease: int) -> None:
+    async def _keepalive(self, etcd: Etcd, lease: int, granted: float) -> None:
+        """Renew the lease every ``renew`` seconds counted from the last renewal's send (from
+        ``granted``, when the grant was asked for, at first), so neither a slow election nor a
+        slow answer pushes the next renewal towards the end of the lease.
+
+        A late answer is waited for until the lease may have lapsed in etcd (the TTL from the
+        send of the last renewal it confirmed); meanwhile this copy stops answering clients
+        (``serving``), and a renewal that comes back resumes it: a loaded host then pauses the
+        shard for a moment instead of starting an election. It steps down when etcd says the
+        lease is gone, or when no renewal came back within the TTL."""
+        confirmed = sent = granted
         while True:
-            await trio.sleep(self.renew)
-            t0 = trio.current_time()
+            await trio.sleep_until(sent + self.renew)
+            sent = trio.current_time()
             left: float | None = None
-            with trio.move_on_at(self.valid_until):
+            with trio.move_on_at(confirmed + self.ttl):
                 try:
                     left = await etcd.keepalive(lease)
                 except JPFSError as e:
                     log.warning("shard %d replica %d: lease renewal failed: %s", self.shard,
                                 self.replica, e.strerror)
             if left is not None and left > 0:
-                self.valid_until = t0 + min(left, self.ttl) * 0.75
+                confirmed = sent
+                self.valid_until = sent + min(left, self.ttl) * 0.75
                 self._advance()
-            elif left == 0 or trio.current_time() >= self.valid_until:
+            elif left == 0 or trio.current_time() >= confirmed + self.ttl:
                 log.warning("shard %d replica %d: lease %s; stepping down", self.shard,
                             self.replica, "gone" if left == 0 else "not renewed within its TTL")
                 self._stop_leading()
