@@ -97,6 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "directory, not by close (default off: a closed file is committed)")
     p.add_argument("--nonempty", action="store_true",
                    help="mount over a directory that has files (they are hidden while mounted)")
+    p.add_argument("--kernel-options", metavar="LIST", default="",
+                   help="generic mount flags for the kernel, comma-separated: noexec, noatime, "
+                   "sync, ... (a FUSE mount is nosuid,nodev unless suid or dev is given)")
     p.add_argument("--max-tasks", type=int, default=256, help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_mount)
@@ -114,13 +117,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait for the daemon to exit (default 30)")
     u.set_defaults(func=cmd_umount)
 
+    from . import mount_helper
+
+    mount_helper.register(sub)
+
 
 def _options(args: argparse.Namespace):
     from .. import config
-    from ..fuse.mount import MountOptions
+    from ..fuse.mount import KERNEL_OPTIONS, MountOptions
 
     if len(args.paths) > 2:
         raise ValueError("usage: jpfs mount [CLUSTER] MOUNTPOINT")
+    kernel = tuple(o for o in args.kernel_options.split(",") if o)
+    unknown = sorted(set(kernel) - KERNEL_OPTIONS)
+    if unknown:
+        raise ValueError(f"--kernel-options: unknown {', '.join(unknown)} (known: "
+                         f"{', '.join(sorted(KERNEL_OPTIONS))})")
     cluster_arg = args.paths[0] if len(args.paths) == 2 else args.cluster
     cluster = config.load(cluster_arg)
     return MountOptions(
@@ -134,7 +146,7 @@ def _options(args: argparse.Namespace):
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
         max_tasks=args.max_tasks, nonempty=args.nonempty, cache_admit=args.cache_admit,
         dir_leases=args.dir_leases, write_behind=args.write_behind,
-        short_circuit=args.short_circuit)
+        short_circuit=args.short_circuit, kernel_options=kernel)
 
 
 def cmd_mount(args: argparse.Namespace) -> int:

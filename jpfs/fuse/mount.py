@@ -48,6 +48,11 @@ FSNAME = "jpfs"
 READ_ONLY_TIMEOUT = 3600.0
 READ_WRITE_TIMEOUT = 1.0
 START_TIMEOUT = 60.0
+KERNEL_OPTIONS = frozenset({
+    "suid", "nosuid", "dev", "nodev", "exec", "noexec", "sync", "async", "dirsync", "noatime",
+    "nodiratime", "strictatime", "nostrictatime", "norelatime", "symfollow", "nosymfollow"})
+"""Generic mount flags libfuse hands to the kernel (``--kernel-options``; mount(8)'s ``-o``).
+A FUSE mount is nosuid,nodev unless ``suid`` or ``dev`` is given."""
 
 
 @dataclass
@@ -81,6 +86,8 @@ class MountOptions:
     cache_admit: str = "second"
     dir_leases: bool = True
     write_behind: bool = False
+    kernel_options: tuple[str, ...] = ()
+    """Members of ``KERNEL_OPTIONS``: flags of the kernel's mount (noexec, noatime, ...)."""
 
     def child_argv(self) -> list[str]:
         """Arguments for ``jpfs`` that run this mount in the foreground."""
@@ -93,7 +100,8 @@ class MountOptions:
                             ("--entry-timeout", self.entry_timeout),
                             ("--attr-timeout", self.attr_timeout),
                             ("--small-file", self.small_file), ("--metrics", self.metrics),
-                            ("--kernel-ahead", self.kernel_ahead)):
+                            ("--kernel-ahead", self.kernel_ahead),
+                            ("--kernel-options", ",".join(self.kernel_options) or None)):
             if value is not None:
                 a += [flag, str(value)]
         for flag, on in (("--read-only", self.read_only),
@@ -262,6 +270,7 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
                 fuse_options.add("allow_other")
             if opts.read_only:
                 fuse_options.add("ro")  # hints still arrive, on the socket
+            fuse_options.update(opts.kernel_options)
             await _serve_mounted(ops, mp, opts, fuse_options, nursery, cache_dir, ready)
         finally:
             if vfs is not None:
