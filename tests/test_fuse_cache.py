@@ -182,12 +182,27 @@ def _minor_faults(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
 
+def _peak_pages(pid: int) -> int:
+    """The process's resident high-water mark (VmHWM), in 4 KiB pages."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 4
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
 @requires_fuse
 def test_large_reads_reuse_the_mounts_buffers(tmp_path):
     """Reading large files cold, the mount receives every chunk into memory it freed before:
-    after the first file, it touches few fresh pages per byte it serves (fresh memory costs a
-    page fault per 4 KiB, 256 per MiB: 150-235 with glibc's defaults, 11-69 with the mount's
-    settings, in runs on a 2-core machine)."""
+    after the first file, the pages it touches fresh (a page fault per 4 KiB, 256 per MiB) are
+    the ones that raise its resident high-water mark, not memory it gave back and faulted in
+    again. With glibc's defaults a freed 4 MiB buffer is often returned to the system (trimmed or
+    unmapped): in half of the runs on a 2-core machine, 191 faults per MiB, 170-186 of them
+    under the high-water mark; with the mount's settings none are.
+
+    How high the mark goes depends on how far the sweep runs ahead of the reader, which the
+    machine's load decides: a first file read with fewer chunks in flight leaves a lower mark,
+    and the second one then faults in the difference (it read 150 faults per MiB after a first
+    file of 8 MiB, 165 once under load), memory it had never had, not memory it gave back."""
     c = tmp_path / "c"
     localcluster.up(c, meta_shards=1, storage_nodes=1, chunk_size=4 << 20, sync=False)
     try:
@@ -200,12 +215,15 @@ def test_large_reads_reuse_the_mounts_buffers(tmp_path):
             client.run(import_tree, src, "/")
         with mounted(c, tmp_path / "m", "--read-only", "--cache-size", "0") as m:
             assert _read(m / "a") == (src / "a").read_bytes()
-            before = _minor_faults(m.pid)
+            before, peak = _minor_faults(m.pid), _peak_pages(m.pid)
             with open(m / "b", "rb", buffering=0) as f:
                 buf = bytearray(1 << 20)
                 while f.readinto(buf):
                     pass
-            per_mib = (_minor_faults(m.pid) - before) / 48
-            assert per_mib < 128, f"{per_mib:.0f} page faults per MiB served"
+            faults, raised = _minor_faults(m.pid) - before, _peak_pages(m.pid) - peak
+            again = (faults - max(0, raised)) / 48
+            assert again < 32, (f"{again:.0f} page faults per MiB served under the high-water "
+                                f"mark ({faults / 48:.0f} in all; the mark rose {raised} "
+                                f"pages)")
     finally:
         localcluster.down(c, timeout=5)
