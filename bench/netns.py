@@ -88,7 +88,9 @@ def _run(cmd: Sequence[str], *, check: bool = True) -> subprocess.CompletedProce
 
 
 def _kill(pids: Sequence[int], grace: float = 5.0) -> None:
-    """SIGTERM these processes, SIGKILL those still there after ``grace`` seconds."""
+    """SIGTERM these processes, SIGKILL those still there after ``grace`` seconds, and wait
+    (``grace`` more at most) until those are gone too: a SIGKILLed process ends when the kernel
+    has torn it down, which on a loaded host is not at once."""
     pids = [p for p in pids if p != os.getpid()]
     for p in pids:
         try:
@@ -98,12 +100,15 @@ def _kill(pids: Sequence[int], grace: float = 5.0) -> None:
     deadline = time.monotonic() + grace
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    for p in pids:
-        if pid_alive(p):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    killed = [p for p in pids if pid_alive(p)]
+    for p in killed:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    while any(pid_alive(p) for p in killed) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def namespaces() -> list[str]:

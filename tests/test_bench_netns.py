@@ -29,14 +29,29 @@ def made_by(pid: int) -> dict[str, list]:
             "relays": [r for r, owner in netns._relays() if owner == pid]}
 
 
-def nothing_left(pid: int, cluster: Path) -> None:
-    deadline = time.monotonic() + 10
-    while any(made_by(pid).values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(made_by(pid).values()), made_by(pid)
+def daemons_left(cluster: Path) -> dict[str, str]:
+    """The daemons whose pid files ``cluster`` holds that still run: name -> their state."""
+    left = {}
     for pid_file in cluster.glob("*.pid"):
         daemon = int(pid_file.read_text())
-        assert not localcluster.pid_alive(daemon), f"{pid_file.name}: daemon {daemon} still runs"
+        if localcluster.pid_alive(daemon):
+            try:
+                state = Path(f"/proc/{daemon}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                state = "?"
+            left[pid_file.name] = f"daemon {daemon}, state {state}"
+    return left
+
+
+def nothing_left(pid: int, cluster: Path) -> None:
+    """Nothing of run ``pid`` is left: 10 s for what the kernel still tears down (a namespace
+    whose last process is ending, a process killed at the run's end)."""
+    deadline = time.monotonic() + 10
+    while (any(made_by(pid).values()) or daemons_left(cluster)) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(made_by(pid).values()), made_by(pid)
+    assert not daemons_left(cluster), daemons_left(cluster)
 
 
 @pytest.fixture(scope="module")
