@@ -107,10 +107,12 @@ class Server:
 
     @property
     def failure_domain(self) -> str:
+        """The node's failure domain: ``domain`` if set, else the host of ``address``."""
         return self.domain or self.host_port[0]
 
     @property
     def host_port(self) -> tuple[str, int]:
+        """``address`` split into host and port (``parse_address``)."""
         return parse_address(self.address)
 
 
@@ -141,6 +143,7 @@ class Cluster:
 
     @property
     def n_shards(self) -> int:
+        """How many metadata shards there are (one per ``meta`` entry)."""
         return len(self.meta)
 
     @property
@@ -160,6 +163,7 @@ class Cluster:
 
     @property
     def n_nodes(self) -> int:
+        """How many storage nodes there are, whatever their state."""
         return len(self.storage)
 
     def data_dir(self, role: str, index: int, replica: int = 0) -> Path:
@@ -171,6 +175,9 @@ class Cluster:
         return (base / (server.data or default)).resolve()
 
     def to_toml(self) -> str:
+        """The cluster file's TOML text: the cluster table and each ``meta``/``storage`` server
+        (copy 0 of each shard; the secret stays in ``secret_file``); for an etcd cluster, only where
+        the map is."""
         if self.etcd:  # the shape lives in the map; the file says where the map is
             return tomli_w.dumps({"cluster": {"name": self.name, "secret_file": self.secret_file,
                                               "etcd": list(self.etcd)}})

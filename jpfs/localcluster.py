@@ -54,6 +54,7 @@ class Daemon:
 
     @property
     def name(self) -> str:
+        """``meta-1``, ``meta-1-r2`` or ``storage-0`` (``daemon_name``)."""
         return daemon_name(self.role, self.index, self.replica)
 
 

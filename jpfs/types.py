@@ -36,14 +36,17 @@ class Attr:
 
     @property
     def is_dir(self) -> bool:
+        """Whether the mode is a directory's."""
         return _stat.S_ISDIR(self.mode)
 
     @property
     def is_reg(self) -> bool:
+        """Whether the mode is a regular file's."""
         return _stat.S_ISREG(self.mode)
 
     @property
     def is_link(self) -> bool:
+        """Whether the mode is a symbolic link's."""
         return _stat.S_ISLNK(self.mode)
 
     @property
@@ -52,9 +55,11 @@ class Attr:
         return (self.size + 511) // 512
 
     def with_(self, **changes) -> Attr:
+        """A copy with the given fields changed (``dataclasses.replace``)."""
         return replace(self, **changes)
 
     def to_wire(self) -> list:
+        """The msgpack array form: the fields in declaration order."""
         return [
             self.ino, self.mode, self.nlink, self.uid, self.gid, self.size,
             self.atime_ns, self.mtime_ns, self.ctime_ns, self.rdev, self.version,
@@ -62,6 +67,7 @@ class Attr:
 
     @classmethod
     def from_wire(cls, w: list | tuple) -> Attr:
+        """The record from its ``to_wire`` array."""
         return cls(*w)
 
 
@@ -77,13 +83,16 @@ class DirEntry:
 
     @property
     def is_dir(self) -> bool:
+        """Whether the entry names a directory."""
         return self.kind == _stat.S_IFDIR
 
     def to_wire(self) -> list:
+        """The msgpack array form; ``attr`` is ``None`` or its own array."""
         return [self.name, self.ino, self.kind, self.attr.to_wire() if self.attr else None]
 
     @classmethod
     def from_wire(cls, w: list | tuple) -> DirEntry:
+        """The record from its ``to_wire`` array."""
         return cls(w[0], w[1], w[2], Attr.from_wire(w[3]) if w[3] is not None else None)
 
 
@@ -104,10 +113,12 @@ class Chunk:
     xxh: int
 
     def to_wire(self) -> list:
+        """The msgpack array form: the fields in declaration order, ``nodes`` as a list."""
         return [self.index, self.blob, list(self.nodes), self.length, self.blob_len, self.xxh]
 
     @classmethod
     def from_wire(cls, w: list | tuple) -> Chunk:
+        """The record from its ``to_wire`` array."""
         return cls(w[0], w[1], tuple(w[2]), w[3], w[4], w[5])
 
 
@@ -120,10 +131,12 @@ class Layout:
     chunks: tuple[Chunk, ...]
 
     def to_wire(self) -> list:
+        """The msgpack array form: ``[attr, chunk_size, [chunk, ...]]``, nested as arrays."""
         return [self.attr.to_wire(), self.chunk_size, [c.to_wire() for c in self.chunks]]
 
     @classmethod
     def from_wire(cls, w: list | tuple) -> Layout:
+        """The record from its ``to_wire`` array."""
         return cls(Attr.from_wire(w[0]), w[1], tuple(Chunk.from_wire(c) for c in w[2]))
 
 
@@ -139,9 +152,11 @@ class StatFS:
     name_max: int = NAME_MAX
 
     def to_wire(self) -> list:
+        """The msgpack array form: the fields in declaration order."""
         return [self.block_size, self.blocks, self.blocks_free, self.files, self.files_free,
                 self.name_max]
 
     @classmethod
     def from_wire(cls, w: list | tuple) -> StatFS:
+        """The record from its ``to_wire`` array."""
         return cls(*w)

@@ -127,6 +127,8 @@ class MapFollower:
         self.etcd: Etcd | None = None
 
     def subscribe(self, callback: Callable[[Cluster], None]) -> None:
+        """Have ``callback`` called (in the following task) with each newer map; one that raises is
+        logged and the others still run."""
         self._subscribers.append(callback)
 
     async def start(self, nursery: trio.Nursery) -> None:

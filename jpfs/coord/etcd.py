@@ -94,6 +94,7 @@ class Etcd:
         self._first = random.randrange(len(self.endpoints))
 
     async def aclose(self) -> None:
+        """Close the HTTP client."""
         await self._http.aclose()
 
     async def __aenter__(self) -> Etcd:
@@ -127,11 +128,14 @@ class Etcd:
 
     # ---- keys
     async def get(self, key: str | bytes) -> KV | None:
+        """The key's value and revisions, or None if it does not exist. Raises EtcdError (EIO,
+        ETIMEDOUT) when no endpoint answers."""
         got = await self._call("/v3/kv/range", {"key": _enc(key)})
         kvs = got.get("kvs") or []
         return _kv(kvs[0]) if kvs else None
 
     async def get_prefix(self, prefix: str | bytes) -> list[KV]:
+        """Every key that starts with ``prefix``, in key order."""
         p = _b(prefix)
         got = await self._call("/v3/kv/range", {"key": _enc(p), "range_end": _enc(_prefix_end(p))})
         return [_kv(d) for d in got.get("kvs") or []]
@@ -145,6 +149,7 @@ class Etcd:
         return int(got["header"]["revision"])
 
     async def delete(self, key: str | bytes) -> None:
+        """Delete ``key`` (nothing happens if it does not exist)."""
         await self._call("/v3/kv/deleterange", {"key": _enc(key)})
 
     async def _txn_if(self, key: str | bytes, mod_revision: int, op: dict) -> bool:
@@ -166,11 +171,15 @@ class Etcd:
         return await self._txn_if(key, mod_revision, {"request_put": put})
 
     async def delete_if(self, key: str | bytes, *, mod_revision: int) -> bool:
+        """Compare-and-delete: delete the key only if its ``mod_revision`` is the one given; whether
+        it         was deleted."""
         return await self._txn_if(key, mod_revision,
                                   {"request_delete_range": {"key": _enc(key)}})
 
     # ---- leases
     async def grant(self, ttl: float) -> int:
+        """A new lease of ``ttl`` seconds (rounded, at least 1); returns its id. EtcdError (EIO) if
+        etcd refuses it."""
         got = await self._call("/v3/lease/grant", {"TTL": str(max(1, round(ttl)))})
         if got.get("error"):
             raise EtcdError(errno.EIO, f"etcd refused a lease: {got['error']}")
@@ -182,6 +191,7 @@ class Etcd:
         return float(got.get("result", {}).get("TTL", 0))
 
     async def revoke(self, lease: int) -> None:
+        """End ``lease`` now: the keys attached to it are deleted."""
         await self._call("/v3/lease/revoke", {"ID": str(lease)})
 
     # ---- watches

@@ -90,6 +90,8 @@ class KernelNotifier:
         await self._idle.wait()
 
     def invalidate_attr(self, ino: int) -> None:
+        """Drop the kernel's cached attributes of ``ino`` (not its pages), so the next stat asks the
+        mount; a failure (the kernel no longer knows the inode) is only logged."""
         try:
             pyfuse3.invalidate_inode(ino, attr_only=True)
         except OSError as e:

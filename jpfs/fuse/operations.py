@@ -132,6 +132,7 @@ class Operations(pyfuse3.Operations):
         self._last_snapshot_ns = 0
 
     def init(self) -> None:
+        """INIT: the kernel's settings are in force; sets ``initialized``."""
         self.initialized.set()
 
     # ------------------------------------------------------------------ the error boundary
@@ -246,6 +247,8 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("lookup")
     async def lookup(self, parent: int, name: bytes, ctx) -> pyfuse3.EntryAttributes:
+        """LOOKUP of ``name`` in ``parent``: its entry, or a negative entry (cached for
+        ``negative_timeout``) where it does not exist; ENOENT when negative entries are off."""
         if control.is_control(parent) or (parent == ROOT_INO and name == control.CONTROL_NAME):
             self._ctl("lookup")
             if parent == ROOT_INO:
@@ -264,10 +267,12 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("forget")
     async def forget(self, inode_list) -> None:
+        """FORGET: the kernel dropped these ``(inode, nlookup)`` references."""
         self.vfs.forget(inode_list)
 
     @fuse_op("getattr")
     async def getattr(self, inode: int, ctx) -> pyfuse3.EntryAttributes:
+        """GETATTR: the inode's attributes."""
         if control.is_control(inode):
             self._ctl("getattr")
             return self._control_entry(inode)
@@ -275,6 +280,8 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("setattr")
     async def setattr(self, inode: int, attr, fields, fh, ctx) -> pyfuse3.EntryAttributes:
+        """SETATTR (chmod, chown, utimens, truncate): the attributes after the change; EPERM on
+        control files."""
         if control.is_control(inode):
             self._ctl("setattr")
             raise error(errno.EPERM, "control files cannot be changed")
@@ -296,25 +303,30 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("readlink")
     async def readlink(self, inode: int, ctx) -> bytes:
+        """READLINK: the symlink's target."""
         return await self.vfs.readlink(inode)
 
     @fuse_op("mknod")
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx):
+        """MKNOD: the new node's entry (owned by the caller); EPERM inside ``.jpfs``."""
         self._no_control(parent, name)
         return self._entry(await self.vfs.mknod(parent, name, mode, rdev, ctx.uid, ctx.gid))
 
     @fuse_op("mkdir")
     async def mkdir(self, parent: int, name: bytes, mode: int, ctx):
+        """MKDIR: the new directory's entry (owned by the caller); EPERM inside ``.jpfs``."""
         self._no_control(parent, name)
         return self._entry(await self.vfs.mkdir(parent, name, mode, ctx.uid, ctx.gid))
 
     @fuse_op("symlink")
     async def symlink(self, parent: int, name: bytes, target: bytes, ctx):
+        """SYMLINK: the new link's entry (owned by the caller); EPERM inside ``.jpfs``."""
         self._no_control(parent, name)
         return self._entry(await self.vfs.symlink(parent, name, target, ctx.uid, ctx.gid))
 
     @fuse_op("link")
     async def link(self, inode: int, new_parent: int, new_name: bytes, ctx):
+        """LINK: a new name for ``inode``, answered with its entry; EPERM for control files."""
         self._no_control(new_parent, new_name)
         if control.is_control(inode):
             raise error(errno.EPERM, "control files cannot be linked")
@@ -322,17 +334,20 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("unlink")
     async def unlink(self, parent: int, name: bytes, ctx) -> None:
+        """UNLINK of ``name`` in ``parent``; EPERM inside ``.jpfs``."""
         self._no_control(parent, name)
         await self.vfs.unlink(parent, name)
 
     @fuse_op("rmdir")
     async def rmdir(self, parent: int, name: bytes, ctx) -> None:
+        """RMDIR of ``name`` in ``parent``; EPERM inside ``.jpfs``."""
         self._no_control(parent, name)
         await self.vfs.rmdir(parent, name)
 
     @fuse_op("rename")
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
                      flags: int, ctx) -> None:
+        """RENAME (``flags``: RENAME_NOREPLACE, RENAME_EXCHANGE); EPERM for control files."""
         self._no_control(parent_old, name_old)
         self._no_control(parent_new, name_new)
         await self.vfs.rename(parent_old, name_old, parent_new, name_new, flags)
@@ -341,6 +356,8 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("open")
     async def open(self, inode: int, flags: int, ctx) -> pyfuse3.FileInfo:
+        """OPEN: a file handle; ENOSYS once the mount has stopped taking OPENs
+        (``kernel_opens``)."""
         if not self.kernel_opens:
             raise pyfuse3.FUSEError(errno.ENOSYS)  # the kernel opens files itself from now on
         if control.is_control(inode):
@@ -351,12 +368,16 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("create")
     async def create(self, parent: int, name: bytes, mode: int, flags: int, ctx):
+        """CREATE: a handle on the new (or, without O_EXCL, existing) file and its entry; EEXIST
+        with O_EXCL."""
         self._no_control(parent, name)
         f, attr = await self.vfs.create(parent, name, mode, flags, ctx.uid, ctx.gid)
         return pyfuse3.FileInfo(fh=f.fh, keep_cache=f.keep_cache), self._entry(attr)
 
     @fuse_op("read")
     async def read(self, fh: int, off: int, size: int):
+        """READ: up to ``size`` bytes at ``off`` (fewer at end of file); without OPENs ``fh`` is
+        the inode."""
         if not self.kernel_opens:  # no OPEN: the handle is the inode (lowlevel.InodeReads)
             if control.is_control(fh):
                 self._ctl("read")
@@ -369,6 +390,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("write")
     async def write(self, fh: int, off: int, buf: bytes) -> int:
+        """WRITE: the bytes taken (all of ``buf``); on the hints control file, a prefetch hint."""
         if fh >= CONTROL_FH:
             self._ctl("write")
             return await self._hint_write(self._control(fh), buf)
@@ -376,6 +398,8 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("flush")
     async def flush(self, fh: int) -> None:
+        """FLUSH (each close of a descriptor): commit the handle's writes; ENOSYS on read-only
+        mounts, so that the kernel stops sending it."""
         if fh >= CONTROL_FH:
             self._ctl("flush")
             h = self._control(fh)
@@ -388,11 +412,13 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("fsync")
     async def fsync(self, fh: int, datasync: bool) -> None:
+        """FSYNC: make the handle's writes durable (nothing to do on read-only mounts)."""
         if fh < CONTROL_FH and not self.vfs.ro:  # a read-only mount has nothing to make durable
             await self.vfs.fsync(fh)
 
     @fuse_op("release")
     async def release(self, fh: int) -> None:
+        """RELEASE (the last close of a handle): commit what is left and free the handle."""
         if fh >= CONTROL_FH:
             self._ctl("release")
             h = self._controls.pop(fh, None)
@@ -406,6 +432,8 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("fallocate")
     async def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
+        """FALLOCATE: reserve ``length`` bytes at ``off`` (modes 0 and KEEP_SIZE); EOPNOTSUPP on
+        control files."""
         if fh >= CONTROL_FH:
             raise error(errno.EOPNOTSUPP, "control files take no space")
         await self.vfs.fallocate(fh, mode, off, length)
@@ -414,6 +442,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("opendir")
     async def opendir(self, inode: int, ctx) -> int:
+        """OPENDIR: a directory handle."""
         if control.is_control(inode):
             self._ctl("opendir")
             return self._add_control(ControlHandle(inode))
@@ -421,6 +450,8 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("readdir")
     async def readdir(self, fh: int, start_id: int, token) -> None:
+        """READDIR from ``start_id``: entries with their attributes (readdirplus) until the kernel's
+        buffer is full; ``.jpfs`` in the root is the control directory's."""
         if fh >= CONTROL_FH:
             self._ctl("readdir")
             h = self._control(fh)
@@ -443,6 +474,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("releasedir")
     async def releasedir(self, fh: int) -> None:
+        """RELEASEDIR: free the directory handle."""
         if fh >= CONTROL_FH:
             self._ctl("releasedir")
             self._controls.pop(fh, None)
@@ -451,6 +483,8 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("fsyncdir")
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        """FSYNCDIR: make the directory's changes durable; EBADF for a handle opendir did not
+        give."""
         if fh >= CONTROL_FH:
             return
         h = self.vfs.handles.get(fh)
@@ -462,6 +496,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("statfs")
     async def statfs(self, ctx) -> pyfuse3.StatvfsData:
+        """STATFS: the filesystem's totals (``statvfs``)."""
         st = await self.vfs.statfs()
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = st.block_size
@@ -474,6 +509,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("getxattr")
     async def getxattr(self, inode: int, name: bytes, ctx) -> bytes:
+        """GETXATTR: the attribute's value; ENODATA where it is not set."""
         if control.is_control(inode):
             self._ctl("getxattr")
             raise error(errno.ENODATA, "no such attribute")
@@ -481,12 +517,14 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("setxattr")
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx) -> None:
+        """SETXATTR: set the attribute; EPERM on control files."""
         if control.is_control(inode):
             raise error(errno.EPERM, "control files have no attributes")
         await self.vfs.setxattr(inode, name, value)
 
     @fuse_op("listxattr")
     async def listxattr(self, inode: int, ctx) -> list[bytes]:
+        """LISTXATTR: the names of the inode's extended attributes."""
         if control.is_control(inode):
             self._ctl("listxattr")
             return []
@@ -494,6 +532,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_op("removexattr")
     async def removexattr(self, inode: int, name: bytes, ctx) -> None:
+        """REMOVEXATTR: remove the attribute; EPERM on control files."""
         if control.is_control(inode):
             raise error(errno.EPERM, "control files have no attributes")
         await self.vfs.removexattr(inode, name)

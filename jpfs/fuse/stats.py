@@ -106,6 +106,8 @@ class SnapshotCollector:
         self.snapshot = snapshot
 
     def collect(self):
+        """The metric families of a fresh snapshot (the ``prometheus_client`` collector
+        protocol)."""
         yield from families(self.snapshot())
 
 

@@ -42,6 +42,7 @@ class Entry(NamedTuple):
 
     @classmethod
     def from_wire(cls, w: list) -> Entry:
+        """The entry from its ``[ino, kind, attr or None]`` wire form."""
         ino, kind, attr = w
         return cls(ino, kind, Attr.from_wire(attr) if attr is not None else None)
 
@@ -57,6 +58,7 @@ class Created(NamedTuple):
 
     @classmethod
     def from_wire(cls, w: list) -> Created:
+        """The answer from its ``[ino, kind, attr or None, created]`` wire form."""
         ino, kind, attr, created = w
         return cls(ino, kind, Attr.from_wire(attr) if attr is not None else None, created)
 
@@ -71,6 +73,8 @@ class Made(NamedTuple):
 
     @classmethod
     def from_wire(cls, w: list) -> Made:
+        """The answer from ``[attr, parent attr]``, or from an older shard's bare attr (no
+        parent)."""
         if len(w) == 2 and isinstance(w[0], list):
             return cls(Attr.from_wire(w[0]), Attr.from_wire(w[1]) if w[1] is not None else None)
         return cls(Attr.from_wire(w), None)
@@ -84,6 +88,7 @@ class PostOp(NamedTuple):
 
     @classmethod
     def from_wire(cls, w) -> PostOp:
+        """The answer from an attr list, or None (an older shard's: no parent attributes)."""
         return cls(Attr.from_wire(w) if w is not None else None)
 
 
@@ -97,6 +102,7 @@ class RenamePostOp(NamedTuple):
 
     @classmethod
     def from_wire(cls, w) -> RenamePostOp:
+        """The answer from ``[src, dst]`` attrs, or None from an older shard (both unknown)."""
         if w is None:
             return cls(None, None)
         a, b = w
@@ -112,6 +118,7 @@ class DirPage(NamedTuple):
 
     @classmethod
     def from_wire(cls, w: list) -> DirPage:
+        """The page from ``[[entry, ...], more]``."""
         entries, more = w
         return cls([DirEntry.from_wire(e) for e in entries], more)
 
@@ -121,6 +128,7 @@ class Entries:
 
     @staticmethod
     def from_wire(w: list) -> list[Entry | OSError]:
+        """Each result: an ``Entry``, or the OSError of the errno name sent in its place."""
         return [from_name(r) if type(r) is str else Entry.from_wire(r) for r in w]
 
 
@@ -129,6 +137,7 @@ class Attrs:
 
     @staticmethod
     def from_wire(w: list) -> list[Attr | None]:
+        """Each result: an ``Attr``, or None where the inode does not exist."""
         return [Attr.from_wire(r) if r is not None else None for r in w]
 
 
@@ -137,6 +146,8 @@ class AttrsOrErrors:
 
     @staticmethod
     def from_wire(w: list) -> list[Attr | OSError]:
+        """Each result: the new file's ``Attr``, or the OSError of the errno name sent in its
+        place."""
         return [from_name(r) if type(r) is str else Attr.from_wire(r) for r in w]
 
 
@@ -145,6 +156,7 @@ class Layouts:
 
     @staticmethod
     def from_wire(w: list) -> list[Layout | None]:
+        """Each result: a ``Layout``, or None (no such inode, or a directory)."""
         return [Layout.from_wire(r) if r is not None else None for r in w]
 
 
@@ -155,6 +167,7 @@ class NamedLayouts:
 
     @staticmethod
     def from_wire(w: list) -> list[Layout | OSError | tuple[int, int]]:
+        """Each result: a ``Layout``, an ``(ino, kind)`` tuple or the OSError of an errno name."""
         out: list = []
         for r in w:
             if type(r) is str:
@@ -378,6 +391,7 @@ class Lease(NamedTuple):
 
     @classmethod
     def from_wire(cls, w: list) -> Lease:
+        """The answer from ``[granted, names, first, n_inodes, inos]``."""
         granted, names, first, n_inodes, inos = w
         return cls(granted, names, first, n_inodes, inos)
 

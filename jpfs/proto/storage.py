@@ -128,6 +128,7 @@ class PullResult(NamedTuple):
 
     @classmethod
     def from_wire(cls, w: list) -> PullResult:
+        """The result from ``[stored, already_present, [[id, reason], ...]]``."""
         stored, present, failures = w
         return cls(stored, present, [(bid, why) for bid, why in failures])
 
@@ -141,6 +142,7 @@ class PutResult(NamedTuple):
 
     @classmethod
     def from_wire(cls, w: list) -> PutResult:
+        """The result from ``[stored, already_present]``."""
         stored, present = w
         return cls(stored, present)
 
@@ -152,6 +154,7 @@ class BlobStatuses:
 
     @staticmethod
     def from_wire(w: list) -> list:
+        """The statuses as sent (a list; TypeError otherwise): tell them apart with ``found``."""
         if type(w) is not list:
             raise TypeError("get_blobs statuses must be a list")
         return w
@@ -169,6 +172,7 @@ class BlobPage:
 
     @staticmethod
     def from_wire(w: list) -> list[tuple[bytes, float]]:
+        """The page as ``(id, created)`` tuples."""
         return [(bid, created) for bid, created in w]
 
 
@@ -177,6 +181,7 @@ class BadPage:
 
     @staticmethod
     def from_wire(w: list) -> list[tuple[bytes, int, int, float, str]]:
+        """The page as ``(id, length, xxh, found, reason)`` tuples."""
         return [(bid, length, xxh, found, reason) for bid, length, xxh, found, reason in w]
 
 
@@ -186,12 +191,15 @@ class BlobPlaces:
 
     @staticmethod
     def from_wire(w: list) -> list:
+        """The places as sent (a list; TypeError otherwise): tell them apart with ``found``."""
         if type(w) is not list:
             raise TypeError("locate_blobs places must be a list")
         return w
 
     @staticmethod
     def found(place: object) -> bool:
+        """Whether ``place`` is ``[volume, offset, length, xxh]`` (non-negative ints), not an errno
+        name."""
         return type(place) is list and len(place) == 4 and all(type(x) is int for x in place) \
             and min(place) >= 0
 

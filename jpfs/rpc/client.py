@@ -90,10 +90,12 @@ class Connection:
 
     @property
     def alive(self) -> bool:
+        """Whether the connection still works (nothing has broken it, nor has it been closed)."""
         return self.broken is None
 
     @property
     def in_flight(self) -> int:
+        """How many calls are waiting for their answer."""
         return len(self._pending)
 
     async def reader(self) -> None:
@@ -205,6 +207,7 @@ class Connection:
         self._sweep_wake.set()  # the sweeper ends with the connection
 
     def close(self) -> None:
+        """Close the socket; calls still waiting fail with Unavailable (EHOSTUNREACH)."""
         self._fail(Unavailable(f"connection to {self.address} closed"))
 
     async def _finish_send(self, parts: list) -> None:
@@ -513,6 +516,7 @@ class Pool:
             delay = min(delay * 2, 1.0)
 
     def close(self) -> None:
+        """Close every connection to every server; a later call connects afresh."""
         for conns in self._conns:
             for c in conns:
                 c.close()

@@ -278,6 +278,8 @@ class FrameSocket:
         return kind, body_len, payload_len
 
     async def read_body(self, body_len: int) -> object:
+        """Read a frame body of ``body_len`` bytes and unpack it; ProtocolError if it is not
+        msgpack."""
         if body_len <= len(self._buf):
             await self._fill(body_len)
             body = unpack_body(self._view[self._start:self._start + body_len])
@@ -340,6 +342,7 @@ class FrameSocket:
         return rest
 
     async def skip_payload(self, length: int) -> None:
+        """Read and discard ``length`` payload bytes (a payload nobody wants), 1 MiB at a time."""
         scratch = memoryview(bytearray(min(length, 1 << 20)))
         while length:
             n = min(length, len(scratch))
@@ -438,6 +441,7 @@ class FrameSocket:
             left -= sent
 
     def close(self) -> None:
+        """Close the socket (idempotent), waking any trio task or receiving thread blocked on it."""
         if not self.closed:
             self.closed = True
             try:

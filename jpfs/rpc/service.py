@@ -233,6 +233,7 @@ class Service:
     """Requests answered with an error, by errno name."""
 
     def count_error(self, err: JPFSError) -> None:
+        """Count one error answer under its errno name (``errors``, for metrics)."""
         name = errno_name(err.errno)
         self.errors[name] = self.errors.get(name, 0) + 1
 
