@@ -391,7 +391,7 @@ def _load() -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jpfs_bench.aggregate`` (what torchrun can start without the jpfs script)."""
-    from .entry import standalone
+    from .runner import standalone
 
     return standalone(sys.modules[__name__], "aggregate", argv)
 

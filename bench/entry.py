@@ -16,40 +16,16 @@ Every module in ``COMMANDS`` provides::
 
 from __future__ import annotations
 
-import argparse
-import json
-import re
 import sys
 
 from . import aggregate, convert, gen, heal, loader, meta, mount, read
+from .runner import run, standalone
+
+__all__ = ["COMMANDS", "main", "run", "standalone"]
 
 COMMANDS = {"gen": gen, "meta": meta, "read": read, "loader": loader, "aggregate": aggregate,
             "convert": convert, "mount": mount, "heal": heal}
 """The benchmarks by subcommand name, in the order `--help` lists them."""
-
-
-def _plain(text: str) -> str:
-    """A module docstring (reStructuredText) as --help shows it: ``x`` -> x, ``::`` -> ``:``."""
-    return re.sub(r"::$", ":", re.sub(r"``([^`]+)``", r"\1", text), flags=re.M)
-
-
-def run(module, args: argparse.Namespace) -> int:
-    """Run one benchmark; with ``--json`` its figures end stdout as one JSON object."""
-    result = module.run(args)
-    if args.json:
-        sys.stdout.flush()
-        print(json.dumps(result, sort_keys=True, default=str))
-    return 0
-
-
-def standalone(module, name: str, argv: list[str] | None = None) -> int:
-    """Run one benchmark module as its own program, with the options of ``jpfs bench NAME``."""
-    p = argparse.ArgumentParser(prog=f"jpfs bench {name}", description=_plain(module.DESCRIPTION),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    module.add_arguments(p)
-    p.add_argument("--json", action="store_true",
-                   help="print the figures as one JSON object on the last line")
-    return run(module, p.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

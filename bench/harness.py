@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import logging
 import os
 import shutil
 import signal
@@ -19,6 +21,8 @@ from typing import TypeVar
 
 from jpfs import localcluster
 from jpfs.config import parse_size
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -173,3 +177,56 @@ def stop_like_ctrl_c(signum, frame) -> None:
         signal.raise_signal(signal.SIGINT)
     else:  # SIGINT ignored: nothing else would stop the run
         raise KeyboardInterrupt(f"signal {signum}")
+
+
+class Mount:
+    """A JPFS mount set up the way one benchmark column (``via``) reads: read-only or
+    read-write, prefetch, opens, short-circuit reads and write-behind on or off."""
+
+    def __init__(self, cluster_file: str, work: Path, via: str, generation: int):
+        from jpfs.fuse import mount as fm
+
+        self.mp = work / f"mnt-{via}"
+        self.mp.mkdir(parents=True, exist_ok=True)
+        self.cache = work / f"cache-{via}-{generation}"
+        opts = fm.MountOptions(mountpoint=str(self.mp), cluster=cluster_file,
+                               cache_dir=str(self.cache), prefetch=via != "fuse-noprefetch",
+                               read_only=not via.startswith("fuse-rw"),
+                               open_requests=via == "fuse-open",
+                               short_circuit=via != "fuse-socket",
+                               write_behind=via == "fuse-rw-write-behind",
+                               log_file=str(work / f"mount-{via}.log"))
+        self.pid = fm.start_background(opts)
+
+    def stats(self) -> dict:
+        """The mount's ``.jpfs/stats`` counters."""
+        return json.loads((self.mp / ".jpfs" / "stats").read_text())
+
+    def hint(self, paths: list[str], timeout: float = 60.0) -> int:
+        """Announce ``paths`` (absolute, under the mount point), in the order they will be
+        read, on the hint socket (a read-only mount takes no writes to ``.jpfs/prefetch``);
+        return once the mount has taken them, with how many it took."""
+        before = self.stats()["prefetch"]["hint_paths"]
+        where = (self.mp / ".jpfs" / "socket").read_text().strip()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(where)
+            s.sendall("".join(p + "\n" for p in paths).encode())
+        deadline = time.monotonic() + timeout
+        while (took := self.stats()["prefetch"]["hint_paths"] - before) < len(paths):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the mount took {took} of {len(paths)} hinted paths "
+                                   f"in {timeout:.0f} s")
+            time.sleep(0.01)
+        return took
+
+    def close(self) -> None:
+        """Unmount (forcing a mount that will not go) and drop its cache."""
+        from jpfs.fuse import mount as fm
+
+        try:
+            fm.unmount(str(self.mp))
+        except OSError as e:
+            log.warning("unmounting %s: %s; forcing", self.mp, e)
+            with contextlib.suppress(OSError):
+                fm.unmount(str(self.mp), lazy=True, force=True)
+        shutil.rmtree(self.cache, ignore_errors=True)

@@ -209,6 +209,6 @@ def run(args: argparse.Namespace) -> dict:
 if __name__ == "__main__":
     import sys
 
-    from .entry import standalone
+    from .runner import standalone
 
     sys.exit(standalone(sys.modules[__name__], "heal_meta"))

@@ -42,12 +42,9 @@ examples:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import logging
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import threading
@@ -210,56 +207,6 @@ def read_epoch(root: str, ds, order: list[int], readers: int, read_size: int = 0
             **file_times([s for r in results for s in r["spans"]], start, seconds)}
 
 
-# ---- mounts -----------------------------------------------------------------------------------
-
-class Mount:
-    def __init__(self, cluster_file: str, work: Path, via: str, generation: int):
-        from jpfs.fuse import mount as fm
-
-        self.mp = work / f"mnt-{via}"
-        self.mp.mkdir(parents=True, exist_ok=True)
-        self.cache = work / f"cache-{via}-{generation}"
-        opts = fm.MountOptions(mountpoint=str(self.mp), cluster=cluster_file,
-                               cache_dir=str(self.cache), prefetch=via != "fuse-noprefetch",
-                               read_only=not via.startswith("fuse-rw"),
-                               open_requests=via == "fuse-open",
-                               short_circuit=via != "fuse-socket",
-                               write_behind=via == "fuse-rw-write-behind",
-                               log_file=str(work / f"mount-{via}.log"))
-        self.pid = fm.start_background(opts)
-
-    def stats(self) -> dict:
-        return json.loads((self.mp / ".jpfs" / "stats").read_text())
-
-    def hint(self, paths: list[str], timeout: float = 60.0) -> int:
-        """Announce ``paths`` (absolute, under the mount point), in the order they will be
-        read, on the hint socket (a read-only mount takes no writes to ``.jpfs/prefetch``);
-        return once the mount has taken them, with how many it took."""
-        before = self.stats()["prefetch"]["hint_paths"]
-        where = (self.mp / ".jpfs" / "socket").read_text().strip()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.connect(where)
-            s.sendall("".join(p + "\n" for p in paths).encode())
-        deadline = time.monotonic() + timeout
-        while (took := self.stats()["prefetch"]["hint_paths"] - before) < len(paths):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the mount took {took} of {len(paths)} hinted paths "
-                                   f"in {timeout:.0f} s")
-            time.sleep(0.01)
-        return took
-
-    def close(self) -> None:
-        from jpfs.fuse import mount as fm
-
-        try:
-            fm.unmount(str(self.mp))
-        except OSError as e:
-            log.warning("unmounting %s: %s; forcing", self.mp, e)
-            with contextlib.suppress(OSError):
-                fm.unmount(str(self.mp), lazy=True, force=True)
-        shutil.rmtree(self.cache, ignore_errors=True)
-
-
 def _counted(before: dict, after: dict) -> dict:
     """The counters that moved between two snapshots of one stats section."""
     return {k: v - before.get(k, 0) for k, v in after.items()
@@ -289,6 +236,7 @@ def _fuse_delta(before: dict, after: dict, files: int, cpu: float) -> dict:
 def _measure(via: str, order_name: str, readers: int, ds, local_root: str, cluster_file: str,
              work: Path, args, generation: int) -> list[dict]:
     from .aggregate import drop_caches
+    from .harness import Mount
     from .readers import epoch_order, proc_cpu
 
     mount = None

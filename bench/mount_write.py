@@ -283,8 +283,7 @@ def run_phases(args, work: Path) -> dict[str, Any]:
     import jpfs
 
     from .aggregate import drop_caches
-    from .harness import temporary_cluster
-    from .mount import Mount
+    from .harness import Mount, temporary_cluster
 
     phases = [p for p in args.phases if p != "read"]
     out: dict[str, Any] = {}

@@ -453,7 +453,7 @@ def report(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jpfs_bench.read`` (what torchrun can start without the jpfs script)."""
-    from .entry import standalone
+    from .runner import standalone
 
     return standalone(sys.modules[__name__], "read", argv)
 

@@ -652,7 +652,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """``python -m jpfs_bench.scale_check`` (not a ``jpfs bench`` subcommand: a check for one
     document, root only)."""
-    from .entry import run as run_one
+    from .runner import run as run_one
 
     p = argparse.ArgumentParser(prog="python -m jpfs_bench.scale_check",
                                 description=__doc__.replace("``", ""),

@@ -40,12 +40,17 @@ def _dynamic_target(node: ast.Call) -> str | None:
     return "?"
 
 
-def _imports(name: str, path: Path, is_pkg: bool) -> set[str]:
+def _imports(name: str, path: Path, is_pkg: bool, typing: bool = True) -> set[str]:
     """Every module of ours that ``name`` imports (absolute names), at any depth in the file,
-    including the targets of importlib calls ("?" for one whose target cannot be read)."""
+    including the targets of importlib calls ("?" for one whose target cannot be read);
+    ``typing=False`` leaves out what only type checkers import (``if TYPE_CHECKING:``)."""
     tree = ast.parse(path.read_text())
     base = name.split(".") if is_pkg else name.split(".")[:-1]
     out = set()
+    if not typing:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                node.body = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
@@ -176,3 +181,30 @@ def test_import_works_without_torch(module):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_no_module_imports_itself_back():
+    """No import circle among our modules (cli -> bench -> runner, never back): a circle makes
+    the module that runs first depend on import order."""
+    modules = {name: (path, is_pkg) for name, path, is_pkg in _modules()}
+    graph = {name: {m for m in _imports(name, path, is_pkg, typing=False)
+                    if m in modules and m != name}
+             for name, (path, is_pkg) in modules.items()}
+    for name, (_, is_pkg) in modules.items():
+        if is_pkg:  # a package importing its own submodules is not a circle back through it
+            graph[name] = {m for m in graph[name] if not m.startswith(name + ".")}
+    cycles, state = [], dict.fromkeys(graph, 0)  # 0 new, 1 on the path, 2 done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state[nxt] == 1:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [node, nxt]))
+            elif state[nxt] == 0:
+                visit(nxt, path + [node])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if state[name] == 0:
+            visit(name, [])
+    assert not cycles, "\n".join(cycles)

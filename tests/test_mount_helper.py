@@ -22,11 +22,11 @@ from fuse_support import force_unmount, jpfs_cli, requires_fuse
 
 import jpfs
 from jpfs import localcluster
-from jpfs.cli import mount_helper
+from jpfs.cli import mount_helper, mount_install
 from jpfs.cli.mount_helper import EXIT_FAILURE, EXIT_USAGE, UsageError, mount_flags
 from jpfs.fuse.mount import daemon_pid, is_jpfs_mount, mount_entry, state_file
 
-HELPER = Path(mount_helper.DEFAULT_PATH)
+HELPER = Path(mount_install.DEFAULT_PATH)
 FILES = {"d/a.txt": b"hello\n", "d/sub/b.bin": os.urandom(300_000)}
 
 
@@ -106,7 +106,7 @@ def cluster(tmp_path_factory) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def helper() -> Iterator[Path]:
     """/sbin/mount.fuse.jpfs for this module's tests (never someone else's, never left)."""
-    if (HELPER.exists() or HELPER.is_symlink()) and not mount_helper._ours(HELPER):
+    if (HELPER.exists() or HELPER.is_symlink()) and not mount_install.is_ours(HELPER):
         pytest.skip(f"{HELPER} exists and was not written by jpfs install-mount-helper")
     jpfs_cli("install-mount-helper", str(HELPER))
     try:

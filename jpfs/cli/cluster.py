@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import importlib
 from pathlib import Path
 
 from .. import config, localcluster
@@ -325,10 +324,8 @@ def _place_shard_info(client, shard: int, copies: list[dict]) -> None:
 
 def _heal_status(client) -> list[str]:
     """What the healers and scrubbers report (jpfs.cli.node, where healing is driven)."""
-    try:
-        node = importlib.import_module("jpfs.cli.node")
-    except ImportError:
-        return []
+    from . import node
+
     try:
         return node.heal_status_lines(client)
     except OSError as e:

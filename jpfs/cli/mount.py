@@ -117,10 +117,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait for the daemon to exit (default 30)")
     u.set_defaults(func=cmd_umount)
 
-    from . import mount_helper
-
-    mount_helper.register(sub)
-
 
 def _options(args: argparse.Namespace):
     from .. import config

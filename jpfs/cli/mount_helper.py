@@ -9,7 +9,8 @@ and the kernel's generic flags (``noexec``, ``noatime``, ...); the ones mount(8)
 on themselves (``_netdev``, ``noauto``, ``nofail``, ``user``, ``x-systemd.*``, ...) are dropped.
 
 Exit statuses are mount(8)'s: 1 for a wrong invocation or option, 32 for a mount that failed.
-``jpfs install-mount-helper`` writes ``/sbin/mount.fuse.jpfs``, where mount(8) looks for it.
+``jpfs install-mount-helper`` (``mount_install``) writes ``/sbin/mount.fuse.jpfs``, where
+mount(8) looks for it.
 """
 
 from __future__ import annotations
@@ -19,14 +20,12 @@ import contextlib
 import io
 import os
 import sys
-from pathlib import Path
 from typing import NoReturn
 
-PROG = "mount.fuse.jpfs"
-DEFAULT_PATH = "/sbin/mount.fuse.jpfs"
+from .mount_install import PROG
+
 EXIT_USAGE = 1
 EXIT_FAILURE = 32
-MARKER = "written by `jpfs install-mount-helper`"
 
 DROPPED = frozenset({
     "defaults", "auto", "noauto", "user", "nouser", "users", "owner", "group", "_netdev",
@@ -161,52 +160,4 @@ def _check_only(jpfs_argv: list[str]) -> int:
     return 0
 
 
-# ---- jpfs install-mount-helper -----------------------------------------------------------------
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "install-mount-helper", help="install mount.fuse.jpfs for mount(8) and /etc/fstab",
-        description="Write PATH (default /sbin/mount.fuse.jpfs), the helper mount(8) runs for "
-        "`mount -t fuse.jpfs CLUSTER MOUNTPOINT -o OPTIONS` and fstab lines of type fuse.jpfs; "
-        "it runs this Python, with this jpfs installed.")
-    p.add_argument("path", nargs="?", default=DEFAULT_PATH, metavar="PATH")
-    p.add_argument("--force", action="store_true",
-                   help="replace a file at PATH that this command did not write")
-    p.add_argument("--remove", action="store_true", help="remove the helper instead")
-    p.set_defaults(func=cmd_install)
-
-
-def helper_script() -> str:
-    return (f"#!{sys.executable}\n# {PROG}: {MARKER} (mount -t fuse.jpfs)\n"
-            "import sys\n\nfrom jpfs.cli.mount_helper import main\n\nsys.exit(main())\n")
-
-
-def _ours(path: Path) -> bool:
-    try:
-        with path.open(errors="replace") as f:
-            return MARKER in f.read(4096)
-    except OSError:
-        return False
-
-
-def cmd_install(args: argparse.Namespace) -> int:
-    path = Path(args.path)
-    exists = path.exists() or path.is_symlink()
-    if exists and not args.force and not _ours(path):
-        raise FileExistsError(17, "exists and was not written by jpfs install-mount-helper "
-                              "(--force replaces it)", str(path))
-    if args.remove:
-        if exists:
-            path.unlink()
-        print(f"removed {path}" if exists else f"{path}: not installed")
-        return 0
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(helper_script())
-    tmp.chmod(0o755)
-    os.replace(tmp, path)
-    print(f"installed {path}: `mount -t fuse.jpfs CLUSTER MOUNTPOINT -o ro,allow_other` and "
-          "fstab lines of type fuse.jpfs now mount JPFS")
-    return 0
-
-
-__all__ = ["main", "mount_flags", "parse_args", "register"]
+__all__ = ["main", "mount_flags", "parse_args"]
