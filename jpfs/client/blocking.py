@@ -136,11 +136,15 @@ class Client:
 
     @property
     def aclient(self) -> AsyncClient:
+        """The ``AsyncClient`` this client drives, connected first if it is not yet; use it only on
+        the client's loop (``run``), never from the calling thread."""
         self._ensure()
         assert self._async is not None  # _ensure returns once the loop thread has set it
         return self._async
 
     def close(self) -> None:
+        """Stop the client's loop thread, closing the connections; a closed client connects again on
+        its next call. After a fork, the child only forgets the parent's loop."""
         if self._pid == os.getpid() and self._token is not None and self._thread.is_alive():
             trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
             self._thread.join()

@@ -187,6 +187,8 @@ class BlobCache:
         nursery.start_soon(self._write_forever)
 
     def close(self) -> None:
+        """Stop the disk writer (blobs still queued are not written) and unlock the disk
+        directory."""
         self._closed = True
         self._wq_ready.set()
         if self._lock_fd is not None:
@@ -197,14 +199,17 @@ class BlobCache:
 
     @property
     def memory_used(self) -> int:
+        """Bytes of blobs held in memory."""
         return self._mem_used
 
     @property
     def disk_used(self) -> int:
+        """Bytes of the disk cache's segments, padding included."""
         return self._disk_used
 
     @property
     def prefetched_unused_bytes(self) -> int:
+        """Bytes of prefetched blobs in memory that no read has used yet."""
         return self._unused_bytes
 
     def has(self, blob: bytes) -> bool:
@@ -588,6 +593,7 @@ class BlobCache:
                     self.stats.disk_write_bytes += n
 
     def as_dict(self) -> dict:
+        """The counters and sizes of both tiers, as one JSON-able object (the mount's stats)."""
         d = asdict(self.stats)
         d.update(memory_bytes=self.memory_bytes, memory_used=self._mem_used,
                  memory_blobs=len(self._mem), disk_bytes=self.disk_bytes,

@@ -64,14 +64,18 @@ class AsyncFile:
 
     @property
     def size(self) -> int:
+        """The file's size in bytes, writes not yet flushed included."""
         return self.writer.size if self.writer is not None else self._size
 
     @property
     def version(self) -> int:
+        """The file's version (``Attr.version``): as opened, or as this handle's last commit left
+        it."""
         return self.writer.version if self.writer is not None else self._layout.attr.version
 
     # ---- reading
     async def readinto(self, buf) -> int:
+        """Read into ``buf`` from the position on; the bytes read (0 at end of file)."""
         self._check(self.readable, "not open for reading")
         dest = memoryview(buf).cast("B")
         got = await self._read(len(dest))
@@ -79,6 +83,7 @@ class AsyncFile:
         return len(got)
 
     async def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes from the position on (all the rest when ``n`` is negative or None)."""
         self._check(self.readable, "not open for reading")
         if n is None or n < 0:
             n = max(0, self.size - self.pos)
@@ -105,6 +110,8 @@ class AsyncFile:
 
     # ---- position
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move the position as ``io`` does; the new position. EINVAL before the start; ValueError
+        for a bad ``whence``."""
         self._check(True, "")
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}.get(whence)
         if base is None:
@@ -115,10 +122,13 @@ class AsyncFile:
         return self.pos
 
     def tell(self) -> int:
+        """The position, in bytes from the start."""
         return self.pos
 
     # ---- writing
     async def write(self, data) -> int:
+        """Write ``data`` at the position (at the end in append mode); the bytes taken, all of them.
+        Others see them after ``flush`` or ``close``."""
         self._check(self.writable, "not open for writing")
         assert self.writer is not None
         if self.append:
@@ -128,6 +138,7 @@ class AsyncFile:
         return n
 
     async def truncate(self, size: int | None = None) -> int:
+        """Cut or extend the file to ``size`` bytes (default: the position); the new size."""
         self._check(self.writable, "not open for writing")
         assert self.writer is not None
         size = self.pos if size is None else size
@@ -135,10 +146,13 @@ class AsyncFile:
         return size
 
     async def flush(self) -> None:
+        """Commit the writes so far (one metadata transaction); ESTALE if another writer changed the
+        file since it was opened."""
         if not self.closed and self.writer is not None:
             await self.writer.commit()
 
     async def close(self) -> None:
+        """Flush, then close (idempotent); a failed flush still closes and raises."""
         if self.closed:
             return
         try:
@@ -171,37 +185,48 @@ class RawFile(io.RawIOBase):
         self.mode = afile.mode
 
     def readable(self) -> bool:
+        """Whether the file was opened for reading."""
         return self._f.readable
 
     def writable(self) -> bool:
+        """Whether the file was opened for writing."""
         return self._f.writable
 
     def seekable(self) -> bool:
+        """Always True: every JPFS file can seek."""
         return True
 
     def readinto(self, b) -> int:
+        """Read into ``b`` at the position; the bytes read (0 at end of file)."""
         return self._call(self._f.readinto, b)
 
     def readall(self) -> bytes:
+        """Everything from the position to the end of the file."""
         return self._call(self._f.read, -1)
 
     def write(self, b) -> int:
+        """Write ``b`` at the position (see ``AsyncFile.write``); the bytes taken."""
         return self._call(self._f.write, b)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move the position as ``io`` does; the new position."""
         return self._f.seek(offset, whence)
 
     def tell(self) -> int:
+        """The position, in bytes from the start."""
         return self._f.tell()
 
     def truncate(self, size: int | None = None) -> int:
+        """Cut or extend the file to ``size`` bytes (default: the position); the new size."""
         return self._call(self._f.truncate, size)
 
     def flush(self) -> None:
+        """Commit the writes so far (see ``AsyncFile.flush``)."""
         if not self.closed:
             self._call(self._f.flush)
 
     def close(self) -> None:
+        """Flush and close the file (idempotent)."""
         if not self.closed:
             try:
                 self._call(self._f.close)
@@ -210,6 +235,7 @@ class RawFile(io.RawIOBase):
 
     @property
     def size(self) -> int:
+        """The file's size in bytes, writes not yet flushed included."""
         return self._f.size
 
 
@@ -217,6 +243,7 @@ class BufferedWriter(io.BufferedWriter):
     """``flush()`` commits: buffered bytes go to the file *and* to JPFS (visible to others)."""
 
     def flush(self) -> None:
+        """Write out the buffer, then commit the file (``RawFile.flush``)."""
         super().flush()
         self.raw.flush()
 
@@ -225,5 +252,6 @@ class BufferedRandom(io.BufferedRandom):
     """``flush()`` commits: buffered bytes go to the file *and* to JPFS (visible to others)."""
 
     def flush(self) -> None:
+        """Write out the buffer, then commit the file (``RawFile.flush``)."""
         super().flush()
         self.raw.flush()

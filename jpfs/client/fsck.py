@@ -53,13 +53,17 @@ class Report:
 
     @property
     def clean(self) -> bool:
+        """Whether no problem was found."""
         return not self.problems
 
     def add(self, kind: str, text: str) -> None:
+        """Record a problem: ``text`` for the report, counted under ``kind``."""
         self.counts[kind] += 1
         self.problems.append(text)
 
     def as_dict(self) -> dict:
+        """The report as one JSON-able object (the first 200 problems in full, all of them
+        counted)."""
         return {"clean": self.clean, "inodes": self.inodes, "entries": self.entries,
                 "chunks": self.chunks, "problems": dict(self.counts),
                 "details": self.problems[:200], "repaired": self.repaired,

@@ -79,6 +79,8 @@ class JPFSFileSystem(AbstractFileSystem):
 
     @property
     def client(self) -> Client:
+        """The blocking client of this filesystem's cluster file, shared by every instance for
+        it."""
         return _client(self.cluster)
 
     @classmethod
@@ -89,6 +91,7 @@ class JPFSFileSystem(AbstractFileSystem):
         return uri.to_path(path) if uri.is_jpfs(path) else uri.normalize(path)
 
     def unstrip_protocol(self, name: str) -> str:
+        """``jpfs://`` URL of the path ``name``."""
         return uri.to_url(name)
 
     @staticmethod
@@ -99,10 +102,14 @@ class JPFSFileSystem(AbstractFileSystem):
                 "mtime": attr.mtime_ns / 1e9, "created": attr.ctime_ns / 1e9}
 
     def info(self, path, **kwargs):
+        """The fsspec info dict of ``path`` (its symlink is followed): name, size, type, inode,
+        mode, owner, ``mtime`` and ``created`` (the ctime), in seconds."""
         p = self._strip_protocol(path)
         return self._info(p, self.client.stat(p))
 
     def ls(self, path, detail=True, **kwargs):
+        """The entries of directory ``path`` (one listing, with attributes), or the file itself;
+        info dicts, or names when not ``detail``."""
         p = self._strip_protocol(path)
         attr = self.client.stat(p)
         if not attr.is_dir:
@@ -112,9 +119,12 @@ class JPFSFileSystem(AbstractFileSystem):
         return entries if detail else [e["name"] for e in entries]
 
     def exists(self, path, **kwargs) -> bool:
+        """Whether ``path`` exists."""
         return self.client.exists(self._strip_protocol(path))
 
     def cat_file(self, path, start=None, end=None, **kwargs) -> bytes:
+        """The bytes of ``path`` from ``start`` to ``end`` (negative: from the end), all of it by
+        default."""
         p = self._strip_protocol(path)
         if start is None and end is None:
             return self.client.read_bytes(p)
@@ -176,12 +186,15 @@ class JPFSFileSystem(AbstractFileSystem):
             return got if got else [err]
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        """Write ``value`` as the whole file ``path``; FileExistsError where ``mode`` is ``create``
+        and it exists."""
         p = self._strip_protocol(path)
         if mode == "create" and self.client.exists(p):
             raise FileExistsError(errno.EEXIST, "exists", p)
         self.client.write_bytes(p, value)
 
     def put_file(self, lpath, rpath, callback=None, **kwargs):
+        """Copy local file ``lpath`` to ``rpath`` (a local directory: make the remote one)."""
         rp = self._strip_protocol(rpath)
         if os.path.isdir(lpath):
             self.client.makedirs(rp, exist_ok=True)
@@ -189,6 +202,8 @@ class JPFSFileSystem(AbstractFileSystem):
             self.client.put(lpath, rp)
 
     def get_file(self, rpath, lpath, callback=None, outfile=None, **kwargs):
+        """Copy ``rpath`` to local file ``lpath``, or into ``outfile``; a directory is made
+        locally."""
         rp = self._strip_protocol(rpath)
         if self.isdir(rp):
             os.makedirs(lpath, exist_ok=True)
@@ -198,6 +213,8 @@ class JPFSFileSystem(AbstractFileSystem):
             self.client.get(rp, lpath)
 
     def mkdir(self, path, create_parents=True, **kwargs):
+        """Make directory ``path``, and its parents if ``create_parents``; FileExistsError if it
+        exists."""
         p = self._strip_protocol(path)
         if create_parents:
             self.client.makedirs(p, exist_ok=False)
@@ -205,12 +222,16 @@ class JPFSFileSystem(AbstractFileSystem):
             self.client.mkdir(p)
 
     def makedirs(self, path, exist_ok=False):
+        """Make directory ``path`` and its parents; FileExistsError if it exists, unless
+        ``exist_ok``."""
         self.client.makedirs(self._strip_protocol(path), exist_ok=exist_ok)
 
     def rmdir(self, path):
+        """Remove the empty directory ``path``."""
         self.client.rmdir(self._strip_protocol(path))
 
     def rm_file(self, path):
+        """Remove the file ``path``."""
         self.client.remove(self._strip_protocol(path))
 
     def _rm(self, path):
@@ -221,6 +242,8 @@ class JPFSFileSystem(AbstractFileSystem):
             self.client.remove(p)
 
     def rm(self, path, recursive=False, maxdepth=None):
+        """Remove each path (a directory must be empty unless ``recursive``: then its whole
+        tree)."""
         paths = [path] if isinstance(path, str) else path
         for p in paths:
             p = self._strip_protocol(p)
@@ -230,9 +253,12 @@ class JPFSFileSystem(AbstractFileSystem):
                 self._rm(p)
 
     def mv(self, path1, path2, recursive=False, maxdepth=None, **kwargs):
+        """Rename ``path1`` to ``path2`` (one metadata operation, whole directories included)."""
         self.client.rename(self._strip_protocol(path1), self._strip_protocol(path2))
 
     def touch(self, path, truncate=True, **kwargs):
+        """Make ``path`` an empty file if ``truncate`` or if it is missing; else set its times to
+        now."""
         p = self._strip_protocol(path)
         if truncate or not self.client.exists(p):
             self.client.write_bytes(p, b"")
@@ -240,11 +266,13 @@ class JPFSFileSystem(AbstractFileSystem):
             self.client.utime(p)
 
     def created(self, path):
+        """The ctime of ``path`` (JPFS keeps no birth time), as an aware UTC datetime."""
         import datetime
 
         return datetime.datetime.fromtimestamp(self.info(path)["created"], datetime.UTC)
 
     def modified(self, path):
+        """The mtime of ``path``, as an aware UTC datetime."""
         import datetime
 
         return datetime.datetime.fromtimestamp(self.info(path)["mtime"], datetime.UTC)

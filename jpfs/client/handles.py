@@ -60,17 +60,21 @@ class Handles:
         return len(self._open)
 
     def add(self, h: Handle) -> int:
+        """Register ``h``; its new handle number."""
         fh = next(self._next)
         self._open[fh] = h
         return fh
 
     def get(self, fh: int) -> Handle | None:
+        """The handle numbered ``fh``, or None if it is not open."""
         return self._open.get(fh)
 
     def pop(self, fh: int) -> Handle | None:
+        """Forget handle ``fh``; the handle, or None if it was not open."""
         return self._open.pop(fh, None)
 
     def values(self) -> list[Handle]:
+        """Every open handle (a copy: the caller may open and release meanwhile)."""
         return list(self._open.values())
 
 

@@ -54,6 +54,7 @@ class Inodes:
         return len(self._nodes)
 
     def get(self, ino: int) -> Node | None:
+        """The node of inode ``ino``, or None if nothing holds it (no lookup, open or writer)."""
         return self._nodes.get(ino)
 
     @property
@@ -106,6 +107,8 @@ class Inodes:
                 node.fetched = float("-inf")
 
     def forget(self, ino: int, n: int) -> None:
+        """FORGET: the kernel dropped ``n`` lookups of ``ino``; the node goes when nothing uses
+        it."""
         node = self._nodes.get(ino)
         if node is None or ino == ROOT_INO:
             return
@@ -113,6 +116,8 @@ class Inodes:
         self.drop_if_unused(node)
 
     def drop_if_unused(self, node: Node) -> None:
+        """Drop ``node`` if nothing holds it: no kernel lookups, no open handles, no writer (never
+        the root)."""
         if node.lookups <= 0 and node.opens <= 0 and node.writer is None \
                 and node.ino != ROOT_INO:
             self._nodes.pop(node.ino, None)
@@ -145,6 +150,8 @@ class Inodes:
         return p
 
     def path(self, node: Node) -> str | None:
+        """The node's path from the mount's root (``/a/b/name``), or None if a name on the way is
+        unknown."""
         d = self.dir_path(node.parent) if node.parent else None
         if d is None:
             return None

@@ -484,6 +484,7 @@ class DirLeases:
                 nursery.start_soon(self.give_back, parent)
 
     def as_dict(self) -> dict:
+        """The lease counters, with the leases held and the files made under them not sent yet."""
         return {**self.stats, "held": len(self.dirs), "unsent": len(self.unsent)}
 
     def begin(self, parent: int) -> None:
@@ -492,6 +493,8 @@ class DirLeases:
         self._inflight[parent] = self._inflight.get(parent, 0) + 1
 
     def end(self, parent: int) -> None:
+        """The create or unlink ``begin`` counted has been answered; the last one in ``parent`` lets
+        a lease request that waited for them go on."""
         n = self._inflight.pop(parent) - 1
         if n:
             self._inflight[parent] = n

@@ -67,6 +67,8 @@ class Listings:
         """Entries in each directory's last listing, kept after the listing is dropped."""
 
     def get(self, ino: int, max_age: float = float("inf")) -> Listing | None:
+        """The listing of directory ``ino``, if it is kept and fetched at most ``max_age`` seconds
+        ago (None otherwise); marks it recently used."""
         lst = self._dirs.get(ino)
         if lst is None:
             return None
@@ -95,6 +97,7 @@ class Listings:
             self._entries -= len(lst)
 
     def clear(self) -> None:
+        """Drop every listing (the sizes of the last ones are kept)."""
         self._dirs.clear()
         self._entries = 0
 
@@ -204,6 +207,7 @@ class KnownDirs:
         return len(self._dirs)
 
     def as_dict(self) -> dict:
+        """The name-set counters, with the directories and names held."""
         return {**self.stats, "dirs": len(self._dirs), "names": self._count}
 
     def absent(self, ino: int, name: bytes) -> bool:

@@ -108,6 +108,8 @@ class MetaClient:
 
     # ---- reads
     async def lookup(self, parent: int, name: bytes) -> Attr:
+        """Attributes of ``name`` in directory ``parent`` (a second call when the inode lives on
+        another shard); ENOENT if there is no such entry."""
         m = P.LOOKUP
         e = m.decode(await self.pool.call(shard_of(parent), m, P.NameReq(parent, name)))
         return e.attr if e.attr is not None else await self.getattr(e.ino)
@@ -130,10 +132,13 @@ class MetaClient:
         return out
 
     async def getattr(self, ino: int) -> Attr:
+        """Attributes of inode ``ino``; ENOENT if it does not exist."""
         m = P.GETATTR
         return m.decode(await self.pool.call(shard_of(ino), m, P.InoReq(ino)))
 
     async def batch_getattr(self, inos: Sequence[int]) -> list[Attr | None]:
+        """Attributes of many inodes, one call per shard in parallel; None where one does not
+        exist."""
         return await self._grouped(P.BATCH_GETATTR, inos)
 
     async def readdir(self, parent: int, *, plus: bool = True, page: int = 1000,
@@ -158,9 +163,11 @@ class MetaClient:
             after = batch[-1].name
 
     async def readlink(self, ino: int) -> bytes:
+        """The target of symlink ``ino``."""
         return await self._ask(shard_of(ino), P.READLINK, P.InoReq(ino))
 
     async def statfs(self) -> dict:
+        """Filesystem counts summed over every shard (``statfs``'s keys: inodes, ...)."""
         totals: dict[str, int] = {}
         for shard in range(self.n_shards):
             for k, v in (await self._ask(shard, P.STATFS, P.NoArgs())).items():
@@ -181,15 +188,20 @@ class MetaClient:
                 nursery.start_soon(one, shard)
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
+        """The value of extended attribute ``name``; ENODATA where it is not set."""
         return await self._ask(shard_of(ino), P.GETXATTR, P.XattrReq(ino, name))
 
     async def listxattr(self, ino: int) -> list[bytes]:
+        """The names of the inode's extended attributes."""
         return await self._ask(shard_of(ino), P.LISTXATTR, P.InoReq(ino))
 
     async def get_layout(self, ino: int) -> Layout:
+        """The file's attributes and chunks; ENOENT if the inode does not exist."""
         return await self._ask(shard_of(ino), P.GET_LAYOUT, P.InoReq(ino))
 
     async def batch_layout(self, inos: Sequence[int]) -> list[Layout | None]:
+        """Layouts of many inodes, one call per shard in parallel; None for a missing inode or a
+        directory."""
         return await self._grouped(P.BATCH_LAYOUT, inos)
 
     async def lookup_layouts(self, parent: int, names: Sequence[bytes]
@@ -202,6 +214,9 @@ class MetaClient:
     # ---- changes
     async def create(self, parent: int, name: bytes, mode: int, uid: int | None = None,
                      gid: int | None = None, exclusive: bool = True) -> tuple[Attr, bool]:
+        """Make (or, without ``exclusive``, open the existing) file ``name`` in ``parent``; its
+        attributes and whether this call made it. EEXIST if it exists and ``exclusive``. Owner:
+        ``uid``/``gid``, this process's by default."""
         m = P.CREATE
         c = m.decode(await self.pool.call(
             shard_of(parent), m, P.CreateReq(parent, name, mode, _uid(uid), _gid(gid), exclusive,
@@ -217,16 +232,22 @@ class MetaClient:
 
     async def mkdir(self, parent: int, name: bytes, mode: int = 0o755, uid: int | None = None,
                     gid: int | None = None) -> P.Made:
+        """Make directory ``name`` in ``parent``; its attributes and the parent's after (EEXIST if
+        the name is taken)."""
         return await self._ask(shard_of(parent), P.MKDIR,
                                P.MkdirReq(parent, name, mode, _uid(uid), _gid(gid), self._rid()))
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int | None = None,
                       gid: int | None = None) -> Attr:
+        """Make symlink ``name`` in ``parent`` pointing at ``target``; its attributes (EEXIST if the
+        name is taken)."""
         return await self._ask(shard_of(parent), P.SYMLINK,
                                P.SymlinkReq(parent, name, target, _uid(uid), _gid(gid),
                                              self._rid()))
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
+        """Give inode ``ino`` the new name ``name`` in ``parent``; its attributes after (nlink
+        up)."""
         return await self._ask(shard_of(parent), P.LINK, P.LinkReq(ino, parent, name, self._rid()))
 
     async def unlink(self, parent: int, name: bytes) -> Attr | None:
@@ -251,17 +272,24 @@ class MetaClient:
         return got.src, got.dst
 
     async def setattr(self, ino: int, **fields: int) -> Attr:
+        """Change some of ``mode``, ``uid``, ``gid``, ``size``, ``atime_ns``, ``mtime_ns``,
+        ``ctime_ns``; the attributes after."""
         return await self._ask(shard_of(ino), P.SETATTR, P.SetattrReq(ino, fields, self._rid()))
 
     async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        """Set extended attribute ``name`` (``flags``: XATTR_CREATE, XATTR_REPLACE, as
+        setxattr(2))."""
         await self._ask(shard_of(ino), P.SETXATTR,
                         P.SetxattrReq(ino, name, value, flags, self._rid()))
 
     async def removexattr(self, ino: int, name: bytes) -> None:
+        """Remove extended attribute ``name``; ENODATA where it is not set."""
         await self._ask(shard_of(ino), P.REMOVEXATTR, P.RemoveXattrReq(ino, name, self._rid()))
 
     async def write_chunks(self, ino: int, chunks: list, size: int,
                            expect_version: int | None = None) -> Attr:
+        """Point file ``ino`` at stored chunks and set its size (a write's commit); the attributes
+        after. ESTALE unless the file is still at ``expect_version`` (None: any version)."""
         return await self._ask(shard_of(ino), P.WRITE_CHUNKS, P.WriteChunksReq(
             ino, [c.to_wire() for c in chunks], size, expect_version, self._rid()))
 
@@ -273,9 +301,12 @@ class MetaClient:
     # ---- directory write leases (jpfs/client/leases.py)
 
     async def lease(self, parent: int, session: bytes) -> P.Lease:
+        """Ask for the write lease on directory ``parent`` for mount ``session`` (the answer says
+        whether it was granted, with the names and inode numbers it comes with)."""
         return await self._ask(shard_of(parent), P.LEASE, P.LeaseReq(parent, session))
 
     async def lease_return(self, parent: int, session: bytes) -> bool:
+        """Give the lease on ``parent`` back; False if ``session`` did not hold it."""
         return await self._ask(shard_of(parent), P.LEASE_RETURN, P.LeaseReq(parent, session))
 
     async def lease_wait(self, shard: int, session: bytes, held: list[int], seconds: float
@@ -292,6 +323,7 @@ class MetaClient:
                                P.CreateBatchReq(parent, session, entries, self._rid()))
 
     def close(self) -> None:
+        """Close the connections to every shard."""
         self.pool.close()
 
 

@@ -232,6 +232,7 @@ class Prefetcher:
 
     @property
     def enabled(self) -> bool:
+        """Whether prefetching is on (``config.enabled``)."""
         return self.config.enabled
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -375,6 +376,7 @@ class Prefetcher:
             self._launch(st.batch, chunks=chunks)
 
     def closed(self, key: object) -> None:
+        """The file read under ``key`` was closed: its read-ahead still in flight is cancelled."""
         st = self._seqs.pop(key, None)
         if st is not None:
             self._cancel(st.batch)
@@ -753,6 +755,8 @@ class Prefetcher:
         return got
 
     async def resolve_many(self, paths: Sequence[str]) -> list[tuple[int, bytes, Attr] | None]:
+        """``resolve`` for many paths, each directory resolved once; None for each path that does
+        not exist."""
         out: list = [None] * len(paths)
         dirs: dict[str, int | None] = {"": ROOT_INO}
         for i, p in enumerate(paths):
@@ -956,6 +960,7 @@ class Prefetcher:
                 scope.cancel()
 
     def as_dict(self) -> dict:
+        """The prefetch counters and queues, as one JSON-able object (the mount's stats)."""
         d = asdict(self.stats)
         d.update(enabled=self.config.enabled, inflight_bytes=self._inflight,
                  handed_bytes=self.handed_bytes,

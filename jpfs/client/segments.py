@@ -103,6 +103,7 @@ class Staging:
         self.direct = hasattr(os, "O_DIRECT")
 
     def get(self, n: int) -> mmap.mmap:
+        """The buffer, grown (to at least 1 MiB) when it is shorter than ``n`` bytes."""
         if self.buf is None or len(self.buf) < n:
             if self.buf is not None:
                 self.buf.close()

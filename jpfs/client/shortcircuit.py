@@ -144,6 +144,7 @@ class LocalVolumes:
             return len(self._fds)
 
     def close(self) -> None:
+        """Close every volume file kept open."""
         with self._lock:
             for fd, *_ in self._fds.values():
                 os.close(fd)

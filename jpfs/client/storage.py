@@ -142,6 +142,8 @@ class StorageClient:
         socket (not there, not readable, bytes that did not check)."""
 
     def close(self) -> None:
+        """Close the connections to the storage nodes, stop tending them and close the local
+        volumes."""
         self.pool.close()
         if self._tending is not None:
             self._tending.cancel()
@@ -178,6 +180,7 @@ class StorageClient:
     # ------------------------------------------------------------------ node health
 
     def is_down(self, node: int) -> bool:
+        """Whether ``node`` failed recently and is skipped for ``down_for`` seconds (trio time)."""
         until = self._down_until.get(node)
         if until is None:
             return False

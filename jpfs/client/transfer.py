@@ -59,6 +59,7 @@ class TransferStats:
     errors: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
+        """The counts, and the first 100 errors, as one JSON-able object."""
         return {"files": self.files, "bytes": self.bytes, "skipped": self.skipped,
                 "skipped_bytes": self.skipped_bytes, "dirs": self.dirs,
                 "symlinks": self.symlinks, "errors": self.errors[:100]}
@@ -115,6 +116,8 @@ class LocalSource:
         self.errors: list[str] = []
 
     def walk(self):
+        """Each directory of the tree, top-down in name order, with its regular files and symlinks;
+        what cannot be read is noted in ``errors`` and skipped."""
         for root, dirs, names in os.walk(self.root):
             dirs.sort()
             d = SourceDir(os.path.relpath(root, self.root))
@@ -135,6 +138,7 @@ class LocalSource:
             yield d
 
     def read(self, files: list[SourceFile]) -> list[bytes | OSError]:
+        """The bytes of each file, or the OSError reading it failed with, in order."""
         out: list[bytes | OSError] = []
         for f in files:
             try:
@@ -145,6 +149,7 @@ class LocalSource:
         return out
 
     def open(self, f: SourceFile):
+        """The file opened for reading (binary)."""
         return open(f.path, "rb")
 
 
@@ -222,11 +227,13 @@ class RemoteSource:
         return posixpath.relpath(p, self.root) if p != self.root else "."
 
     def walk(self):
+        """Each directory under the prefix, top-down (the tree is listed on first use)."""
         if self.dirs is None:
             self.list_tree()
         yield from self.dirs or ()
 
     def read(self, files: list[SourceFile]) -> list[bytes | OSError]:
+        """The bytes of each file (one batched ``cat``), or the OSError it failed with, in order."""
         got = self.fs.cat([f.path for f in files], on_error="return")
         out: list[bytes | OSError] = []
         for f in files:
@@ -237,6 +244,7 @@ class RemoteSource:
         return out
 
     def open(self, f: SourceFile):
+        """The file opened for reading (binary) on the fsspec filesystem."""
         return self.fs.open(f.path, "rb")
 
 

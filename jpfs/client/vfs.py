@@ -179,6 +179,7 @@ class VFS:
         return cls(client, inodes, config, notifier or NullNotifier())
 
     def close(self) -> None:
+        """Close the client under the VFS (its connections); a mount calls it last, as it ends."""
         self.client.close()
 
     # ------------------------------------------------------------------ helpers
@@ -263,9 +264,12 @@ class VFS:
         return h
 
     def name_of(self, node: Node) -> str:
+        """The node's path from the mount's root for log lines, or ``inode N`` where it is
+        unknown."""
         return self.inodes.path(node) or f"inode {node.ino}"
 
     def snapshot(self) -> dict:
+        """The VFS's counts (inodes, handles, counters, names, leases), as one JSON-able object."""
         return {"inodes": len(self.inodes), "handles": len(self.handles),
                 **self.stats.as_dict(),
                 "names": self.known.as_dict() if self.known is not None else {},
@@ -373,6 +377,8 @@ class VFS:
                             self._attr_age - (time.monotonic() - node.fetched)))
 
     def forget(self, items) -> None:
+        """FORGET: the kernel dropped these ``(inode, nlookup)`` references; a node no longer looked
+        up loses its kernel-held state and goes once nothing uses it."""
         for ino, n in items:
             node = self.inodes.get(ino)
             if node is not None and node.lookups <= n:
@@ -382,6 +388,8 @@ class VFS:
             self.inodes.forget(ino, n)
 
     async def getattr(self, ino: int) -> Attr:
+        """The inode's attributes: from memory within the attribute timeout (unless this VFS changed
+        it), else from its shard. A file removed while still open answers nlink 0, not ENOENT."""
         node = self.inodes.get(ino)
         if node is not None and time.monotonic() - node.fetched < self._attr_age:
             return self.attr_of(node)
@@ -426,6 +434,7 @@ class VFS:
         return self.attr_of(node) if node is not None else new
 
     async def readlink(self, ino: int) -> bytes:
+        """The target of symlink ``ino``."""
         return await self.meta.readlink(ino)
 
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
@@ -442,6 +451,8 @@ class VFS:
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        """Make directory ``name`` in ``parent`` owned by ``uid``/``gid`` (a setgid parent gives its
+        group and bit); its attributes. EEXIST if the name is taken, EROFS on a read-only mount."""
         self._writable()
         await self._give_back(parent)
         gid, mode = self._owner(parent, uid, gid, stat.S_IFDIR | (mode & 0o7777))
@@ -457,6 +468,8 @@ class VFS:
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int
                       ) -> Attr:
+        """Make symlink ``name`` in ``parent`` pointing at ``target``; its attributes. EEXIST if the
+        name is taken, EROFS on a read-only mount."""
         self._writable()
         await self._give_back(parent)
         gid, _ = self._owner(parent, uid, gid, stat.S_IFLNK)
@@ -466,6 +479,8 @@ class VFS:
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
+        """Give inode ``ino`` the new name ``name`` in ``parent``; its attributes after. EEXIST if
+        the name is taken, EROFS on a read-only mount."""
         self._writable()
         await self._settle(ino)
         await self._give_back(parent)
@@ -477,6 +492,8 @@ class VFS:
         return self.attr_of(self.inodes.remember(attr, parent, name))
 
     async def unlink(self, parent: int, name: bytes) -> None:
+        """Remove the non-directory ``name`` from ``parent`` (answered at once from the directory's
+        lease where this VFS holds it); ENOENT, EISDIR or EROFS as unlink(2)."""
         self._writable()
         leases = self.leases
         node = self.inodes.child(parent, name)
@@ -510,6 +527,8 @@ class VFS:
             self.inodes.stale(gone.ino)  # nlink and ctime: asked (after the batch) next time
 
     async def rmdir(self, parent: int, name: bytes) -> None:
+        """Remove the empty directory ``name`` from ``parent``; ENOTEMPTY, ENOTDIR or EROFS as
+        rmdir(2)."""
         self._writable()
         await self._give_back(parent)
         child = self.inodes.child(parent, name)
@@ -976,6 +995,8 @@ class VFS:
             leases.end(parent)
 
     async def read(self, fh: int, off: int, size: int) -> memoryview | bytearray | bytes:
+        """Up to ``size`` bytes at ``off`` through handle ``fh`` (fewer at end of file): from the
+        bytes fetched at open, the handle's writer, or the file's chunks."""
         h = self._handle(fh)
         out: memoryview | bytearray | bytes
         if h.data is not None:
@@ -1020,6 +1041,8 @@ class VFS:
         return await self.reader.read(chunks, fsize, layout.chunk_size, off, size)
 
     async def write(self, fh: int, off: int, buf) -> int:
+        """Write ``buf`` at ``off`` through handle ``fh`` (buffered in the file's writer, committed
+        past the dirty bound); the bytes taken. EBADF if the handle is not open for writing."""
         h = self._handle(fh)
         w = h.writer
         if w is None:
@@ -1123,6 +1146,7 @@ class VFS:
                         "stored after their close (see the mount's log)")
 
     async def release(self, fh: int) -> None:
+        """RELEASE of handle ``fh``: the last handle writing a file commits what is left."""
         h = self.handles.get(fh)
         if type(h) is not FileHandle:
             self.handles.pop(fh)
@@ -1208,6 +1232,7 @@ class VFS:
     # ------------------------------------------------------------------ directories
 
     def opendir(self, ino: int) -> int:
+        """A directory handle on ``ino`` (``readdir`` reads through it)."""
         return self.handles.add(DirHandle(ino))
 
     async def readdir(self, fh: int, start: int
@@ -1268,6 +1293,7 @@ class VFS:
                 h.done = True
 
     def releasedir(self, fh: int) -> None:
+        """Free directory handle ``fh``."""
         self.handles.pop(fh)
 
     # ------------------------------------------------------------------ filesystem
@@ -1308,15 +1334,19 @@ class VFS:
         return s
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
+        """The value of attribute ``name`` (``Xattrs.get``); ENODATA where it is not set."""
         return await self.xattrs.get(ino, name)
 
     async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        """Set attribute ``name`` (``Xattrs.set``); EROFS on a read-only mount."""
         await self.xattrs.set(ino, name, value, flags)
 
     async def listxattr(self, ino: int) -> list[bytes]:
+        """The names of the inode's extended attributes."""
         return await self.xattrs.list(ino)
 
     async def removexattr(self, ino: int, name: bytes) -> None:
+        """Remove attribute ``name`` (``Xattrs.remove``); ENODATA where it is not set."""
         await self.xattrs.remove(ino, name)
 
 

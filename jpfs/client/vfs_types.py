@@ -35,18 +35,23 @@ class NullNotifier:
     """For a VFS that no kernel caches (tests, tools)."""
 
     def store(self, ino: int, data: memoryview) -> bool:
+        """Nothing to store into: False."""
         return False
 
     async def store_many(self, files: list[tuple[int, memoryview]]) -> list[bool]:
+        """Nothing to store into: False for each file."""
         return [False] * len(files)
 
     async def introduce(self, path: str) -> bool:
+        """No kernel to introduce entries to: False."""
         return False
 
     def invalidate_attr(self, ino: int) -> None:
+        """No kernel cache to invalidate: nothing to do."""
         return None
 
     async def close(self) -> None:
+        """Nothing under way: returns at once."""
         return None
 
 
@@ -135,6 +140,7 @@ class VFSStats:
     """... whose bytes could not be stored then (logged; their release tries again)."""
 
     def as_dict(self) -> dict:
+        """Every counter by name, as one JSON-able object."""
         return asdict(self)
 
 

@@ -74,6 +74,7 @@ class FileWriter:
 
     @property
     def dirty(self) -> bool:
+        """Whether there is anything to commit (written chunks, or a size change)."""
         return bool(self.dirty_chunks or self._size_dirty)
 
     @property

@@ -43,6 +43,9 @@ class Xattrs:
         self._changes = 0
 
     async def get(self, ino: int, name: bytes) -> bytes:
+        """The value of attribute ``name``; ENODATA where it is not set. POSIX ACL names are ENODATA
+        at once, and ``security.capability`` (asked before every write) is answered from memory
+        when the inode was seen without it in the last attribute timeout."""
         if name.startswith(_ACL):  # asked by ls and cp for every file; never stored
             raise error(errno.ENODATA, "no such attribute")
         if name != _CAPS:
@@ -69,6 +72,7 @@ class Xattrs:
         self._no_caps[ino] = t
 
     async def set(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        """Set attribute ``name``; EROFS on a read-only mount, EOPNOTSUPP for POSIX ACLs."""
         self._writable()
         if name.startswith(_ACL):
             raise error(errno.EOPNOTSUPP, "JPFS has no POSIX ACLs (mode bits only)")
@@ -82,10 +86,12 @@ class Xattrs:
         self.inodes.stale(ino)
 
     async def list(self, ino: int) -> list[bytes]:
+        """The names of the inode's extended attributes."""
         await self.settle(ino)
         return await self.meta.listxattr(ino)
 
     async def remove(self, ino: int, name: bytes) -> None:
+        """Remove attribute ``name``; ENODATA where it is not set, EROFS on a read-only mount."""
         self._writable()
         self._changes += 1
         try:
