@@ -93,6 +93,8 @@ class BlockingCalls:
 
 
 def parser(role: str, description: str) -> argparse.ArgumentParser:
+    """The command-line parser every ``jpfs-<role>`` daemon starts from (cluster file, index, data
+    directory, listen address, pid and log files, log level, metrics address)."""
     p = argparse.ArgumentParser(prog=f"jpfs-{role}", description=description)
     p.add_argument("--cluster", help="cluster file (default: $JPFS_CLUSTER)")
     p.add_argument("--index", type=int, required=True,
@@ -109,6 +111,8 @@ def parser(role: str, description: str) -> argparse.ArgumentParser:
 
 
 def setup_logging(level: str, log_file: str | None) -> None:
+    """Log at ``level`` (a name: ``INFO``, ...) to ``log_file``, or to stderr, replacing any
+    handlers already set."""
     handler: logging.Handler = (
         logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
     )

@@ -485,6 +485,9 @@ class Coordinator:
         return dropped
 
     async def tx_status(self, txid: bytes) -> str:
+        """TX_STATUS: the state of transaction ``txid`` as this coordinator recorded it; ``active``
+        while it is still being decided, ``unknown`` if it has no record (forgotten, or never
+        begun)."""
         raw = self.store.read(lambda t: t.t.get(txid, db=t.db["intent"]))
         if raw is not None:
             return K.unpack(raw)["state"]
@@ -505,6 +508,7 @@ class Coordinator:
                 await self._rename_freed.wait()
 
     async def rename_unlock(self, owner: bytes) -> bool:
+        """RENAME_UNLOCK: free the directory-move lock if ``owner`` holds it; whether it did."""
         if self._rename_owner == owner:
             self._rename_owner = None
             self._rename_freed.set()

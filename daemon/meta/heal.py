@@ -87,6 +87,7 @@ def options(args: argparse.Namespace) -> dict:
 
 
 def states_of(cluster: Cluster) -> tuple[str, ...]:
+    """The storage nodes' states (``active``, ``draining``, ``removed``), by node index."""
     return tuple(s.state for s in cluster.storage)
 
 
@@ -138,9 +139,12 @@ class Healer:
 
     @property
     def leading(self) -> bool:
+        """Whether this copy leads its shard (only the leader heals)."""
         return self.store.leading
 
     async def heal_status(self) -> dict:
+        """HEAL_STATUS: the healer's state and the counts of its last round (those of the round
+        under way where it has found more), as one JSON-able object."""
         last = self.last
         under, under_bytes = last.get("under", 0), last.get("under_bytes", 0)
         cur = self._current
@@ -175,6 +179,8 @@ class Healer:
         return both
 
     async def heal_kick(self) -> dict:
+        """HEAL_KICK: start a round now instead of after the pause; the status as
+        ``heal_status``."""
         self._kick.set()
         return await self.heal_status()
 

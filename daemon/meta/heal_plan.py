@@ -150,6 +150,8 @@ def new_nodes(job: Job, r: Round) -> tuple[int, ...]:
 
 
 def scan_page(t: Txn, after: bytes, limit: int) -> tuple[list[tuple[int, Chunk]], bytes | None]:
+    """Up to ``limit`` chunk records after key ``after`` (from the start when empty), as
+    ``(ino, chunk)``, and the key to go on from (None at the end)."""
     out: list[tuple[int, Chunk]] = []
     with t.t.cursor(db=t.db["chunk"]) as cur:
         ok = cur.set_range(after) if after else cur.first()
@@ -183,17 +185,21 @@ def swap_nodes(t: Txn, changes: list[tuple[int, int, bytes, tuple, tuple]]) -> l
 
 
 def count(counts: dict[int, int], nodes: Sequence[int]) -> None:
+    """Count one more chunk on each of ``nodes`` (a node listed twice counts once)."""
     for n in dict.fromkeys(nodes):
         counts[n] = counts.get(n, 0) + 1
 
 
 def live_before(j: Job, r: Round) -> int:
+    """Good copies of the job's chunk now: on distinct active or draining nodes, not marked bad."""
     st = r.states
     return sum(1 for n in dict.fromkeys(j.chunk.nodes) if 0 <= n < len(st)
                and st[n] in (ACTIVE, DRAINING) and j.chunk.blob not in r.bad.get(n, ()))
 
 
 def live_after(j: Job, nodes: Sequence[int], r: Round) -> int:
+    """Good copies of the job's chunk once it is on ``nodes``: as ``live_before``, where a copy this
+    job made counts even on a node that marked the old one bad."""
     st = r.states
     ok = {cp.target for cp in j.copies if cp.ok}
     return sum(1 for n in dict.fromkeys(nodes) if 0 <= n < len(st) and st[n] in

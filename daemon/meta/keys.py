@@ -32,43 +32,55 @@ DBS = ("inode", "dentry", "chunk", "xattr", "lock", "prepared", "intent", "state
 
 
 def ino_key(ino: int) -> bytes:
+    """The ``inode`` key of ``ino`` (u64 big-endian)."""
     return U64.pack(ino)
 
 
 def dentry_key(parent: int, name: bytes) -> bytes:
+    """The ``dentry`` key of ``name`` in ``parent``."""
     return U64.pack(parent) + name
 
 
 def dentry_prefix(parent: int) -> bytes:
+    """The prefix of every ``dentry`` key in ``parent`` (a directory's entries are one key
+    range)."""
     return U64.pack(parent)
 
 
 def split_dentry_key(key: bytes | memoryview) -> tuple[int, bytes]:
+    """``(parent, name)`` of a ``dentry`` key."""
     return U64.unpack_from(key)[0], bytes(key[8:])
 
 
 def dentry_value(ino: int, kind: int) -> bytes:
+    """A ``dentry`` value: the child's inode and file type bits."""
     return DENTRY_VALUE.pack(ino, kind)
 
 
 def split_dentry_value(value: bytes | memoryview) -> tuple[int, int]:
+    """``(ino, kind)`` of a ``dentry`` value."""
     return DENTRY_VALUE.unpack(value)
 
 
 def chunk_key(ino: int, index: int) -> bytes:
+    """The ``chunk`` key of chunk ``index`` of ``ino`` (a file's chunks are one key range, in
+    order)."""
     return U64.pack(ino) + U64.pack(index)
 
 
 def split_chunk_key(key: bytes | memoryview) -> tuple[int, int]:
+    """``(ino, index)`` of a ``chunk`` key."""
     return U64.unpack_from(key)[0], U64.unpack_from(key, 8)[0]
 
 
 def xattr_key(ino: int, name: bytes) -> bytes:
+    """The ``xattr`` key of attribute ``name`` of ``ino``."""
     return U64.pack(ino) + name
 
 
 # Lock keys name what a prepared transaction holds: a directory entry or a whole inode.
 def lock_dentry(parent: int, name: bytes) -> bytes:
+    """The lock key of entry ``name`` in ``parent``."""
     return b"d" + U64.pack(parent) + name
 
 
@@ -78,10 +90,12 @@ def lock_dir(parent: int) -> bytes:
 
 
 def lock_inode(ino: int) -> bytes:
+    """The lock key of a whole inode."""
     return b"i" + U64.pack(ino)
 
 
 def pack(obj: object) -> bytes:
+    """A record as msgpack (bytes kept binary, so they read back as bytes)."""
     return msgpack.packb(obj, use_bin_type=True)
 
 
@@ -111,23 +125,28 @@ class Inode:
     target: bytes | None = None
 
     def encode(self) -> bytes:
+        """The record as stored in the ``inode`` database (a msgpack array; ``ino`` is the key)."""
         return pack([self.mode, self.nlink, self.uid, self.gid, self.size, self.atime_ns,
                      self.mtime_ns, self.ctime_ns, self.rdev, self.version, self.parent,
                      self.target])
 
     @classmethod
     def decode(cls, ino: int, data: bytes | memoryview) -> Inode:
+        """The record of ``ino`` from its stored value."""
         return cls(ino, *unpack(data))
 
     def attr(self) -> Attr:
+        """The attributes clients see (without ``parent`` and ``target``)."""
         return Attr(self.ino, self.mode, self.nlink, self.uid, self.gid, self.size,
                     self.atime_ns, self.mtime_ns, self.ctime_ns, self.rdev, self.version)
 
 
 def encode_chunk(c: Chunk) -> bytes:
+    """A chunk as stored in the ``chunk`` database (``index`` is in the key)."""
     return pack([c.blob, list(c.nodes), c.length, c.blob_len, c.xxh])
 
 
 def decode_chunk(ino_index: tuple[int, int], data: bytes | memoryview) -> Chunk:
+    """The chunk of ``(ino, index)`` (``split_chunk_key``) from its stored value."""
     blob, nodes, length, blob_len, xxh = unpack(data)
     return Chunk(ino_index[1], blob, tuple(nodes), length, blob_len, xxh)

@@ -25,6 +25,7 @@ MAX_BULK = 10_000
 
 
 def chunks_of(t: Txn, ino: int) -> list[Chunk]:
+    """Every chunk record of ``ino``, in index order."""
     prefix = K.ino_key(ino)
     out = []
     with t.t.cursor(db=t.db["chunk"]) as cur:
@@ -44,6 +45,7 @@ def _layout(t: Txn, node: Inode, chunk_size: int) -> list:
 
 
 def get_layout(t: Txn, ino: int, chunk_size: int) -> list:
+    """GET_LAYOUT's answer (wire form): ENOENT if ``ino`` does not exist, EISDIR for a directory."""
     node = t.need_inode(ino)
     if stat.S_ISDIR(node.mode):
         raise error(errno.EISDIR, "is a directory")

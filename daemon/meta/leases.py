@@ -232,5 +232,7 @@ class Leases:
             self._end(parent)
 
     def info(self) -> dict:
+        """The lease counts for the shard's status (``leases``, ``lease_sessions``,
+        ``leases_*``)."""
         return {"leases": len(self.held), "lease_sessions": len(self.sessions),
                 **{f"leases_{k}": v for k, v in self.stats.items()}}

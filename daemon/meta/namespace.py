@@ -73,6 +73,7 @@ def batch_lookup(t: Txn, parent: int, names: list) -> list:
 
 
 def getattr_(t: Txn, ino: int) -> list:
+    """GETATTR's answer: the inode's attributes (wire form); ENOENT if it does not exist."""
     return t.need_inode(ino).attr().to_wire()
 
 
@@ -114,6 +115,7 @@ def readdir(t: Txn, parent: int, after: bytes, limit: int, plus: bool) -> list:
 
 
 def readlink(t: Txn, ino: int) -> bytes:
+    """READLINK's answer: the symlink's target; EINVAL if ``ino`` is not a symlink."""
     node = t.need_inode(ino)
     if not stat.S_ISLNK(node.mode):
         raise error(errno.EINVAL, "not a symbolic link")
@@ -121,6 +123,7 @@ def readlink(t: Txn, ino: int) -> bytes:
 
 
 def getxattr(t: Txn, ino: int, name: bytes) -> bytes:
+    """GETXATTR's answer: the attribute's value; ENODATA where it is not set."""
     t.need_inode(ino)
     v = t.t.get(K.xattr_key(ino, name), db=t.db["xattr"])
     if v is None:
@@ -129,6 +132,7 @@ def getxattr(t: Txn, ino: int, name: bytes) -> bytes:
 
 
 def listxattr(t: Txn, ino: int) -> list:
+    """LISTXATTR's answer: the names of the inode's attributes, in name order."""
     t.need_inode(ino)
     prefix = K.ino_key(ino)
     names = []
@@ -141,6 +145,7 @@ def listxattr(t: Txn, ino: int) -> list:
 
 
 def statfs(t: Txn) -> dict:
+    """This shard's record counts: ``inodes``, ``dentries`` and ``chunks``."""
     return {"inodes": t.t.stat(t.db["inode"])["entries"],
             "dentries": t.t.stat(t.db["dentry"])["entries"],
             "chunks": t.t.stat(t.db["chunk"])["entries"]}
@@ -209,6 +214,8 @@ def _make(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int, exclu
 
 
 def mkdir_local(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int) -> list:
+    """Make a directory whose inode lives on the parent's shard, in one transaction; its
+    attributes (wire form). EEXIST if the name is taken."""
     pdir = _new_entry_checks(t, parent, name)
     ino = t.alloc_ino()
     node = Inode(ino, stat.S_IFDIR | (mode & 0o7777), 2, uid, gid, 0, t.now, t.now, t.now,
@@ -221,6 +228,8 @@ def mkdir_local(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int)
 
 
 def symlink(t: Txn, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> list:
+    """Make a symlink to ``target`` in ``parent``; its attributes (wire form). EINVAL for an empty
+    target or one with a NUL, ENAMETOOLONG past ``MAX_SYMLINK``, EEXIST if the name is taken."""
     if not target or len(target) > MAX_SYMLINK or b"\0" in target:
         raise error(errno.ENAMETOOLONG if len(target) > MAX_SYMLINK else errno.EINVAL,
                     "invalid symlink target")
@@ -306,6 +315,8 @@ def truncate_chunks(t: Txn, ino: int, size: int, chunk_size: int) -> None:
 
 
 def setxattr(t: Txn, ino: int, name: bytes, value: bytes, flags: int) -> None:
+    """Set an extended attribute (``flags``: XATTR_CREATE gives EEXIST if it exists, XATTR_REPLACE
+    ENODATA if not); EINVAL/ERANGE for a bad name, E2BIG past ``MAX_XATTR_VALUE``."""
     node = t.need_inode(ino)
     if not name or len(name) > MAX_XATTR_NAME or b"\0" in name:
         raise error(errno.ERANGE if len(name) > MAX_XATTR_NAME else errno.EINVAL,
@@ -324,6 +335,7 @@ def setxattr(t: Txn, ino: int, name: bytes, value: bytes, flags: int) -> None:
 
 
 def removexattr(t: Txn, ino: int, name: bytes) -> None:
+    """Remove an extended attribute; ENODATA where it is not set."""
     node = t.need_inode(ino)
     if not t.t.delete(K.xattr_key(ino, name), db=t.db["xattr"]):
         raise error(errno.ENODATA, "no such attribute")

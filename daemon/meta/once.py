@@ -29,6 +29,7 @@ def recorded(t: Txn, rid: bytes) -> object:
 
 
 def record(t: Txn, rid: bytes, result: object) -> None:
+    """Record ``result`` as the answer to request ``rid``, in the change's own transaction ``t``."""
     t.t.put(rid, K.pack(result), db=t.db["request"])
 
 

@@ -77,6 +77,7 @@ def check_shapes(ops: object) -> list[list]:
 
 
 def lock_keys(op: list) -> list[bytes]:
+    """The lock keys ``op`` takes while prepared (none for ops that commute)."""
     kind = op[0]
     if kind in ("mkdent", "rmdent"):
         return [K.lock_dentry(op[1], op[2])]
@@ -188,6 +189,7 @@ def allocate(t: Txn, ops: list[list]) -> list[list]:
 
 
 def new_inos(ops: list[list]) -> list[int]:
+    """The inode ids ``allocate`` gave the mkinode ops."""
     return [op[-1] for op in ops if op[0] == "mkinode"]
 
 
@@ -258,6 +260,8 @@ def commit(t: Txn, txid: bytes) -> bool:
 
 
 def abort(t: Txn, txid: bytes) -> bool:
+    """Forget prepared transaction ``txid`` and release its locks; False if there was none
+    (done)."""
     rec = t.t.get(txid, db=t.db["prepared"])
     if rec is None:
         return False

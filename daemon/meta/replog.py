@@ -27,10 +27,12 @@ Mutation = tuple[str, bytes, bytes | None]
 
 
 def pack_pos(term: int, seq: int) -> bytes:
+    """A replication position as 16 bytes (term, seq; big-endian, so positions sort as keys)."""
     return term.to_bytes(8, "big") + seq.to_bytes(8, "big")
 
 
 def unpack_pos(raw: bytes | memoryview | None) -> tuple[int, int]:
+    """``(term, seq)`` from ``pack_pos`` bytes; ``(0, 0)`` for None (nothing replicated yet)."""
     if raw is None:
         return 0, 0
     raw = bytes(raw)
@@ -111,32 +113,39 @@ class Recorder:
         return getattr(self._t, name)
 
     def get(self, key: bytes, default: Any = None, db: Any = None) -> Any:
+        """The value of ``key`` (reads are not recorded)."""
         return self._t.get(key, default, db=db)
 
     def put(self, key: bytes, value: bytes, *, db: Any = None, **kw: Any) -> bool:
+        """Store ``value`` and record the change if it was made (as ``lmdb.Transaction.put``)."""
         done = self._t.put(key, value, db=db, **kw)
         if done:
             self.rec.append((self._names[db], bytes(key), bytes(value)))
         return done
 
     def replace(self, key: bytes, value: bytes, db: Any = None) -> Any:
+        """Store ``value``, recorded; the old value (as ``lmdb.Transaction.replace``)."""
         old = self._t.replace(key, value, db=db)
         self.rec.append((self._names[db], bytes(key), bytes(value)))
         return old
 
     def pop(self, key: bytes, db: Any = None) -> Any:
+        """Delete ``key``, recorded if it existed; the old value (as ``lmdb.Transaction.pop``)."""
         old = self._t.pop(key, db=db)
         if old is not None:
             self.rec.append((self._names[db], bytes(key), None))
         return old
 
     def delete(self, key: bytes, value: bytes = b"", db: Any = None) -> bool:
+        """Delete ``key``, recorded if it existed; whether it did (as
+        ``lmdb.Transaction.delete``)."""
         done = self._t.delete(key, value, db=db)
         if done:
             self.rec.append((self._names[db], bytes(key), None))
         return done
 
     def cursor(self, db: Any = None) -> _Cursor:
+        """A cursor over ``db`` whose changes are recorded too."""
         return _Cursor(self._t.cursor(db=db), self.rec, self._names[db])
 
 
@@ -160,10 +169,13 @@ class Entry:
     size: int
 
     def to_wire(self) -> list:
+        """The entry as ``repl_append`` sends it: ``[term, seq, mutations]``."""
         return [self.term, self.seq, self.mutations]  # msgpack sends tuples as arrays
 
 
 def entry_size(mutations: list) -> int:
+    """Bytes an entry of ``mutations`` counts for in the ring (keys, values, 16 each for
+    overhead)."""
     return sum(len(k) + (len(v) if v is not None else 0) + 16 for _, k, v in mutations)
 
 
@@ -182,12 +194,14 @@ class Ring:
 
     @property
     def last(self) -> tuple[int, int]:
+        """The position of the newest entry (``base`` when the ring is empty)."""
         if self.entries:
             e = self.entries[-1]
             return e.term, e.seq
         return self.base
 
     def append(self, entry: Entry) -> None:
+        """Add the newest entry, dropping the oldest (and moving ``base``) past either bound."""
         self.entries.append(entry)
         self.bytes += entry.size
         while self.entries and (len(self.entries) > self.max_entries

@@ -262,32 +262,43 @@ class MetaShard:
         return [True, known[0], first, LEASE_INODES, known[1]]
 
     async def lease_return(self, parent: int, session: bytes) -> bool:
+        """LEASE_RETURN: the session gives the lease on ``parent`` back; False if it did not hold
+        it."""
         return self.leases.give_back(session, self._mine(parent))
 
     async def lease_wait(self, session: bytes, held: list, seconds: float) -> list:
+        """LEASE_WAIT: the directories recalled from ``session`` (a long call, up to
+        ``seconds``)."""
         return await self.leases.wait(session, held, seconds)
 
     # ---- reads that are not answered inline ------------------------------------------------------
 
     async def getattr(self, ino: int) -> list:
+        """GETATTR: the inode's attributes; ENOENT, or EXDEV if the inode is another shard's."""
         return await self.store.view(ns.getattr_, self._mine(ino))
 
     async def lookup(self, parent: int, name: bytes) -> list:
+        """LOOKUP: ``[ino, kind, attr or None]`` of ``name`` in ``parent``; ENOENT if absent."""
         return await self.store.view(ns.lookup, self._mine(parent), name)
 
     async def sync(self) -> int:
+        """SYNC: returns once every change committed before it is durable; the groups synced."""
         return await self.store.sync()
 
     async def getparent(self, ino: int) -> int:
+        """GETPARENT: the directory the inode was created in (for a directory: its ``..``)."""
         return await self.store.view(_getparent, self._mine(ino))
 
     async def statfs(self) -> dict:
+        """STATFS: this shard's record counts (the client sums them over shards)."""
         return await self.store.view(ns.statfs)
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
+        """GETXATTR: the attribute's value; ENODATA where it is not set."""
         return await self.store.view(ns.getxattr, self._mine(ino), name)
 
     async def listxattr(self, ino: int) -> list:
+        """LISTXATTR: the names of the inode's attributes."""
         return await self.store.view(ns.listxattr, self._mine(ino))
 
     # ---- changes that may span shards -----------------------------------------------------------
@@ -297,6 +308,9 @@ class MetaShard:
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
                     rid: bytes | None = None) -> list:
+        """MKDIR: ``[attr, parent attr]`` of the new directory; one local transaction when its inode
+        goes on this shard, a cross-shard transaction otherwise. A retried request id answers what
+        the first attempt did."""
         self._mine(parent)
         check_name(name)
         got = self._recorded(rid)
@@ -329,6 +343,8 @@ class MetaShard:
                 self.store.read(ns.getattr_, parent)]
 
     async def link(self, ino: int, parent: int, name: bytes, rid: bytes | None = None) -> list:
+        """LINK: a new name for ``ino`` in ``parent`` (the inode's shard counts the link); the
+        inode's attributes. EPERM for a directory, EEXIST if the name is taken."""
         self._mine(parent)
         check_name(name)
         if self._recorded(rid) is not once.MISSING:
@@ -365,6 +381,8 @@ class MetaShard:
         return self.store.read(ns.getattr_, parent)
 
     async def rmdir(self, parent: int, name: bytes, rid: bytes | None = None) -> list:
+        """RMDIR: remove the empty directory ``name``; the parent's attributes after. ENOTDIR,
+        ENOTEMPTY as rmdir(2)."""
         self._mine(parent)
         if self._recorded(rid) is not once.MISSING:
             return self.store.read(ns.getattr_, parent)
@@ -512,11 +530,15 @@ class MetaShard:
     # ---- cross-shard transactions ---------------------------------------------------------------
 
     async def rename_lock(self, owner: bytes, ttl: float) -> bool:
+        """RENAME_LOCK: take the directory-move lock for ``owner`` for ``ttl`` seconds (waits while
+        another holds it); EXDEV on any shard but 0."""
         if self.shard != 0:
             raise error(errno.EXDEV, "the rename lock lives on shard 0")
         return await self.coord.rename_lock(owner, ttl)
 
     async def rename_unlock(self, owner: bytes) -> bool:
+        """RENAME_UNLOCK: free the directory-move lock if ``owner`` holds it; EXDEV on any shard but
+        0."""
         if self.shard != 0:
             raise error(errno.EXDEV, "the rename lock lives on shard 0")
         return await self.coord.rename_unlock(owner)
@@ -524,18 +546,25 @@ class MetaShard:
     # ---- maintenance ----------------------------------------------------------------------------
 
     async def scan(self, kind: str, after: bytes, limit: int) -> list:
+        """SCAN (fsck, gc): a page of ``dentry``, ``inode`` or ``chunk`` records after ``after``,
+        and the cursor to go on from."""
         return self.store.read(M.scan, kind, after, limit)
 
     async def pending(self) -> dict:
+        """PENDING (fsck): the cross-shard transactions in flight here, coordinated and prepared."""
         return self.store.read(M.pending)
 
     async def repair(self, kind: str, args: list) -> object:
+        """REPAIR (fsck): apply one fix of ``kind``; False when the state is no longer what fsck
+        saw."""
         result = await self.store.write(M.repair, kind, args)
         if kind == "abort_tx" and result:
             self.store.tx_resolved(args[0])
         return result
 
     async def shard_info(self) -> dict:
+        """SHARD_INFO (``jpfs cluster status``): the shard's counters, sizes and replication
+        state."""
         counts = self.store.read(ns.statfs)
         return {"shard": self.shard, "shards": self.n_shards, "chunk_size": self.chunk_size,
                 "commits": self.store.commits, "ops": self.store.ops,
@@ -619,6 +648,7 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``jpfs-meta``: serve one metadata shard (or one copy of it) until SIGTERM or SIGINT."""
     from .. import common
 
     p = common.parser("meta", "Serve one metadata shard of a JPFS cluster (LMDB over TCP).")

@@ -93,6 +93,8 @@ class Txn:
 
     # ---- locks
     def check_lock(self, key: bytes) -> None:
+        """Raise ``Locked`` if a prepared cross-shard transaction holds lock ``key`` (the caller
+        waits for it to resolve and tries again)."""
         txid = self.t.get(key, db=self.db["lock"])
         if txid is not None:
             raise Locked(bytes(txid))
@@ -113,24 +115,30 @@ class Txn:
 
     # ---- inodes
     def inode(self, ino: int, *, lock: bool = True) -> Inode | None:
+        """The record of ``ino``, or None; ``Locked`` while a prepared transaction holds the inode
+        (unless ``lock`` is off)."""
         if lock:
             self.check_lock(K.lock_inode(ino))
         data = self.t.get(K.ino_key(ino), db=self.db["inode"])
         return Inode.decode(ino, data) if data is not None else None
 
     def need_inode(self, ino: int, what: str = "inode") -> Inode:
+        """The record of ``ino``; ENOENT (naming ``what``) if there is none."""
         node = self.inode(ino)
         if node is None:
             raise error(errno.ENOENT, f"no such {what} {ino:#x}")
         return node
 
     def need_dir(self, ino: int) -> Inode:
+        """The record of directory ``ino``; ENOENT if there is none, ENOTDIR if it is no
+        directory."""
         node = self.need_inode(ino, "directory")
         if not node.mode & 0o170000 == 0o040000:
             raise error(errno.ENOTDIR, f"inode {ino:#x} is not a directory")
         return node
 
     def put_inode(self, node: Inode) -> None:
+        """Write the inode's record."""
         self.t.put(K.ino_key(node.ino), node.encode(), db=self.db["inode"])
 
     def delete_inode(self, ino: int) -> None:
@@ -145,6 +153,8 @@ class Txn:
                             break
 
     def alloc_ino(self) -> int:
+        """A new inode id on this shard (the shard's counter, bumped in this transaction); ENOSPC
+        once the counter is used up."""
         counter = int.from_bytes(self.t.get(b"next", b"\0" * 8, db=self.db["state"]), "big")
         if counter >= COUNTER_MASK:
             raise error(errno.ENOSPC, "this shard has used all its inode numbers")
@@ -166,18 +176,23 @@ class Txn:
 
     # ---- directory entries
     def dentry(self, parent: int, name: bytes, *, lock: bool = True) -> tuple[int, int] | None:
+        """``(ino, kind)`` of entry ``name`` in ``parent``, or None; ``Locked`` while a prepared
+        transaction holds the entry (unless ``lock`` is off)."""
         if lock:
             self.check_lock(K.lock_dentry(parent, name))
         v = self.t.get(K.dentry_key(parent, name), db=self.db["dentry"])
         return K.split_dentry_value(v) if v is not None else None
 
     def put_dentry(self, parent: int, name: bytes, ino: int, kind: int) -> None:
+        """Write entry ``name`` in ``parent`` pointing at ``ino`` (``kind``: its file type bits)."""
         self.t.put(K.dentry_key(parent, name), K.dentry_value(ino, kind), db=self.db["dentry"])
 
     def delete_dentry(self, parent: int, name: bytes) -> None:
+        """Delete entry ``name`` from ``parent`` (nothing happens if it is absent)."""
         self.t.delete(K.dentry_key(parent, name), db=self.db["dentry"])
 
     def dir_is_empty(self, ino: int) -> bool:
+        """Whether directory ``ino`` has no entries."""
         prefix = K.dentry_prefix(ino)
         with self.t.cursor(db=self.db["dentry"]) as cur:
             return not (cur.set_range(prefix) and bytes(cur.key()).startswith(prefix))
@@ -254,10 +269,13 @@ class Store:
                 raise SystemExit(f"{self.path} holds shard {int(stored)}, not shard {self.shard}")
 
     def close(self) -> None:
+        """Close the LMDB environment."""
         self.env.close()
 
     # ---- reads (in the trio thread: LMDB reads take microseconds, a thread hop costs more)
     def read(self, fn: Callable, *args):
+        """``fn(txn, *args)`` in a read transaction (a consistent view; blocks the calling thread
+        only for LMDB's reads)."""
         with self.env.begin() as t:
             return fn(Txn(t, self, time.time_ns()), *args)
 
@@ -559,6 +577,7 @@ class Store:
         self._mark_committed()
 
     def snapshot_end(self, pos: tuple[int, int]) -> None:
+        """The leader's snapshot is all here: this copy is at ``pos`` and no longer resyncing."""
         with self.env.begin(write=True) as t:
             t.put(replog.REPL_KEY, replog.pack_pos(*pos), db=self.dbs["state"])
             t.delete(replog.RESYNC_KEY, db=self.dbs["state"])
@@ -567,6 +586,7 @@ class Store:
 
     @property
     def resyncing(self) -> bool:
+        """Whether a snapshot from the leader is unfinished (the copy must not lead meanwhile)."""
         return self.resync_floor is not None
 
     @property
@@ -583,14 +603,18 @@ class Store:
 
     # ---- cross-shard transaction resolution
     def tx_begun(self, txid: bytes) -> None:
+        """A cross-shard transaction was prepared here: ``wait_resolved`` may wait for it."""
         self._tx_done.setdefault(txid, trio.Event())
 
     def tx_resolved(self, txid: bytes) -> None:
+        """Transaction ``txid`` committed or aborted here: wake whatever waits on its locks."""
         ev = self._tx_done.pop(txid, None)
         if ev is not None:
             ev.set()
 
     async def wait_resolved(self, txid: bytes) -> None:
+        """Wait until prepared transaction ``txid`` is resolved; EAGAIN after ``LOCK_WAIT`` seconds
+        (the coordinator may be gone: the client retries)."""
         ev = self._tx_done.get(txid)
         if ev is None:
             # Resolved between the read and now, or held since before a restart.

@@ -61,6 +61,7 @@ class Puller:
                           timeout=120.0, peer_timeout=config.DEFAULT_PEER_TIMEOUT)
 
     def close(self) -> None:
+        """Close the connections to the nodes pulled from."""
         if self._pool is not None:
             self._pool.close()
 

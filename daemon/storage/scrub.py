@@ -78,6 +78,7 @@ class Scrubber:
 
     @property
     def enabled(self) -> bool:
+        """Whether scrubbing is on (a rate above 0)."""
         return self.rate > 0
 
     def start_now(self) -> bool:

@@ -241,6 +241,7 @@ class StorageServer:
             task_status.started()
 
     def close(self) -> None:
+        """Close the puller's connections and the node's files (volumes, index)."""
         self.puller.close()
         self.files.close()
         os.close(self._devnull)
@@ -267,6 +268,9 @@ class StorageServer:
     # ------------------------------------------------------------------ put
 
     async def put_blobs(self, entries: list, payload: memoryview) -> list[int]:
+        """PUT_BLOBS: store the blobs of ``entries`` (id, length, xxh) lying back to back in the
+        payload; ``[stored, already_present]`` once durable. EIO for a blob that does not match
+        its checksum, EINVAL/E2BIG for a malformed or too large request."""
         checked = _check_put(entries, len(payload))
         if len(payload) < _HASH_INLINE:
             _verify(checked, payload)
@@ -280,6 +284,9 @@ class StorageServer:
     # ------------------------------------------------------------------ get
 
     async def get_blobs(self, ids: list) -> Reply:
+        """GET_BLOBS: per id ``[length, xxh]`` or an errno name (ENOENT, EIO for a copy found bad),
+        the bytes found following in the payload (sendfile from the volumes); E2BIG past
+        ``MAX_GET_BYTES`` in one request."""
         P.check_ids(ids, "get_blobs")
         entries = self.store.lookup(ids)
         total = sum(e[2] for e in entries if e is not None)
@@ -384,10 +391,14 @@ class StorageServer:
     # ------------------------------------------------------------------ delete, list
 
     async def delete_blobs(self, ids: list) -> int:
+        """DELETE_BLOBS: drop these blobs from the index (ids not stored are skipped); how many
+        went."""
         P.check_ids(ids, "delete_blobs")
         return await self.writer.submit(DeleteOp(list(ids)))
 
     async def list_blobs(self, after: bytes, limit: int) -> list:
+        """LIST_BLOBS: ``(id, created)`` of up to ``limit`` blobs after ``after``, in id order
+        (gc)."""
         if len(after) > P.BLOB_ID_BYTES:
             raise error(errno.EINVAL, "list_blobs: 'after' must be a blob id or b''")
         if limit < 0:
@@ -398,6 +409,7 @@ class StorageServer:
     # ------------------------------------------------------------------ stats
 
     async def stats(self) -> dict:
+        """STATS: the node's usage, counters and scrub totals, as one JSON-able object."""
         usage = await trio.to_thread.run_sync(self.store.usage)
         sc = self.scrubber.s
         return {"node": self.node, **usage, **self.counters, **self.puller.counters,
@@ -409,10 +421,13 @@ class StorageServer:
     # ------------------------------------------------------------------ scrub
 
     async def scrub_status(self) -> dict:
+        """SCRUB_STATUS: the scrubber's progress and the copies repaired."""
         return {**self.scrubber.status(),
                 "repaired": await trio.to_thread.run_sync(self.store.repaired)}
 
     async def scrub_start(self) -> dict:
+        """SCRUB_START: start a scrub pass now; EINVAL when scrubbing is off (``--scrub-rate
+        0``)."""
         if not self.scrubber.enabled:
             raise error(errno.EINVAL, f"scrub_start: scrubbing is off on storage node "
                                       f"{self.node} (--scrub-rate 0)")
@@ -420,6 +435,8 @@ class StorageServer:
         return await self.scrub_status()
 
     async def bad_blobs(self, after: bytes, limit: int) -> list:
+        """BAD_BLOBS: up to ``limit`` blobs after ``after`` that the scrubber found bad, in id
+        order."""
         if len(after) > P.BLOB_ID_BYTES:
             raise error(errno.EINVAL, "bad_blobs: 'after' must be a blob id or b''")
         if limit < 0:
@@ -596,6 +613,7 @@ def _warm(devnull: int, segments: list[FileSegment]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``jpfs-storage``: serve one storage node until SIGTERM or SIGINT."""
     p = common.parser("storage", "A JPFS storage server: blobs in append-only volumes.")
     p.add_argument("--volume-size", default="1GiB",
                    help="roll over to a new volume file at this size (default 1GiB)")

@@ -109,6 +109,8 @@ def crash_point(step: str) -> None:
 
 @dataclass(slots=True)
 class Entry:
+    """Where blob bytes lie (``ENTRY`` in the ``blobs`` database): volume, offset, length, xxh3-64
+    and the time it was stored."""
     vol: int
     offset: int
     length: int
@@ -117,14 +119,18 @@ class Entry:
 
     @classmethod
     def unpack(cls, raw: bytes) -> Entry:
+        """The entry from its packed ``ENTRY`` value."""
         return cls(*ENTRY.unpack(raw))
 
     def pack(self) -> bytes:
+        """The entry as its packed ``ENTRY`` value."""
         return ENTRY.pack(self.vol, self.offset, self.length, self.xxh, self.created)
 
 
 @dataclass(slots=True)
 class VolRec:
+    """A volume's accounting (``VOLREC`` in the ``volumes`` database): committed end, live bytes and
+    blobs, flags (``SEALED``), bytes of put records."""
     end: int = 0
     live_bytes: int = 0
     live_blobs: int = 0
@@ -135,16 +141,19 @@ class VolRec:
 
     @classmethod
     def unpack(cls, raw: bytes) -> VolRec:
+        """The record from its packed value (an older index's lacks ``record_bytes``: 0)."""
         if len(raw) == _VOLREC_V1.size:
             return cls(*_VOLREC_V1.unpack(raw))
         return cls(*VOLREC.unpack(raw))
 
     def pack(self) -> bytes:
+        """The record as its packed ``VOLREC`` value."""
         return VOLREC.pack(self.end, self.live_bytes, self.live_blobs, self.flags,
                            self.record_bytes)
 
     @property
     def dead_bytes(self) -> int:
+        """Bytes of the volume no live blob uses (what compaction would reclaim)."""
         return self.end - self.live_bytes - self.record_bytes
 
 
@@ -164,6 +173,7 @@ class PutOp:
 
 @dataclass
 class DeleteOp:
+    """Delete blobs from the index (their bytes become dead space for compaction)."""
     ids: list[bytes]
 
 
@@ -275,6 +285,7 @@ class Store:
     # ------------------------------------------------------------------ paths and recovery
 
     def vol_path(self, vol: int) -> Path:
+        """The path of volume ``vol``'s file."""
         return self.vol_dir / volume_file(vol)
 
     @staticmethod
@@ -406,6 +417,8 @@ class Store:
             os.close(fd)
 
     def close(self) -> None:
+        """Write the pending index entries (a failure is logged: the records on disk make up for it)
+        and close the active volume and the index."""
         if self.pending.blobs:
             try:
                 self.flush()
@@ -452,6 +465,7 @@ class Store:
         return out
 
     def volume_records(self) -> dict[int, VolRec]:
+        """Every volume's record, pending changes included, by volume."""
         pending = self.pending.vols
         with self.env.begin(db=self.vols) as txn:
             recs = {VOL_KEY.unpack(k)[0]: VolRec.unpack(v) for k, v in txn.cursor()}
@@ -459,6 +473,8 @@ class Store:
         return recs
 
     def usage(self) -> dict:
+        """The node's usage: volumes, blobs, bytes used, live and dead, the disk's free and total
+        bytes, an id of the disk (nodes sharing one report the same) and bad blobs."""
         recs = self.volume_records()
         st = os.statvfs(self.dir)
         return {
@@ -672,6 +688,8 @@ class Store:
 
     @property
     def pending_due(self) -> bool:
+        """Whether the pending index entries are due for LMDB (``PENDING_MAX`` of them, or older
+        than ``PENDING_AGE`` seconds)."""
         p = self.pending
         return bool(p.blobs) and (len(p.blobs) >= PENDING_MAX
                                   or time.monotonic() - p.since >= PENDING_AGE)
@@ -1011,14 +1029,19 @@ class Store:
         return moves, dst_off, bad
 
     def create_volume(self, vol: int) -> int:
+        """Create (truncating) volume ``vol``'s file; its fd, open for reading and writing."""
         return os.open(self.vol_path(vol), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def sync_volume(self, fd: int) -> None:
+        """Make volume file ``fd`` durable (fdatasync, then fsync the volumes directory); with
+        ``fsync`` off, nothing."""
         if self.fsync:
             os.fdatasync(fd)
             self._fsync_dir()
 
     def unlink_volume(self, vol: int) -> None:
+        """Delete volume ``vol``'s file (missing is fine) and fsync the directory (with ``fsync``
+        on)."""
         _unlink_quietly(self.vol_path(vol))
         self._fsync_dir()
 
