@@ -79,6 +79,7 @@ def _rtts(text: str) -> list[float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``jpfs bench aggregate`` (the dataset, the clients, the vias, the epochs)."""
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset", metavar="DIR",
                    help="a local LeRobot dataset (default: generate one with --episodes ...)")
@@ -323,6 +324,8 @@ def _ranks() -> Iterator[Ranks]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Run ``jpfs bench aggregate`` (on every torchrun rank): print the report on rank 0 and return
+    the figures."""
     if min(args.clients, args.epochs, args.inflight, args.threads, args.rounds, args.batch) < 1:
         raise SystemExit("--clients, --epochs, --rounds, --inflight, --batch and --threads must "
                          "be at least 1")

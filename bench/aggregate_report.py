@@ -27,6 +27,8 @@ def merge_rounds(raw: list[dict]) -> list[dict]:
 
 
 def check(row: dict) -> None:
+    """Raise RuntimeError unless an epoch's row read every expected file and byte, without errors
+    or a timeout (a faster run that read less is no result)."""
     if row["n_errors"] or row["timed_out"]:
         raise RuntimeError(f"{row['via']} epoch {row['epoch']}: {row['n_errors']} read "
                            f"error(s){' and a timeout' if row['timed_out'] else ''}: "

@@ -46,9 +46,11 @@ class Ranks:
 
     @property
     def multi_host(self) -> bool:
+        """Whether the job spans several hosts (more ranks than this host runs)."""
         return self.world > self.local_world
 
     def barrier(self) -> None:
+        """Wait for every rank (nothing without torch.distributed)."""
         if self.dist:
             self.dist.barrier()
 
@@ -69,6 +71,7 @@ class Ranks:
         return out
 
     def close(self) -> None:
+        """Leave the process group, if one was made."""
         if self.dist and self.dist.is_initialized():
             self.dist.destroy_process_group()
 
@@ -99,6 +102,8 @@ class Mounts:
         self.generation = 0
 
     def mount(self, via: str) -> Path:
+        """Mount ``via`` afresh (empty caches, a new cache directory) in the background; the
+        mountpoint."""
         from jpfs.fuse import mount as fm
 
         self.umount(via)
@@ -114,6 +119,7 @@ class Mounts:
         return mp
 
     def path(self, via: str) -> Path:
+        """The mountpoint of ``via`` (KeyError if it is not mounted)."""
         return self.points[via]
 
     def pid(self, via: str) -> int | None:
@@ -121,6 +127,7 @@ class Mounts:
         return self.pids.get(via)
 
     def stats(self, via: str) -> dict:
+        """The mount's ``.jpfs/stats``, or ``{}`` if it cannot be read."""
         import json
 
         try:
@@ -129,6 +136,7 @@ class Mounts:
             return {}
 
     def umount(self, via: str) -> None:
+        """Unmount ``via`` (lazily and forced if a plain unmount fails) and remove its caches."""
         from jpfs.fuse import mount as fm
 
         mp = self.points.pop(via, None)
@@ -145,6 +153,7 @@ class Mounts:
             shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
+        """Unmount every mount."""
         for via in list(self.points):
             self.umount(via)
 

@@ -56,6 +56,7 @@ def _str_list(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``jpfs bench convert``."""
     parser.add_argument("--src", default=None,
                         help="an existing v2.1 dataset to use instead of generating one")
     parser.add_argument("--dir", default=None,
@@ -89,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``jpfs bench convert`` (a v2.1 dataset to v3.0): print the report, return the figures."""
     from jpfs.lerobot.dataset import load_meta
 
     work = args.dir or tempfile.mkdtemp(prefix="jpfs-bench-convert-")

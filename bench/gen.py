@@ -56,6 +56,7 @@ def _resolution(text: str) -> tuple[int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``jpfs bench gen``."""
     parser.add_argument("dir", metavar="DIR",
                         help="new or empty folder: a local path or jpfs:/path")
     parser.add_argument("--episodes", type=int, default=50, help="episodes (default 50)")
@@ -95,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``jpfs bench gen``: write a LeRobot-shaped dataset into ``args.dir``; its figures."""
     from jpfs.config import format_size
     from jpfs.lerobot.generate import generate
     from jpfs.uri import is_jpfs, to_path, to_url

@@ -52,6 +52,7 @@ class Phase:
     latencies: list[float] = field(default_factory=list)
 
     def add(self, ops: int, start: float, end: float, nbytes: int = 0) -> None:
+        """Count ``ops`` (and ``nbytes``) done by one process between ``start`` and ``end``."""
         self.ops += ops
         self.start = min(self.start, start)
         self.end = max(self.end, end)
@@ -59,18 +60,22 @@ class Phase:
 
     @property
     def seconds(self) -> float:
+        """Seconds from the first start to the last end (never 0)."""
         return max(self.end - self.start, 1e-9)
 
     @property
     def rate(self) -> float:
+        """Ops per second over ``seconds``."""
         return self.ops / self.seconds
 
 
 def ratio(value: float, baseline: float) -> float | None:
+    """``value / baseline``, or None without a baseline."""
     return value / baseline if baseline else None
 
 
 def fmt_rate(x: float) -> str:
+    """A rate for a table: ``1.23M``, ``45.6k`` or ``789``."""
     if x >= 1e6:
         return f"{x / 1e6:.2f}M"
     if x >= 1e4:
@@ -79,10 +84,12 @@ def fmt_rate(x: float) -> str:
 
 
 def fmt_ratio(x: float | None) -> str:
+    """A ratio for a table: ``1.23x``, or ``-`` for None."""
     return "-" if x is None else f"{x:.2f}x"
 
 
 def print_table(headers: list[str], rows: list[list], title: str | None = None) -> None:
+    """Print ``rows`` as a plain text table under ``headers`` (columns padded to fit)."""
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
               for i, h in enumerate(headers)]
@@ -97,10 +104,12 @@ def print_table(headers: list[str], rows: list[list], title: str | None = None) 
 
 
 def now() -> float:
+    """Wall-clock time in seconds (``time.time``: comparable across processes)."""
     return time.time()
 
 
 def cpu_count() -> int:
+    """The CPUs this process may run on (its affinity, not the machine's count)."""
     return len(os.sched_getaffinity(0))
 
 

@@ -40,6 +40,7 @@ MiB = 1 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``jpfs bench heal``."""
     p.add_argument("--phases", default=",".join(PHASES),
                    help=f"which phases, comma-separated (default {','.join(PHASES)})")
     p.add_argument("--size", type=arg_type(parse_size), default=192 * MiB,
@@ -148,6 +149,8 @@ class _Reader(threading.Thread):
 
 
 def run_repair(args: argparse.Namespace) -> dict:
+    """The repair phase: foreground read rates with and without the healer re-replicating a lost
+    node's chunks, and the time it takes."""
     import jpfs
     from jpfs import localcluster
     from jpfs.client.scrub import heal_status
@@ -220,6 +223,8 @@ def run_repair(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Run ``jpfs bench heal``'s phases (``--phases``); their figures by phase. ValueError for an
+    unknown phase."""
     phases = [p.strip() for p in getattr(args, "phases", ",".join(PHASES)).split(",") if p]
     unknown = [p for p in phases if p not in PHASES]
     if unknown:

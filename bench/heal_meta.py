@@ -29,6 +29,7 @@ DESCRIPTION = __doc__
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the failover and replication phases of ``jpfs bench heal``."""
     p.add_argument("--kills", type=int, default=5, help="leader kills (default 5)")
     p.add_argument("--files", type=int, default=3000,
                    help="files created (then stat-ed) per setting (default 3000)")
@@ -203,6 +204,7 @@ def run_replication(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Both metadata phases: ``failover`` and ``replication``."""
     return {"failover": run_failover(args), "replication": run_replication(args)}
 
 

@@ -52,6 +52,7 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``jpfs bench loader``."""
     parser.add_argument("--dir", default=None,
                         help="work folder for the v2.1 and v3.0 copies (local or jpfs:/path): "
                              "generated if absent, reused if there (default: a temporary "
@@ -250,6 +251,8 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``jpfs bench loader`` (DataLoader throughput over the v2.1 and v3.0 copies): print the
+    report, return the figures."""
     import torch
     from torch.utils.data import DataLoader
 

@@ -35,6 +35,7 @@ BATCH = 100
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``jpfs bench meta``."""
     p.add_argument("--shards", default="1,2,4", help="shard counts to measure (default 1,2,4)")
     p.add_argument("--clients", type=int, default=2, help="client processes (default 2)")
     p.add_argument("--files", type=int, default=2000, help="files per client (default 2000)")
@@ -299,6 +300,8 @@ def _ceiling(args) -> dict[str, dict]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Run ``jpfs bench meta`` for each shard count (and the local baseline): print the report,
+    return the figures."""
     shard_counts = [int(x) for x in args.shards.split(",") if x]
     print(f"jpfs bench meta: {args.clients} clients x {args.files} files, "
           f"{args.inflight} in flight for create/remove, shards {shard_counts}", flush=True)

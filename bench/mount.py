@@ -72,6 +72,7 @@ def _list(kind, choices=None):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``jpfs bench mount``."""
     from jpfs.config import parse_size
 
     p.add_argument("--dataset", metavar="DIR", help="a local LeRobot v2.1 dataset (default: "
@@ -271,6 +272,8 @@ def _measure(via: str, order_name: str, readers: int, ds, local_root: str, clust
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``jpfs bench mount`` (the dataset read through each via): print the report, return the
+    figures. FUSE vias need root and /dev/fuse."""
     from jpfs.client.transfer import import_tree
     from jpfs.fuse.mount import mount_entry
 
@@ -342,6 +345,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report_phases(result: dict) -> None:
+    """Print the per-phase table of a result (rates, ratios, CPU per op)."""
     from .harness import fmt_ratio, print_table
 
     def cpu(r: dict) -> str:
@@ -432,6 +436,7 @@ def summarize(runs: list[dict], args) -> dict:
 
 
 def report(result: dict, args) -> None:
+    """Print the result as one table per order and reader count."""
     from .harness import fmt_rate, fmt_ratio, print_table
 
     runs = result["runs"]

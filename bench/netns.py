@@ -112,16 +112,19 @@ def _kill(pids: Sequence[int], grace: float = 5.0) -> None:
 
 
 def namespaces() -> list[str]:
+    """The names of the network namespaces (``ip netns list``)."""
     r = _run(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
 
 
 def ns_pids(ns: str) -> list[int]:
+    """The processes in namespace ``ns``."""
     r = _run(["ip", "netns", "pids", ns], check=False)
     return [int(x) for x in r.stdout.split() if x.isdigit()]
 
 
 def links() -> list[str]:
+    """The names of the network links of this namespace."""
     r = _run(["ip", "-o", "link", "show"], check=False)
     return [line.split(":")[1].strip().split("@")[0] for line in r.stdout.splitlines()
             if line.count(":") >= 2]
@@ -203,6 +206,7 @@ def clean_leftovers() -> dict[str, list]:
 
 @dataclass(frozen=True)
 class Host:
+    """One simulated host: its namespace, its veth and its two addresses."""
     index: int
     ns: str
     veth: str
@@ -257,6 +261,8 @@ class SimHosts:
             self._old_handlers[sig] = signal.signal(sig, stop_like_ctrl_c)
 
     def setup(self) -> None:
+        """Make the bridge, the namespaces and their links, and the delay (netem or relays); removes
+        an earlier run's leftovers first. RuntimeError where namespaces cannot be made here."""
         clean_leftovers()
         reason = unavailable()
         if reason:
@@ -403,6 +409,7 @@ class SimHosts:
         return f"{h.outer if self.method == 'relay' else h.inner}:{port}"
 
     def describe(self) -> dict:
+        """The setup, as one JSON-able object (for a benchmark's figures)."""
         return {"hosts": self.k, "rtt_ms": self.rtt * 1e3,
                 "rate_bit_s": self.rate, "delay_method": self.method,
                 "addresses": [h.inner for h in self.hosts]}
@@ -467,6 +474,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m jpfs_bench.netns clean [--dry-run]``: remove (or list) crashed runs'
+    leftovers."""
     p = argparse.ArgumentParser(prog="python -m jpfs_bench.netns",
                                 description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)

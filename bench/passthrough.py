@@ -78,6 +78,7 @@ class Passthrough(pyfuse3.Operations):
         return os.path.join(self._path(parent), os.fsdecode(name))
 
     async def forget(self, inode_list) -> None:
+        """FORGET: drop the kernel's lookups; an inode no longer looked up forgets its path."""
         for ino, n in inode_list:
             left = self.lookups.get(ino, 0) - n
             if left > 0:
@@ -90,14 +91,17 @@ class Passthrough(pyfuse3.Operations):
     # ---- names
     @_fuse_errors
     async def lookup(self, parent, name, ctx=None):
+        """LOOKUP: the entry of ``name`` in ``parent`` (``lstat`` below)."""
         return self._remember(self._child(parent, name))
 
     @_fuse_errors
     async def getattr(self, inode, ctx=None):
+        """GETATTR: the inode's ``lstat``."""
         return self._entry(self._path(inode))
 
     @_fuse_errors
     async def setattr(self, inode, attr, fields, fh, ctx):
+        """SETATTR: truncate, chmod, chown, utime below as asked; the attributes after."""
         path = self._path(inode)
         if fields.update_size:
             os.truncate(path, attr.st_size)
@@ -115,20 +119,24 @@ class Passthrough(pyfuse3.Operations):
 
     @_fuse_errors
     async def mkdir(self, parent, name, mode, ctx):
+        """MKDIR below; the new directory's entry."""
         path = self._child(parent, name)
         os.mkdir(path, mode)
         return self._remember(path)
 
     @_fuse_errors
     async def rmdir(self, parent, name, ctx):
+        """RMDIR below."""
         os.rmdir(self._child(parent, name))
 
     @_fuse_errors
     async def unlink(self, parent, name, ctx):
+        """UNLINK below."""
         os.unlink(self._child(parent, name))
 
     @_fuse_errors
     async def rename(self, parent_old, name_old, parent_new, name_new, flags, ctx):
+        """RENAME below (no flags: EINVAL for RENAME_NOREPLACE/EXCHANGE)."""
         if flags:
             raise pyfuse3.FUSEError(errno.EINVAL)
         old, new = self._child(parent_old, name_old), self._child(parent_new, name_new)
@@ -140,6 +148,7 @@ class Passthrough(pyfuse3.Operations):
     # ---- files
     @_fuse_errors
     async def create(self, parent, name, mode, flags, ctx):
+        """CREATE: open(O_CREAT) below; the descriptor is the handle."""
         path = self._child(parent, name)
         fd = os.open(path, flags | os.O_CREAT, mode)
         e = self._remember(path)
@@ -148,38 +157,46 @@ class Passthrough(pyfuse3.Operations):
 
     @_fuse_errors
     async def open(self, inode, flags, ctx):
+        """OPEN below; the descriptor is the handle."""
         fd = os.open(self._path(inode), flags & ~os.O_CREAT)
         self.fds[fd] = fd
         return pyfuse3.FileInfo(fh=fd)
 
     @_fuse_errors
     async def read(self, fh, off, size):
+        """READ: ``pread`` on the handle's descriptor."""
         return os.pread(fh, size, off)
 
     @_fuse_errors
     async def write(self, fh, off, buf):
+        """WRITE: ``pwrite`` on the handle's descriptor; the bytes written."""
         return os.pwrite(fh, buf, off)
 
     async def flush(self, fh):
+        """FLUSH: nothing to do (writes went below at once)."""
         pass
 
     @_fuse_errors
     async def fsync(self, fh, datasync):
+        """FSYNC: fdatasync or fsync the handle's descriptor."""
         (os.fdatasync if datasync else os.fsync)(fh)
 
     @_fuse_errors
     async def release(self, fh):
+        """RELEASE: close the handle's descriptor."""
         if self.fds.pop(fh, None) is not None:
             os.close(fh)
 
     # ---- directories
     @_fuse_errors
     async def opendir(self, inode, ctx):
+        """OPENDIR: the inode is the handle."""
         self._path(inode)
         return inode
 
     @_fuse_errors
     async def readdir(self, fh, start_id, token):
+        """READDIR: the directory's entries in name order, each with its ``lstat``."""
         path = self._path(fh)
         names = sorted(os.listdir(path))
         for k in range(start_id, len(names)):
@@ -191,10 +208,12 @@ class Passthrough(pyfuse3.Operations):
             self.lookups[e.st_ino] = self.lookups.get(e.st_ino, 0) + 1
 
     async def releasedir(self, fh):
+        """RELEASEDIR: nothing to free."""
         pass
 
     @_fuse_errors
     async def statfs(self, ctx):
+        """STATFS: the source directory's ``statvfs``."""
         st = os.statvfs(self.source)
         s = pyfuse3.StatvfsData()
         for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
@@ -205,6 +224,7 @@ class Passthrough(pyfuse3.Operations):
     # ---- extended attributes (the kernel asks for security.capability before every write)
     @_fuse_errors
     async def getxattr(self, inode, name, ctx):
+        """GETXATTR below (symlinks not followed); ENODATA where it is not set."""
         try:
             return os.getxattr(self._path(inode), os.fsdecode(name), follow_symlinks=False)
         except OSError as e:
@@ -213,10 +233,13 @@ class Passthrough(pyfuse3.Operations):
 
     @_fuse_errors
     async def listxattr(self, inode, ctx):
+        """LISTXATTR below (symlinks not followed)."""
         return [os.fsencode(n) for n in os.listxattr(self._path(inode), follow_symlinks=False)]
 
 
 def main(argv: list[str]) -> None:
+    """``python -m jpfs_bench.passthrough SOURCE MOUNTPOINT``: mount, print ``ready``, serve until
+    unmounted or SIGTERM/SIGINT."""
     source, mountpoint = argv
     ops = Passthrough(os.path.abspath(source))
     pyfuse3.init(ops, mountpoint, {"fsname=jpfs-bench-passthrough", "default_permissions"})

@@ -95,6 +95,7 @@ def names(body: memoryview) -> list[bytes]:
 
 
 def attr_bytes(st: os.stat_result, ino: int) -> bytes:
+    """A ``fuse_attr`` of ``st`` under node id ``ino``."""
     return ATTR.pack(ino, st.st_size, st.st_blocks, int(st.st_atime), int(st.st_mtime),
                      int(st.st_ctime), st.st_atime_ns % 10**9, st.st_mtime_ns % 10**9,
                      st.st_ctime_ns % 10**9, st.st_mode, st.st_nlink, st.st_uid, st.st_gid,
@@ -125,22 +126,27 @@ class RawPassthrough:
         return ENTRY_OUT.pack(ino, 0, TIMEOUT, TIMEOUT, 0, 0) + attr_bytes(st, ino)
 
     def lookup(self, nodeid: int, body: memoryview) -> bytes:
+        """LOOKUP: the entry of the name in ``nodeid``."""
         return self._entry(self._child(nodeid, names(body)[0]))
 
     def getattr(self, nodeid: int, body: memoryview) -> bytes:
+        """GETATTR: the node's ``lstat``, valid for ``TIMEOUT`` seconds."""
         st = os.lstat(self.paths[nodeid])
         return ATTR_OUT.pack(TIMEOUT, 0, 0) + attr_bytes(st, nodeid)
 
     def readlink(self, nodeid: int, body: memoryview) -> bytes:
+        """READLINK: the symlink's target."""
         return os.fsencode(os.readlink(self.paths[nodeid]))
 
     def open(self, nodeid: int, body: memoryview) -> bytes:
+        """OPEN: a descriptor below as the handle, pages kept across opens (FOPEN_KEEP_CACHE)."""
         flags = OPEN_IN.unpack_from(body)[0] & ~(os.O_CREAT | os.O_EXCL | os.O_NOCTTY)
         fd = os.open(self.paths[nodeid], flags | os.O_CLOEXEC)
         return OPEN_OUT.pack(fd, FOPEN_KEEP_CACHE, 0)
 
     # ---- changes (--read-write)
     def create(self, nodeid: int, body: memoryview) -> bytes:
+        """CREATE: open(O_CREAT) below; the entry and the descriptor as the handle."""
         flags, mode = CREATE_IN.unpack_from(body)[:2]
         path = self._child(nodeid, names(body[CREATE_IN.size:])[0])
         fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, mode)
@@ -151,23 +157,28 @@ class RawPassthrough:
             raise
 
     def mkdir(self, nodeid: int, body: memoryview) -> bytes:
+        """MKDIR below; the new directory's entry."""
         mode = MKDIR_IN.unpack_from(body)[0]
         path = self._child(nodeid, names(body[MKDIR_IN.size:])[0])
         os.mkdir(path, mode)
         return self._entry(path)
 
     def unlink(self, nodeid: int, body: memoryview) -> bytes:
+        """UNLINK below."""
         os.unlink(self._child(nodeid, names(body)[0]))
         return b""
 
     def rmdir(self, nodeid: int, body: memoryview) -> bytes:
+        """RMDIR below."""
         os.rmdir(self._child(nodeid, names(body)[0]))
         return b""
 
     def rename(self, nodeid: int, body: memoryview) -> bytes:
+        """RENAME below (no flags)."""
         return self._rename(nodeid, RENAME_IN.unpack_from(body)[0], 0, body[RENAME_IN.size:])
 
     def rename2(self, nodeid: int, body: memoryview) -> bytes:
+        """RENAME2 below, with its flags."""
         newdir, flags, _ = RENAME2_IN.unpack_from(body)
         return self._rename(nodeid, newdir, flags, body[RENAME2_IN.size:])
 
@@ -183,6 +194,7 @@ class RawPassthrough:
         return b""
 
     def setattr(self, nodeid: int, body: memoryview) -> bytes:
+        """SETATTR: truncate, chmod, chown, utime below as ``valid`` says; the attributes after."""
         (valid, _, _, size, _, atime, mtime, _, atime_ns, mtime_ns, _, mode, _, uid, gid,
          _) = SETATTR_IN.unpack_from(body)
         path = self.paths[nodeid]
@@ -204,16 +216,20 @@ class RawPassthrough:
         return self.getattr(nodeid, body)
 
     def write(self, nodeid: int, body: memoryview) -> bytes:
+        """WRITE: ``pwrite`` on the handle's descriptor; the bytes written."""
         fh, offset, size = WRITE_IN.unpack_from(body)[:3]
         data = body[WRITE_IN.size:WRITE_IN.size + size]
         return WRITE_OUT.pack(os.pwrite(fh, data, offset), 0)
 
     def fsync(self, nodeid: int, body: memoryview) -> bytes:
+        """FSYNC: fdatasync or fsync the handle's descriptor."""
         fh, flags = struct.unpack_from("<QI", body)
         (os.fdatasync if flags & 1 else os.fsync)(fh)
         return b""
 
     def getxattr(self, nodeid: int, body: memoryview) -> bytes:
+        """GETXATTR below: the value, or its size when asked with size 0; ERANGE if it does not
+        fit."""
         size = GETXATTR_IN.unpack_from(body)[0]
         name = os.fsdecode(names(body[GETXATTR_IN.size:])[0])
         value = os.getxattr(self.paths[nodeid], name, follow_symlinks=False)
@@ -224,10 +240,12 @@ class RawPassthrough:
         return value
 
     def release(self, nodeid: int, body: memoryview) -> bytes:
+        """RELEASE: close the handle's descriptor."""
         os.close(RELEASE_IN.unpack_from(body)[0])
         return b""
 
     def opendir(self, nodeid: int, body: memoryview) -> bytes:
+        """OPENDIR: list the directory once, in name order; the listing's number is the handle."""
         path = self.paths[nodeid]
         entries = []
         with os.scandir(path) as it:
@@ -241,6 +259,7 @@ class RawPassthrough:
         return OPEN_OUT.pack(fh, 0, 0)
 
     def readdir(self, nodeid: int, body: memoryview) -> bytes:
+        """READDIR: the listing's entries from ``offset`` that fit in ``size`` bytes."""
         fh, offset, size = READ_IN.unpack_from(body)
         out = bytearray()
         entries = self.listings[fh]
@@ -254,15 +273,18 @@ class RawPassthrough:
         return bytes(out)
 
     def releasedir(self, nodeid: int, body: memoryview) -> bytes:
+        """RELEASEDIR: forget the listing."""
         self.listings.pop(RELEASE_IN.unpack_from(body)[0], None)
         return b""
 
     def statfs(self, nodeid: int, body: memoryview) -> bytes:
+        """STATFS: the source directory's ``statvfs``."""
         s = os.statvfs(self.source)
         return STATFS_OUT.pack(s.f_blocks, s.f_bfree, s.f_bavail, s.f_files, s.f_ffree,
                                s.f_bsize, s.f_namemax, s.f_frsize)
 
     def flush(self, nodeid: int, body: memoryview) -> bytes:
+        """FLUSH: nothing to do (writes went below at once)."""
         return b""
 
     # ---- the protocol
@@ -369,11 +391,14 @@ def mount(mountpoint: str, fsname: str, read_write: bool = False) -> int:
 
 
 def unmount(mountpoint: str) -> None:
+    """Detach the mount at ``mountpoint`` (umount2 MNT_DETACH; a failure is ignored)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.umount2(mountpoint.encode(), MNT_DETACH)
 
 
 def main(argv: list[str]) -> None:
+    """``python -m jpfs_bench.rawfuse SOURCE MOUNTPOINT [--threads N] [--read-write]``: mount and
+    print ``ready``, serve until SIGTERM/SIGINT."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("source")
     p.add_argument("mountpoint")

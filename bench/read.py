@@ -68,6 +68,7 @@ JPFS_ROOT = "/bench/read"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``jpfs bench read``."""
     p.add_argument("--dataset", metavar="DIR",
                    help="read this local tree as the small-file workload (default: make one)")
     p.add_argument("--episodes", type=int, default=2000,
@@ -126,6 +127,7 @@ def make_tree(root: Path, episodes: int, cameras: int, parquet_bytes: int, video
 
 
 def make_large(path: Path, size: int) -> None:
+    """Write ``size`` random bytes to ``path`` (through a ``.part`` file renamed into place)."""
     tmp = path.with_suffix(".part")
     with open(tmp, "wb") as f:
         left = size
@@ -236,6 +238,8 @@ async def _measure(client, name: str, sets: dict, args, daemon_pids: list[int]) 
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Run ``jpfs bench read`` (small and large files, warm and cold, by each path): print the
+    report, return the figures."""
     if args.rounds < 1 or args.batch < 1 or args.inflight < 1:
         raise SystemExit("--rounds, --batch and --inflight must be at least 1")
     keep = bool(args.work)
@@ -406,6 +410,7 @@ def _ratios(result: dict) -> None:
 
 
 def report(result: dict) -> None:
+    """Print the result as tables, warm and cold."""
     from .harness import fmt_rate, print_table
 
     def f(x: float | None, spec: str = ".2f", suffix: str = "") -> str:

@@ -55,17 +55,21 @@ class Dataset:
 
     @property
     def files(self) -> int:
+        """Files per epoch."""
         return sum(len(u) for u in self.units)
 
     @property
     def bytes(self) -> int:
+        """Bytes per epoch."""
         return sum(self.sizes[p] for u in self.units for p in u)
 
     @property
     def largest(self) -> int:
+        """The largest file's size in bytes (0 for none)."""
         return max(self.sizes.values(), default=0)
 
     def unit_sizes(self, unit: Sequence[str]) -> list[int]:
+        """The sizes of a unit's files, in order."""
         return [self.sizes[p] for p in unit]
 
 
@@ -145,6 +149,7 @@ class Counters:
     timed_out: bool = False
 
     def as_dict(self) -> dict:
+        """The counters as one picklable object (the first 20 errors in full, all counted)."""
         return {"files": self.files, "bytes": self.bytes, "start": self.start, "end": self.end,
                 "cpu_s": self.cpu_s, "latencies": self.latencies, "errors": self.errors[:20],
                 "n_errors": len(self.errors), "timed_out": self.timed_out}
@@ -197,6 +202,8 @@ class Ticker:
         self.lock = threading.Lock()
 
     def add(self, files: int, nbytes: int) -> None:
+        """Count ``files`` and ``nbytes`` done; sends a tick when ``TICK_SECONDS`` have passed
+        (thread-safe; nothing without a queue)."""
         if self.send is None:
             return
         with self.lock:
@@ -207,6 +214,7 @@ class Ticker:
                 self.flush(now)
 
     def flush(self, now: float | None = None) -> None:
+        """Send what is counted and not sent yet."""
         if self.send is not None and (self.files or self.bytes):
             self.send(self.files, self.bytes)
             self.files = self.bytes = 0

@@ -70,6 +70,7 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m jpfs_bench.scale_check``."""
     p.add_argument("--servers", type=arg_type(_ints), default=[1, 2],
                    help="server hosts to measure, each with one shard and one storage node "
                         "(default 1,2)")
@@ -611,6 +612,7 @@ def _print_row(row: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Run every (servers, clients) configuration on simulated hosts (needs root); the figures."""
     if os.geteuid() != 0:
         raise SystemExit("scale_check needs root (network namespaces)")
     if args.work:

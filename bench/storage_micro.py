@@ -177,6 +177,7 @@ async def run_storage(cluster: config.Cluster, args, pids: tuple[int, int], base
 
 
 def report(res: dict) -> None:
+    """Print the figures against the loopback sendfile baseline."""
     base = res["baseline_GBps"]
     bc, bs = res["baseline_client_s_per_GB"], res["baseline_server_s_per_GB"]
     base_cap = 1 / max(bc, bs)
@@ -304,6 +305,7 @@ def cold_main(args, work: Path, cluster: config.Cluster) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """``python -m jpfs_bench.storage_micro``: measure, print the report and return the figures."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--big", type=int, default=64, help="4 MiB blobs (default 64)")
     p.add_argument("--small", type=int, default=20000, help="1-64 KiB blobs (default 20000)")
