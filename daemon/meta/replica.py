@@ -101,6 +101,8 @@ class Replication:
         return self.ready and self.role == "leader" and trio.current_time() < self.valid_until
 
     def may_ack(self) -> bool:
+        """Whether this copy may still acknowledge a change: it leads and its lease cannot
+        have lapsed (``ready`` not needed: the acknowledgement is what makes it ready)."""
         return self.role == "leader" and trio.current_time() < self.valid_until
 
     def became_ready(self) -> None:
@@ -110,10 +112,13 @@ class Replication:
         self.ready = True
 
     def check(self) -> None:
+        """Raise the not-leader error (EREMOTE, naming the leader) unless this copy serves."""
         if not self.serving():
             raise self.not_leader()
 
     def not_leader(self) -> JPFSError:
+        """The error a client gets from a copy that does not serve: the leader it knows, if
+        any, and its address, so the client goes there next."""
         leader = self.leader if self.leader != self.replica else None
         return R.not_leader(self.shard, self.replica, leader, self.leader_address
                             if leader is not None else None)
@@ -125,6 +130,7 @@ class Replication:
         self._wake = trio.Event()
 
     def committed(self, seq: int) -> None:
+        """The leader's own group commit ``seq`` is durable: it counts towards the majority."""
         self._advance()
 
     def _advance(self) -> None:
@@ -135,6 +141,8 @@ class Replication:
             self.store.replicated(marks[self.majority - 1])
 
     def status(self) -> dict:
+        """This copy's replication state, for ``jpfs cluster status`` and the tests: position,
+        role, the leader it knows, elections, and each follower's position when it leads."""
         term, seq = self.store.pos
         floor = self.store.resync_floor
         return {"shard": self.shard, "replica": self.replica, "term": term, "seq": seq,
@@ -475,6 +483,7 @@ class Replication:
         self.leader, self.leader_address = leader, address
 
     async def repl_status(self, shard: int) -> dict:
+        """REPL_STATUS: this copy's :meth:`status`."""
         return self.status()
 
     def _append(self, shard: int, term: int, leader: int, address: str, prev_term: int,
@@ -505,6 +514,8 @@ class Replication:
 
     async def repl_snapshot(self, shard: int, term: int, leader: int, address: str, step: str,
                             db: str, items: list, pos: list[int]) -> bool:
+        """REPL_SNAPSHOT from the leader, in steps: ``begin`` empties this copy, ``data``
+        loads ``items`` into database ``db``, ``end`` sets the position ``pos`` and syncs."""
         self._hear(shard, term, leader, address)
         store = self.store
         if step == "begin":
