@@ -172,7 +172,7 @@ class Etcd:
 
     async def delete_if(self, key: str | bytes, *, mod_revision: int) -> bool:
         """Compare-and-delete: delete the key only if its ``mod_revision`` is the one given; whether
-        it         was deleted."""
+        it was deleted."""
         return await self._txn_if(key, mod_revision,
                                   {"request_delete_range": {"key": _enc(key)}})
 

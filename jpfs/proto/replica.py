@@ -157,9 +157,9 @@ class ShardPool:
     async def call(self, shard: int, method: Method, args: Sequence[Any], payload=(),
                    **kw: Any) -> object:
         """Call ``method`` on the leader of ``shard`` and return its answer, failing over as the
-        class         says. Raises EINVAL for a shard that does not exist; Refused when every copy
-        refuses the         connection; Unavailable when no copy answers as leader within
-        ``failover_for`` seconds;         any other error the leader answers, as it is."""
+        class says. Raises EINVAL for a shard that does not exist; Refused when every copy
+        refuses the connection; Unavailable when no copy answers as leader within
+        ``failover_for`` seconds; any other error the leader answers, as it is."""
         if not 0 <= shard < len(self.pools):
             raise error(errno.EINVAL, f"no metadata shard number {shard}")
         pool = self.pools[shard]
