@@ -91,24 +91,22 @@ def _kill(pids: Sequence[int], grace: float = 5.0) -> None:
     """SIGTERM these processes, SIGKILL those still there after ``grace`` seconds, and wait
     (``grace`` more at most) until those are gone too: a SIGKILLed process ends when the kernel
     has torn it down, which on a loaded host is not at once."""
-    pids = [p for p in pids if p != os.getpid()]
+    left = _signal_and_wait([p for p in pids if p != os.getpid()], signal.SIGTERM, grace)
+    _signal_and_wait(left, signal.SIGKILL, grace)
+
+
+def _signal_and_wait(pids: Sequence[int], sig: int, grace: float) -> list[int]:
+    """Send ``sig`` to each of ``pids``; wait up to ``grace`` seconds for them to end; the ones
+    still alive."""
     for p in pids:
         try:
-            os.kill(p, signal.SIGTERM)
+            os.kill(p, sig)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    killed = [p for p in pids if pid_alive(p)]
-    for p in killed:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace
-    while any(pid_alive(p) for p in killed) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    return [p for p in pids if pid_alive(p)]
 
 
 def namespaces() -> list[str]:

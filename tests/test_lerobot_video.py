@@ -353,9 +353,9 @@ def test_verify_names_frames_shifted_in_time(intra, tmp_path, frames):
                      r"to that time is its frame 0", text), text
 
 
-def _swap_payloads(path: Path, i: int, j: int) -> None:
-    """Exchange the compressed bytes of frames ``i`` and ``j`` (every frame a keyframe), times
-    unchanged: the video then shows frame ``j`` at frame ``i``'s time and the reverse."""
+def _move_payloads(path: Path, pick) -> None:
+    """Rewrite a video whose every frame is a keyframe: time slot ``k`` keeps its times and
+    shows the compressed frame ``pick(n)[k]`` (of ``n``); slots past the list's end go."""
     with av.open(str(path)) as c:
         s = c.streams.video[0]
         packets = [(p.pts, p.dts, p.duration, bytes(p)) for p in c.demux(s) if p.dts is not None]
@@ -363,8 +363,8 @@ def _swap_payloads(path: Path, i: int, j: int) -> None:
         with av.open(str(tmp), "w", format="mp4") as out:
             o = out.add_stream_from_template(template=s, opaque=True)
             o.time_base = s.time_base
-            for k, (pts, dts, dur, _) in enumerate(packets):
-                pkt = av.Packet(packets[{i: j, j: i}.get(k, k)][3])
+            for (pts, dts, dur, _), source in zip(packets, pick(len(packets)), strict=False):
+                pkt = av.Packet(packets[source][3])
                 pkt.pts, pkt.dts, pkt.duration = pts, dts, dur
                 pkt.time_base = s.time_base
                 pkt.is_keyframe = True
@@ -373,13 +373,22 @@ def _swap_payloads(path: Path, i: int, j: int) -> None:
     os.replace(tmp, path)
 
 
+def _swapped(i: int, j: int):
+    return lambda n: [{i: j, j: i}.get(k, k) for k in range(n)]
+
+
+def _dropped(k: int):
+    """Frame ``k`` gone, the frames after it one slot earlier: the rest on time, one short."""
+    return lambda n: [x for x in range(n) if x != k]
+
+
 def test_verify_names_swapped_frames_and_where_they_went(intra, tmp_path):
     src, good = intra
     dst = tmp_path / "swapped"
     shutil.copytree(good, dst)
     meta = load_meta(str(dst))
     key = meta.video_keys[1]
-    _swap_payloads(dst / meta.episodes[0].videos[key].path, 2, 3)
+    _move_payloads(dst / meta.episodes[0].videos[key].path, _swapped(2, 3))
     report = verify(str(src), str(dst), workers=1, progress=False, frames="full")
     assert not report["ok"]
     text = "\n".join(report["problems"])
@@ -393,28 +402,6 @@ def test_verify_names_swapped_frames_and_where_they_went(intra, tmp_path):
         "\n".join(report["problems"]), report["problems"]
 
 
-def _drop_packet(path: Path, k: int) -> None:
-    """Remove frame ``k`` (every frame a keyframe); the frames after it move one frame earlier,
-    so the video shows the rest on time but one short."""
-    with av.open(str(path)) as c:
-        s = c.streams.video[0]
-        packets = [(p.pts, p.dts, p.duration, bytes(p)) for p in c.demux(s) if p.dts is not None]
-        kept = [(times, p[3]) for times, p in zip(packets, packets[:k] + packets[k + 1:],
-                                                     strict=False)]
-        tmp = path.with_suffix(".tmp.mp4")
-        with av.open(str(tmp), "w", format="mp4") as out:
-            o = out.add_stream_from_template(template=s, opaque=True)
-            o.time_base = s.time_base
-            for (pts, dts, dur, _), data in kept:
-                pkt = av.Packet(data)
-                pkt.pts, pkt.dts, pkt.duration = pts, dts, dur
-                pkt.time_base = s.time_base
-                pkt.is_keyframe = True
-                pkt.stream = o
-                out.mux(pkt)
-    os.replace(tmp, path)
-
-
 def test_verify_names_a_dropped_frame(intra, tmp_path):
     src, good = intra
     dst = tmp_path / "dropped"
@@ -422,7 +409,7 @@ def test_verify_names_a_dropped_frame(intra, tmp_path):
     meta = load_meta(str(dst))
     key = meta.video_keys[0]
     ep = meta.episodes[-1]
-    _drop_packet(dst / ep.videos[key].path, 2)
+    _move_payloads(dst / ep.videos[key].path, _dropped(2))
     report = verify(str(src), str(dst), workers=1, progress=False, frames="full")
     text = "\n".join(report["problems"])
     # The file's first episode shows its later frames one frame early...

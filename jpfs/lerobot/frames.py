@@ -17,7 +17,8 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from .fsutil import DatasetError, open_input
+from .fsutil import DatasetError
+from .video import open_video
 
 __all__ = ["Frame", "FrameSeeker", "frame_times", "iter_frames", "same_image"]
 
@@ -28,25 +29,6 @@ class Frame:
 
     time: Fraction
     image: np.ndarray
-
-
-def _open(path: str, src: Any) -> Any:
-    import av
-
-    try:
-        container = av.open(src, "r")
-    except av.error.FFmpegError as e:
-        raise DatasetError(path, f"not a readable video, truncated or corrupt ({e})") from None
-    if not container.streams.video:
-        container.close()
-        raise DatasetError(path, "has no video stream")
-    return container
-
-
-def _time_base(path: str, stream: Any) -> Fraction:
-    if stream.time_base is None:
-        raise DatasetError(path, "has a video stream without a time base")
-    return Fraction(stream.time_base)
 
 
 def _pixels(frame: Any) -> np.ndarray:
@@ -65,40 +47,19 @@ def same_image(a: np.ndarray, b: np.ndarray) -> bool:
 
 def frame_times(fs: fsspec.AbstractFileSystem, path: str) -> list[Fraction]:
     """Presentation times of every frame, sorted, from the packet headers (no decoding)."""
-    import av
-
-    with open_input(fs, path) as src:
-        container = _open(path, src)
-        with container:
-            stream = container.streams.video[0]
-            tb = _time_base(path, stream)
-            times = []
-            try:
-                for pkt in container.demux(stream):
-                    if pkt.dts is None:
-                        continue
-                    times.append(Fraction(pkt.pts if pkt.pts is not None else pkt.dts) * tb)
-            except av.error.FFmpegError as e:
-                raise DatasetError(path, f"not a readable video ({e})") from None
+    with open_video(fs, path) as (container, stream, tb):
+        times = [Fraction(p.pts if p.pts is not None else p.dts) * tb
+                 for p in container.demux(stream) if p.dts is not None]
     times.sort()
     return times
 
 
 def iter_frames(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Frame]:
     """Every frame of a video in presentation order, decoded from the start."""
-    import av
-
-    with open_input(fs, path) as src:
-        container = _open(path, src)
-        with container:
-            stream = container.streams.video[0]
-            tb = _time_base(path, stream)
-            try:
-                for frame in container.decode(stream):
-                    if frame.pts is not None:
-                        yield Frame(Fraction(frame.pts) * tb, _pixels(frame))
-            except av.error.FFmpegError as e:
-                raise DatasetError(path, f"not a decodable video ({e})") from None
+    with open_video(fs, path) as (container, stream, tb):
+        for frame in container.decode(stream):
+            if frame.pts is not None:
+                yield Frame(Fraction(frame.pts) * tb, _pixels(frame))
 
 
 class FrameSeeker:
@@ -113,14 +74,8 @@ class FrameSeeker:
 
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str):
         self.path = path
-        self._input = open_input(fs, path)
-        try:
-            self._container = _open(path, self._input.__enter__())
-        except BaseException:
-            self._input.__exit__(None, None, None)
-            raise
-        self._stream = self._container.streams.video[0]
-        self._tb = _time_base(path, self._stream)
+        self._video = open_video(fs, path)
+        self._container, self._stream, self._tb = self._video.__enter__()
         self._frames: Iterator[Any] | None = None
         self._prev: Frame | None = None  # the last frame decoded at or before the last time
         self._ahead: Frame | None = None  # decoded past the last time, not yet handed out
@@ -134,8 +89,7 @@ class FrameSeeker:
 
     def close(self) -> None:
         """Close the video."""
-        self._container.close()
-        self._input.__exit__(None, None, None)
+        self._video.__exit__(None, None, None)
 
     def _seek(self, t: Fraction) -> None:
         self._container.seek(max(0, int(t / self._tb)), stream=self._stream, backward=True,

@@ -7,6 +7,7 @@ header) when only the I/O shape matters. Stubs are recorded as ``video.codec == 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -190,6 +191,26 @@ def _av_error(path: str, e: Exception) -> DatasetError:
     return DatasetError(path, f"not a readable video, truncated or corrupt ({e})")
 
 
+@contextlib.contextmanager
+def open_video(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[Any, Any, Fraction]]:
+    """A real video opened with PyAV: (container, its first video stream, that stream's time
+    base). A missing or unreadable file, or one without a video stream, raises DatasetError
+    naming it; so does an FFmpeg error while the caller reads it."""
+    import av
+
+    with open_input(fs, path) as src:
+        try:
+            container = av.open(src, "r")
+        except av.error.FFmpegError as e:
+            raise _av_error(path, e) from None
+        with container:
+            stream = _video_stream(path, container)
+            try:
+                yield container, stream, _time_base(path, stream)
+            except av.error.FFmpegError as e:
+                raise _av_error(path, e) from None
+
+
 def probe(fs: fsspec.AbstractFileSystem, path: str) -> VideoInfo:
     """Frame count and duration of a video, by reading every packet (cheap: no decoding)."""
     stub = _read_stub(fs, path) if fs.exists(path) else None
@@ -198,29 +219,18 @@ def probe(fs: fsspec.AbstractFileSystem, path: str) -> VideoInfo:
     frames = 0
     first: int | None = None
     end = 0
-    import av
-
-    with open_input(fs, path) as src:
-        try:
-            with av.open(src, "r") as inp:
-                if not inp.streams.video:
-                    raise DatasetError(path, "has no video stream")
-                s = inp.streams.video[0]
-                tb = _time_base(path, s)
-                step = _frame_ticks(s)
-                for pkt in inp.demux(s):
-                    if pkt.dts is None:
-                        continue
-                    pts = pkt.pts if pkt.pts is not None else pkt.dts
-                    first = pts if first is None else min(first, pts)
-                    end = max(end, pts + (pkt.duration or step))
-                    frames += 1
-                info = VideoInfo(path, s.codec_context.name, s.codec_context.width,
-                                 s.codec_context.height, frames,
-                                 Fraction(end - (first or 0)) * tb, fs.size(path))
-        except av.error.FFmpegError as e:
-            raise _av_error(path, e) from None
-    return info
+    with open_video(fs, path) as (inp, s, tb):
+        step = _frame_ticks(s)
+        for pkt in inp.demux(s):
+            if pkt.dts is None:
+                continue
+            pts = pkt.pts if pkt.pts is not None else pkt.dts
+            first = pts if first is None else min(first, pts)
+            end = max(end, pts + (pkt.duration or step))
+            frames += 1
+        cc = s.codec_context
+        return VideoInfo(path, cc.name, cc.width, cc.height, frames,
+                         Fraction(end - (first or 0)) * tb, fs.size(path))
 
 
 def _time_base(path: str, stream: VideoStream) -> Fraction:
@@ -278,27 +288,20 @@ def concat(fs: fsspec.AbstractFileSystem, inputs: list[str], output: str,
         last_dts: int | None = None  # the last decode time written, output ticks
         lead_ref: int | None = None  # the first input's decode lead, output ticks
         for i, path in enumerate(inputs):
-            with open_input(fs, path) as src:
-                try:
-                    inp = av.open(src, "r")
-                except av.error.FFmpegError as e:
-                    raise _av_error(path, e) from None
-                with inp:
-                    s = _video_stream(path, inp)
-                    key = _stream_key(s)
-                    if ostream is None:
-                        ostream = out.add_stream_from_template(s, opaque=True)
-                        out_tb = _time_base(path, s)
-                        ostream.time_base = out_tb
-                        ref = key
-                    elif key != ref:
-                        raise DatasetError(
-                            path, f"cannot be joined by stream copy to {inputs[0]}: codec "
-                            f"parameters differ ({_describe_key(key)} vs {_describe_key(ref)}); "
-                            "re-encode the episodes' videos with one encoder setting")
-                    in_tb = _time_base(path, s)
-                    step = _frame_ticks(s)
-                    packets = _episode_packets(path, inp, s)
+            with open_video(fs, path) as (inp, s, in_tb):
+                key = _stream_key(s)
+                if ostream is None:
+                    ostream = out.add_stream_from_template(s, opaque=True)
+                    out_tb = in_tb
+                    ostream.time_base = out_tb
+                    ref = key
+                elif key != ref:
+                    raise DatasetError(
+                        path, f"cannot be joined by stream copy to {inputs[0]}: codec "
+                        f"parameters differ ({_describe_key(key)} vs {_describe_key(ref)}); "
+                        "re-encode the episodes' videos with one encoder setting")
+                step = _frame_ticks(s)
+                packets = _episode_packets(path, inp, s)
             want = expected_frames[i] if expected_frames else None
             if want is not None and len(packets) != want:
                 raise DatasetError(path, f"holds {len(packets)} frames, the episode has {want} "
@@ -363,20 +366,15 @@ def _episode_packets(path: str, inp: Any, stream: Any) -> list[Any]:
             starts after the first decoded frame: stream copy into a joined file would show
             them).
     """
-    import av
-
     packets = []
     hidden = 0
-    try:
-        for pkt in inp.demux(stream):
-            if pkt.dts is None:  # the demuxer's final flush packet
-                continue
-            if pkt.pts is None:
-                pkt.pts = pkt.dts
-            hidden += bool(pkt.is_discard)
-            packets.append(pkt)
-    except av.error.FFmpegError as e:
-        raise _av_error(path, e) from None
+    for pkt in inp.demux(stream):
+        if pkt.dts is None:  # the demuxer's final flush packet
+            continue
+        if pkt.pts is None:
+            pkt.pts = pkt.dts
+        hidden += bool(pkt.is_discard)
+        packets.append(pkt)
     if not packets:
         raise DatasetError(path, "holds no frames")
     if hidden:
@@ -433,20 +431,12 @@ class Packet:
 
 def iter_packets(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Packet]:
     """Every packet of a real video in file order (stubs have none: use :func:`stub_payloads`)."""
-    import av
-
-    with open_input(fs, path) as src:
-        try:
-            with av.open(src, "r") as inp:
-                s = inp.streams.video[0]
-                tb = _time_base(path, s)
-                for pkt in inp.demux(s):
-                    if pkt.dts is None:
-                        continue
-                    pts = pkt.pts if pkt.pts is not None else pkt.dts
-                    yield Packet(pts * tb, bytes(pkt), bool(pkt.is_keyframe))
-        except av.error.FFmpegError as e:
-            raise _av_error(path, e) from None
+    with open_video(fs, path) as (inp, s, tb):
+        for pkt in inp.demux(s):
+            if pkt.dts is None:
+                continue
+            pts = pkt.pts if pkt.pts is not None else pkt.dts
+            yield Packet(pts * tb, bytes(pkt), bool(pkt.is_keyframe))
 
 
 def is_stub(fs: fsspec.AbstractFileSystem, path: str) -> bool:
