@@ -57,6 +57,7 @@ def verify(src: str, dst: str, workers: int | None = None, executor: str = "thre
     if frames not in FRAME_CHECKS:
         raise ValueError(f"frames must be one of {', '.join(FRAME_CHECKS)}, not {frames!r}")
     _cached_meta.cache_clear()
+    _timestamps.cache_clear()
     old = load_meta(src)
     new = load_meta(dst)
     problems = _check_meta(old, new)
@@ -278,7 +279,8 @@ def _check_video(old: DatasetMeta, new: DatasetMeta, key: str, rel: str, frames:
             if problem:
                 problems.append(f"{where}: {problem}")
                 continue
-            note = _check_timestamps(sfs, join(sbase, src_ep.data_file), src_path, want, tol)
+            note = _check_timestamps(_timestamps(old.root, src_ep.data_file), src_path, want,
+                                     tol)
             if note:
                 notes.append(note)
             if full is not None:
@@ -326,11 +328,18 @@ def _check_times(got: list[Fraction], want: list[Fraction], length: int, start: 
     return None
 
 
-def _check_timestamps(fs: Any, data_path: str, video_path: str, times: list[Fraction],
+@functools.lru_cache(maxsize=1024)
+def _timestamps(root: str, rel: str) -> tuple[float, ...]:
+    """An SRC episode's timestamp column, read once for all its cameras."""
+    fs, base = get_fs(root)
+    return tuple(read_table(fs, join(base, rel), columns=["timestamp"]).column("timestamp")
+                 .to_pylist())
+
+
+def _check_timestamps(column: tuple[float, ...], video_path: str, times: list[Fraction],
                       tol: Fraction) -> str | None:
     """A note when SRC's own frames are not where its timestamp column says (a loader of SRC
     then gets the same frames as one of DST: the conversion kept them where they were)."""
-    column = read_table(fs, data_path, columns=["timestamp"]).column("timestamp").to_pylist()
     off = [j for j, (t, ts) in enumerate(zip(times, column, strict=False))
            if abs(t - Fraction(ts)) > tol]
     if not off:
