@@ -204,7 +204,7 @@ def blob_data(blob: bytes, size: int) -> bytes:
 async def _worker(cluster_path: str, seed: int, count: int) -> list:
     import trio
 
-    from jpfs.client.storage import StorageClient
+    from jpfs.client.wire.storage import StorageClient
     from jpfs.placement import chunk_nodes
 
     cluster = config.load(cluster_path)

@@ -236,7 +236,7 @@ def test_a_copy_replacing_a_down_node_keeps_out_of_the_other_copys_domain(make_c
     second copy on node 3, the other domain, not on node 1 next round the ring."""
     import dataclasses
 
-    from jpfs.client.storage import StorageClient
+    from jpfs.client.wire.storage import StorageClient
 
     d = make_cluster(meta_shards=1, storage_nodes=4, replicas=2)
     path = localcluster.cluster_file(d)
@@ -306,7 +306,7 @@ def test_concurrent_writers_and_readers_in_processes(dc, data_cluster):
 
 
 def test_gc_reclaims_space_and_keeps_live_files(make_cluster):
-    from jpfs.client.gc import collect
+    from jpfs.client.tools.gc import collect
 
     d = make_cluster(meta_shards=2, storage_nodes=2, chunk_size=CHUNK)
     keep = {f"/gc/keep{i}": os.urandom(20_000 + i) for i in range(50)}
@@ -333,7 +333,7 @@ def test_gc_reclaims_space_and_keeps_live_files(make_cluster):
 def test_gc_report_counts_what_the_grace_period_kept_and_each_nodes_dead_share(make_cluster):
     """collect() says in one pass what `jpfs gc` prints: blobs kept by --grace, and the dead
     bytes compaction left (no rescan by the CLI)."""
-    from jpfs.client.gc import collect
+    from jpfs.client.tools.gc import collect
 
     d = make_cluster(meta_shards=1, storage_nodes=2, chunk_size=CHUNK)
     with jpfs.connect(d) as c:

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import trio
 from fuse_support import mounted, requires_fuse
+from jpfs.client.data.store.cache import BlobCache
+from jpfs.client.data.store.segments import RECORD, scan_segment
 
 import jpfs
 from jpfs import localcluster
-from jpfs.client.cache import BlobCache
-from jpfs.client.segments import RECORD, scan_segment
-from jpfs.client.transfer import import_tree
+from jpfs.client.tools.transfer import import_tree
 
 CHUNK = 1 << 20
 N = 300

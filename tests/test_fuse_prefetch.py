@@ -15,7 +15,7 @@ from fuse_support import mounted, requires_fuse
 
 import jpfs
 from jpfs import localcluster
-from jpfs.client.transfer import import_tree
+from jpfs.client.tools.transfer import import_tree
 from jpfs.fuse.mount import daemon_pid, is_jpfs_mount
 
 pytestmark = [requires_fuse, pytest.mark.fuse]

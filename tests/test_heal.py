@@ -22,7 +22,7 @@ import pytest
 import jpfs
 from jpfs import config, localcluster
 from jpfs.cli.main import main as cli
-from jpfs.client import scrub
+from jpfs.client.tools import scrub
 
 pytestmark = [pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
               pytest.mark.slow]

@@ -208,3 +208,31 @@ def test_no_module_imports_itself_back():
         if state[name] == 0:
             visit(name, [])
     assert not cycles, "\n".join(cycles)
+
+
+CLIENT_LAYERS = {"wire": 0, "data": 1, "": 2, "vfs": 3, "tools": 3}
+"""jpfs/client's folders, lowest first (docs/design.md): a module imports its own folder and
+those below it; the VFS and the tools sit side by side on the path API, never on each other."""
+
+
+def _client_folder(mod: str) -> str | None:
+    parts = mod.split(".")
+    if parts[:2] != ["jpfs", "client"]:
+        return None
+    return parts[2] if len(parts) > 2 and parts[2] in CLIENT_LAYERS else ""
+
+
+def test_the_client_folders_import_downwards_only():
+    problems = []
+    for name, path, is_pkg in _modules():
+        here = _client_folder(name)
+        if here is None or name == "jpfs.client":
+            continue
+        for mod in _imports(name, path, is_pkg):
+            there = _client_folder(mod)
+            if there is None or mod == "jpfs.client" or there == here:
+                continue
+            if CLIENT_LAYERS[there] >= CLIENT_LAYERS[here]:
+                problems.append(f"{name} imports {mod} (client/{here or '.'} sits below "
+                                f"client/{there or '.'})")
+    assert not problems, "\n".join(sorted(problems))

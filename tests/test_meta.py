@@ -315,7 +315,7 @@ def test_stat_many_and_statfs(client, base):
 
 
 def test_fsck_clean_after_everything(client, meta_cluster):
-    from jpfs.client.fsck import fsck
+    from jpfs.client.tools.fsck import fsck
 
     report = client.run(lambda ac: fsck(ac.meta))
     assert report.clean, report.problems

@@ -20,7 +20,7 @@ from test_meta_crash import DECIDED, _check_clean, _dirs_on_shards, _swallow, _w
 
 import jpfs
 from jpfs import localcluster
-from jpfs.client.fsck import fsck
+from jpfs.client.tools.fsck import fsck
 from jpfs.placement import new_dir_shard, shard_of
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import jpfs
 from jpfs import localcluster
-from jpfs.client.fsck import fsck
+from jpfs.client.tools.fsck import fsck
 from jpfs.placement import new_dir_shard, shard_of
 
 

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from jpfs import config
-from jpfs.client.meta import MetaClient
+from jpfs.client.wire.meta import MetaClient
 from jpfs.errors import JPFSError
 from jpfs.placement import make_ino, shard_of
 

@@ -13,7 +13,7 @@ from jpfs_bench.harness import free_port
 
 import jpfs
 from jpfs import config, localcluster
-from jpfs.client.fsck import fsck
+from jpfs.client.tools.fsck import fsck
 from jpfs.coord import clustermap
 from jpfs.placement import shard_of
 from jpfs.proto import replica as R

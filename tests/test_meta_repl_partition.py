@@ -19,7 +19,7 @@ from jpfs_bench import netns
 from jpfs_bench.harness import free_port
 
 from jpfs import config
-from jpfs.client.meta import MetaClient
+from jpfs.client.wire.meta import MetaClient
 from jpfs.coord import clustermap
 from jpfs.errors import JPFSError
 from jpfs.proto import replica as R

@@ -19,7 +19,7 @@ from jpfs_daemon.meta.store import Store
 
 import jpfs
 from jpfs import config, localcluster
-from jpfs.client.fsck import fsck
+from jpfs.client.tools.fsck import fsck
 from jpfs.errors import JPFSError
 from jpfs.placement import shard_of
 from jpfs.proto import meta as P

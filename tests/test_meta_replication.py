@@ -18,7 +18,7 @@ import trio
 
 import jpfs
 from jpfs import localcluster
-from jpfs.client.fsck import fsck
+from jpfs.client.tools.fsck import fsck
 from jpfs.errors import JPFSError
 from jpfs.placement import new_dir_shard
 from jpfs.proto import replica as R

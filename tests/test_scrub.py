@@ -14,7 +14,7 @@ from jpfs_daemon.storage.store import PutOp, ScrubOp, Store
 
 import jpfs
 from jpfs import config, localcluster
-from jpfs.client import scrub
+from jpfs.client.tools import scrub
 from jpfs.proto import storage as P
 
 FAST = ["--scrub-rate", "1GiB", "--scrub-pause", "3600"]

@@ -13,8 +13,8 @@ from storage_cluster import blob_data, storage_cluster  # noqa: F401
 from test_storage import chunks_of, client_for, find_in_volumes, flip_byte, new_id  # noqa: F401
 
 import jpfs
-from jpfs.client import shortcircuit
-from jpfs.client.shortcircuit import same_host
+from jpfs.client.wire import shortcircuit
+from jpfs.client.wire.shortcircuit import same_host
 from jpfs.proto import storage as P
 
 

@@ -16,7 +16,7 @@ import xxhash
 from jpfs_daemon.storage.store import record_size
 from storage_cluster import StorageCluster, blob_data, storage_cluster  # noqa: F401
 
-from jpfs.client.storage import StorageClient
+from jpfs.client.wire.storage import StorageClient
 from jpfs.errors import ChecksumError, JPFSError, Unavailable
 from jpfs.proto import storage as P
 from jpfs.types import Chunk

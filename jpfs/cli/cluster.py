@@ -346,7 +346,7 @@ async def _storage_stats(aclient, index: int) -> dict:
     storage = getattr(aclient, "storage", None)
     if storage is None:
         return {}
-    from ..client.scrub import node_status
+    from ..client.tools.scrub import node_status
 
     stats = await storage.stats(index)
     stats["scrub"] = await node_status(aclient, index)

@@ -117,7 +117,7 @@ def _bar(args, total_files: int | None, total_bytes: int | None, desc: str):
 
 
 def _run_transfer(args, fn, src, dst, totals, **options) -> int:
-    from ..client import transfer
+    from ..client.tools import transfer
 
     client = connect(args)
     files_done = 0
@@ -192,7 +192,7 @@ def _storage_options(pairs: list[str]) -> dict:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from ..client.transfer import is_url, scan_local
+    from ..client.tools.transfer import is_url, scan_local
 
     dst = _need_jpfs(args.dst, "the destination")
     if is_url(args.src):
@@ -227,7 +227,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
             if client.isdir(src):
                 if not args.recursive:
                     raise IsADirectoryError(21, "is a directory (use -r)", src)
-                from ..client.transfer import export_tree
+                from ..client.tools.transfer import export_tree
                 return _failures("cp", client.run(export_tree, src, dst))
             if os.path.isdir(dst):
                 dst = os.path.join(dst, posixpath.basename(src))
@@ -237,7 +237,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
             if os.path.isdir(args.src):
                 if not args.recursive:
                     raise IsADirectoryError(21, "is a directory (use -r)", args.src)
-                from ..client.transfer import import_tree
+                from ..client.tools.transfer import import_tree
                 return _failures("cp", client.run(import_tree, args.src, dst))
             if client.isdir(dst):
                 dst = posixpath.join(dst, os.path.basename(args.src))
@@ -351,7 +351,7 @@ def _after_its_subdirs(path: str) -> tuple[str, ...]:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from ..client.gc import collect
+    from ..client.tools.gc import collect
 
     client = connect(args)
     try:

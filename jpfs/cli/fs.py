@@ -234,7 +234,7 @@ def cmd_mv(args: argparse.Namespace) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from ..client.fsck import fsck
+    from ..client.tools.fsck import fsck
 
     client = connect(args)
     try:

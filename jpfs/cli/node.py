@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _gather(client) -> dict:
     """Every shard's heal status and every node's stats, in one pass on the client's loop."""
-    from ..client.scrub import heal_status
+    from ..client.tools.scrub import heal_status
 
     async def run(ac) -> dict:
         storage = getattr(ac, "storage", None)
@@ -119,7 +119,7 @@ def heal_status_lines(client) -> list[str]:
     """Under-replicated chunks and bytes, repair and rebalance progress, drains and scrub
     progress, in a few lines (``jpfs cluster status`` prints them). ``client``: a blocking
     ``jpfs.Client``."""
-    from ..client.scrub import status as scrub_status
+    from ..client.tools.scrub import status as scrub_status
 
     got = _gather(client)
     heal = got["heal"]

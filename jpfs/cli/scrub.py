@@ -68,7 +68,7 @@ def _duration(seconds: float) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from ..client.scrub import status
+    from ..client.tools.scrub import status
 
     client = connect(args)
     try:
@@ -86,7 +86,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from ..client.scrub import start
+    from ..client.tools.scrub import start
 
     client = connect(args)
     try:
@@ -102,7 +102,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
-    from ..client.scrub import repair
+    from ..client.tools.scrub import repair
 
     client = connect(args)
     try:

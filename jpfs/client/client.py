@@ -24,13 +24,13 @@ from .. import config, uri
 from ..coord.clustermap import MapFollower
 from ..errors import ChecksumError, DeadlineError, JPFSError, Unavailable, error
 from ..types import ROOT_INO, Attr, Layout
-from .cache import BlobCache
-from .data import DataPath
+from .data.cache import BlobCache
+from .data.prefetch import PrefetchConfig, Prefetcher
+from .data.reader import Reader
+from .data.store import DataPath
 from .files import AsyncFile, parse_mode
-from .meta import MetaClient
-from .prefetch import PrefetchConfig, Prefetcher
-from .reader import Reader
-from .storage import StorageClient
+from .wire.meta import MetaClient
+from .wire.storage import StorageClient
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ import logging
 
 from ..errors import error
 from ..types import Layout
-from .data import DataPath
-from .prefetch import Prefetcher
-from .reader import Reader, chunk_map
-from .storage import Moved
-from .writer import FLUSH_BYTES, FileWriter
+from .data.prefetch import Prefetcher
+from .data.reader import Reader, chunk_map
+from .data.store import DataPath
+from .data.writer import FLUSH_BYTES, FileWriter
+from .wire.storage import Moved
 
 log = logging.getLogger(__name__)
 

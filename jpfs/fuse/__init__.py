@@ -1,6 +1,6 @@
 """The per-node FUSE mount: unchanged programs read (and write) JPFS as a local tree.
 
-A thin layer over ``jpfs.client.vfs`` (the inode-level filesystem, where every decision is):
+A thin layer over ``jpfs.client.vfs.core`` (the inode-level filesystem, where every decision is):
 
 - ``operations``: pyfuse3 Operations: translate, call the VFS, translate back; the one place
   errors become FUSEError; the ``.jpfs`` control files

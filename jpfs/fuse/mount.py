@@ -34,8 +34,8 @@ import pyfuse3
 import trio
 
 from .. import config
-from ..client.cache import BlobCache
-from ..client.vfs import VFS, VFSConfig
+from ..client.data.cache import BlobCache
+from ..client.vfs.core import VFS, VFSConfig
 from ..errors import error
 from . import hints
 from .lowlevel import Fallocate, InodeReads, NoFlushOnRead

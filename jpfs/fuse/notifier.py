@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 
 class KernelNotifier:
-    """The ``jpfs.client.vfs.Notifier`` of a live pyfuse3 mount at ``mountpoint``."""
+    """The ``jpfs.client.vfs.core.Notifier`` of a live pyfuse3 mount at ``mountpoint``."""
 
     def __init__(self, mountpoint: str = ""):
         self.mountpoint = mountpoint

@@ -1,7 +1,7 @@
 """pyfuse3 Operations: the kernel's requests, translated to VFS calls.
 
 This layer decides nothing about files. Each handler translates pyfuse3's arguments, calls
-``jpfs.client.vfs.VFS`` and translates the answer (attributes with the kernel's timeouts, open
+``jpfs.client.vfs.core.VFS`` and translates the answer (attributes with the kernel's timeouts, open
 flags, directory entries). The ``.jpfs`` control directory (stats, metrics, prefetch hints) is a
 mount feature and is answered here, before the VFS is asked.
 
@@ -32,8 +32,8 @@ import pyfuse3
 import trio
 from prometheus_client import generate_latest
 
-from ..client.handles import DirHandle
-from ..client.vfs import VFS
+from ..client.vfs.core import VFS
+from ..client.vfs.handles import DirHandle
 from ..errors import JPFSError, errno_name, error
 from ..types import ROOT_INO, Attr
 from . import control

@@ -37,7 +37,7 @@ Wire shapes (msgpack; ids are 16-byte ``bytes``):
     marks the ones that fail (as its scrubber would), so the healer repairs them.
 ``host_info()`` -> ``{"host": host_identity(), "volumes": path, "volumes_id": [dev, ino]}``:
     where the node runs and where its volume files are, for a client that may read them
-    itself (short-circuit reads, ``jpfs.client.shortcircuit``).
+    itself (short-circuit reads, ``jpfs.client.wire.shortcircuit``).
 ``locate_blobs([id, ...])`` -> ``[place, ...]``: per id, in request order, ``[volume, offset,
     length, xxh]`` (the blob's bytes in file ``volume_file(volume)`` of the volumes directory)
     or an errno name as in ``get_blobs``. Volume ids are never reused, and a volume's bytes

@@ -45,21 +45,22 @@ from contextlib import aclosing, contextmanager
 
 import trio
 
-from ..config import Cluster
-from ..errors import JPFSError, error
-from ..placement import shard_of
-from ..proto.meta import check_name
-from ..types import ROOT_INO, Attr, Layout, StatFS
-from .cache import BlobCache
-from .client import AsyncClient
+from ...config import Cluster
+from ...errors import JPFSError, error
+from ...placement import shard_of
+from ...proto.meta import check_name
+from ...types import ROOT_INO, Attr, Layout, StatFS
+from ..client import AsyncClient
+from ..data.cache import BlobCache
+from ..data.listings import KnownDirs
+from ..data.prefetch import PrefetchConfig
+from ..data.reader import chunk_map
+from ..data.writer import FileWriter
+from ..wire.storage import Moved
 from .handles import DirHandle, FileHandle, Handles
 from .inodes import Inodes, Node
 from .leases import DirLeases, GiveBack, LeasedDir
-from .listings import KnownDirs
-from .prefetch import PrefetchConfig
-from .reader import chunk_map
-from .storage import Moved
-from .vfs_types import (
+from .types import (
     OPEN_OUTCOMES,
     Handed,
     Notifier,
@@ -69,7 +70,6 @@ from .vfs_types import (
     VFSStats,
     outcome_of,
 )
-from .writer import FileWriter
 from .xattrs import Xattrs
 
 log = logging.getLogger(__name__)

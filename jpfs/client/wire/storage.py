@@ -32,12 +32,12 @@ from collections.abc import Sequence
 import trio
 import xxhash
 
-from ..config import Cluster
-from ..errors import ChecksumError, DeadlineError, JPFSError, Unavailable, error
-from ..proto import storage as P
-from ..rpc import Pool
-from ..rpc.frame import receive_buffer
-from ..types import Chunk
+from ...config import Cluster
+from ...errors import ChecksumError, DeadlineError, JPFSError, Unavailable, error
+from ...proto import storage as P
+from ...rpc import Pool
+from ...rpc.frame import receive_buffer
+from ...types import Chunk
 from . import shortcircuit
 from .shortcircuit import INLINE_MAX, LocalVolumes, same_host
 

@@ -23,9 +23,9 @@ from contextlib import aclosing
 
 import trio
 
-from ..errors import JPFSError
-from ..types import Attr
-from .meta import MetaClient
+from ...errors import JPFSError
+from ...types import Attr
+from ..wire.meta import MetaClient
 
 
 class Listing:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from ..proto import storage as P
+from ...proto import storage as P
 
 KEEP = 64
 """Volume descriptors one node's ``LocalVolumes`` keeps open at most (least recently used go

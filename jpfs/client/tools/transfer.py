@@ -33,11 +33,11 @@ from pathlib import Path
 
 import trio
 
-from .. import uri
-from ..errors import JPFSError, error
-from ..types import Chunk
-from .client import AsyncClient, Entry, _path
-from .data import new_blob_id
+from ... import uri
+from ...errors import JPFSError, error
+from ...types import Chunk
+from ..client import AsyncClient, Entry, _path
+from ..data.store import new_blob_id
 
 log = logging.getLogger(__name__)
 

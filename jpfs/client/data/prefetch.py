@@ -38,12 +38,12 @@ from typing import Literal
 
 import trio
 
-from ..errors import JPFSError, error
-from ..types import ROOT_INO, Attr, Chunk, Layout
+from ...errors import JPFSError, error
+from ...types import ROOT_INO, Attr, Chunk, Layout
+from ..wire.meta import MetaClient
 from .cache import BlobCache, Fetch
 from .coaccess import Opened, Rule, apply_rule, pairing, shape_of
 from .listings import Listing, Listings
-from .meta import MetaClient
 
 log = logging.getLogger(__name__)
 

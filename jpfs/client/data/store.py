@@ -11,11 +11,11 @@ import os
 import time
 from collections.abc import Sequence
 
-from ..config import Cluster
-from ..placement import chunk_nodes, n_chunks
-from ..types import Attr, Chunk
-from .meta import MetaClient
-from .storage import StorageClient
+from ...config import Cluster
+from ...placement import chunk_nodes, n_chunks
+from ...types import Attr, Chunk
+from ..wire.meta import MetaClient
+from ..wire.storage import StorageClient
 
 
 def new_blob_id() -> bytes:

@@ -13,13 +13,13 @@ from collections.abc import AsyncGenerator, Sequence
 
 import trio
 
-from ..config import Cluster
-from ..errors import ProtocolError, from_name
-from ..placement import shard_of
-from ..proto import meta as P
-from ..proto.replica import ShardPool
-from ..rpc import Method, Pool
-from ..types import Attr, DirEntry, Layout
+from ...config import Cluster
+from ...errors import ProtocolError, from_name
+from ...placement import shard_of
+from ...proto import meta as P
+from ...proto.replica import ShardPool
+from ...rpc import Method, Pool
+from ...types import Attr, DirEntry, Layout
 
 
 class MetaClient:

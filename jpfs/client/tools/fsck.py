@@ -26,11 +26,11 @@ from typing import Any
 
 import trio
 
-from ..errors import JPFSError
-from ..placement import shard_of
-from ..proto.replica import REPL_DIGEST, ShardPool
-from ..types import ROOT_INO
-from .meta import MetaClient
+from ...errors import JPFSError
+from ...placement import shard_of
+from ...proto.replica import REPL_DIGEST, ShardPool
+from ...types import ROOT_INO
+from ..wire.meta import MetaClient
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import trio
 import xxhash
 
-from ..errors import JPFSError
-from ..proto import storage as P
-from ..types import ROOT_INO
-from .client import AsyncClient
+from ...errors import JPFSError
+from ...proto import storage as P
+from ...types import ROOT_INO
+from ..client import AsyncClient
 
 log = logging.getLogger(__name__)
 

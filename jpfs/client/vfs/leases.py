@@ -50,10 +50,10 @@ from collections.abc import Callable
 
 import trio
 
-from ..errors import JPFSError, error
-from ..placement import make_ino, shard_of
-from ..types import Attr
-from .meta import MetaClient
+from ...errors import JPFSError, error
+from ...placement import make_ino, shard_of
+from ...types import Attr
+from ..wire.meta import MetaClient
 
 log = logging.getLogger(__name__)
 

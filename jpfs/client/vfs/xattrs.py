@@ -12,10 +12,10 @@ import errno
 import time
 from collections.abc import Awaitable, Callable
 
-from ..errors import JPFSError, error
+from ...errors import JPFSError, error
+from ..wire.meta import MetaClient
 from .inodes import Inodes
-from .meta import MetaClient
-from .vfs_types import VFSStats
+from .types import VFSStats
 
 
 async def _nothing(ino: int) -> None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..placement import chunk_span
-from ..types import Chunk, Layout
+from ...placement import chunk_span
+from ...types import Chunk, Layout
 from .cache import BlobCache, Fetch
 
 _ZEROS = memoryview(bytes(1 << 20))

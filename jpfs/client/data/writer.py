@@ -21,11 +21,11 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from ..errors import error
-from ..placement import chunk_span, n_chunks
-from ..types import Attr, Layout
-from .data import DataPath
+from ...errors import error
+from ...placement import chunk_span, n_chunks
+from ...types import Attr, Layout
 from .reader import Reader, chunk_map
+from .store import DataPath
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import xxhash
 
-from ..errors import error
-from ..types import Chunk
+from ...errors import error
+from ...types import Chunk
 
 MAGIC = b"JPFSBLB2"
 RECORD = struct.Struct("<8s16sQQ")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from ..types import Attr, Chunk, Layout
+from ...types import Attr, Chunk, Layout
+from ..data.writer import FileWriter
 from .inodes import Node
-from .writer import FileWriter
 
 
 @dataclass(slots=True, eq=False)

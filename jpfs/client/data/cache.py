@@ -38,7 +38,7 @@ from typing import cast
 
 import trio
 
-from ..types import Chunk
+from ...types import Chunk
 from .segments import (
     ALIGN,
     RECORD,

@@ -17,8 +17,8 @@ import logging
 import time
 from typing import Any
 
-from ..errors import JPFSError
-from .client import AsyncClient
+from ...errors import JPFSError
+from ..client import AsyncClient
 
 log = logging.getLogger(__name__)
 

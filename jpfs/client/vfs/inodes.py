@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..types import ROOT_INO, Attr, Layout
-from .writer import FileWriter
+from ...types import ROOT_INO, Attr, Layout
+from ..data.writer import FileWriter
 
 
 @dataclass(slots=True, eq=False)

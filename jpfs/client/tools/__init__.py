@@ -1,0 +1,1 @@
+"""Operator tools over the path API: ``fsck``, ``gc``, ``scrub`` and bulk ``transfer``."""
