@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import trio
 from fuse_support import mounted, requires_fuse
-from jpfs.client.data.store.cache import BlobCache
-from jpfs.client.data.store.segments import RECORD, scan_segment
+from jpfs.client.data.cache import BlobCache
+from jpfs.client.data.segments import RECORD, scan_segment
 
 import jpfs
 from jpfs import localcluster
