@@ -13,7 +13,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CHRONOLOGY = re.compile(
     r"\bsessions? \d+(?:\s*-\s*\d+)?\b|\b(?:entry|step) \d+ of the work\b", re.IGNORECASE
 )
-README_MAX_LINES = 450
+README_MAX_LINES = 400
 
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 CODE = re.compile(r"`[^`\n]*`")
