@@ -147,7 +147,7 @@ def measure_rtt(cluster_file: str, n: int = 100) -> dict:
     import trio
 
     from jpfs import config
-    from jpfs.client.wire.meta import MetaClient
+    from jpfs.client.wire import MetaClient
     from jpfs.types import ROOT_INO
 
     async def go() -> list[float]:

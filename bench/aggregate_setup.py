@@ -322,7 +322,7 @@ class Setup:
         from tqdm import tqdm
 
         import jpfs
-        from jpfs.client.tools.transfer import import_tree
+        from jpfs.client.tools import import_tree
 
         ds = self.dataset
         bar = tqdm(total=ds.bytes, unit="B", unit_scale=True, desc="import",

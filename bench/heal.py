@@ -153,7 +153,7 @@ def run_repair(args: argparse.Namespace) -> dict:
     node's chunks, and the time it takes."""
     import jpfs
     from jpfs import localcluster
-    from jpfs.client.tools.scrub import heal_status
+    from jpfs.client.tools import heal_status
     from jpfs.coord.clustermap import update_map_sync
 
     size = getattr(args, "size", 192 * MiB)

@@ -84,7 +84,7 @@ def run_failover(args: argparse.Namespace) -> dict:
     import trio
 
     from jpfs import config, localcluster
-    from jpfs.client.wire.meta import MetaClient
+    from jpfs.client.wire import MetaClient
 
     kills = _opt(args, "kills", 5)
     times: list[float] = []
@@ -135,7 +135,7 @@ def _rates(d: Path, files: int, inflight: int, tag: str) -> dict:
     import trio
 
     from jpfs import config
-    from jpfs.client.wire.meta import MetaClient
+    from jpfs.client.wire import MetaClient
 
     cluster = config.load(d / "cluster.toml")
 

@@ -274,7 +274,7 @@ def _measure(via: str, order_name: str, readers: int, ds, local_root: str, clust
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``jpfs bench mount`` (the dataset read through each via): print the report, return the
     figures. FUSE vias need root and /dev/fuse."""
-    from jpfs.client.tools.transfer import import_tree
+    from jpfs.client.tools import import_tree
     from jpfs.fuse.mount import mount_entry
 
     from .harness import temporary_cluster

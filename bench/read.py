@@ -259,7 +259,7 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
 
     import jpfs
     from jpfs import localcluster
-    from jpfs.client.tools.transfer import import_tree
+    from jpfs.client.tools import import_tree
 
     from .harness import drop_caches, free_port, wait_port
     from .storage_micro import SENDFILE_SERVER

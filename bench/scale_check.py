@@ -534,7 +534,7 @@ def _import(cluster_dir: Path, ds: Dataset, dest: str) -> float:
     import trio
 
     import jpfs
-    from jpfs.client.tools.transfer import import_tree
+    from jpfs.client.tools import import_tree
 
     async def go() -> dict:
         async with jpfs.aconnect(str(cluster_dir)) as c:

@@ -30,7 +30,7 @@ from pathlib import Path
 import trio
 
 from jpfs import config
-from jpfs.client.wire.storage import StorageClient
+from jpfs.client.wire import StorageClient
 from jpfs.types import Chunk
 
 from .harness import free_port, wait_port

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import trio
 from fuse_support import mounted, requires_fuse
-from jpfs.client.data.cache import BlobCache
-from jpfs.client.data.segments import RECORD, scan_segment
 
 import jpfs
 from jpfs import localcluster
+from jpfs.client.data.cache import BlobCache
+from jpfs.client.data.segments import RECORD, scan_segment
 from jpfs.client.tools.transfer import import_tree
 
 CHUNK = 1 << 20

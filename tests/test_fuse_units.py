@@ -5,8 +5,8 @@ from __future__ import annotations
 import errno
 
 import pytest
-from jpfs.client.data.coaccess import apply_rule, pairing, shape_of
 
+from jpfs.client.data.coaccess import apply_rule, pairing, shape_of
 from jpfs.errors import JPFSError
 from jpfs.fuse.control import parse_hints
 

@@ -236,3 +236,26 @@ def test_the_client_folders_import_downwards_only():
                 problems.append(f"{name} imports {mod} (client/{here or '.'} sits below "
                                 f"client/{there or '.'})")
     assert not problems, "\n".join(sorted(problems))
+
+
+BENCH_MAY_IMPORT = {"jpfs.client", "jpfs.client.wire", "jpfs.client.tools",
+                    "jpfs.client.fsspec_impl"}
+"""What of the client a benchmark may import: the path API, the wire clients and the tools, each
+by its package's public names (a benchmark measures what users run)."""
+
+
+def test_bench_uses_the_clients_public_api_only():
+    problems = []
+    for name, path, _ in _modules():
+        if not name.startswith("jpfs_bench"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jpfs.client"):
+                if node.module not in BENCH_MAY_IMPORT:
+                    problems.append(f"{name} imports {node.module}")
+                problems += [f"{name} imports {node.module}.{a.name} (private)"
+                             for a in node.names if a.name.startswith("_")]
+            elif isinstance(node, ast.Import):
+                problems += [f"{name} imports {a.name}" for a in node.names
+                             if a.name.startswith("jpfs.client") and a.name not in BENCH_MAY_IMPORT]
+    assert not problems, "\n".join(sorted(problems))

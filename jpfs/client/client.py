@@ -111,6 +111,10 @@ class AsyncClient:
             default: chosen at random, so readers spread over the copies).
         short_circuit: read the volume files of storage nodes on this host directly
             (``StorageClient``).
+
+    Attributes ``meta`` (a ``MetaClient``) and ``storage`` (a ``StorageClient``, None without
+    storage nodes) are the wire clients beneath, public for tools and benchmarks that measure
+    the services themselves.
     """
 
     def __init__(self, nursery: trio.Nursery, cluster: config.Cluster, *,
