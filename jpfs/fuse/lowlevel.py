@@ -243,6 +243,8 @@ class InodeReads:
         self._req_ctx.restype = ctypes.c_void_p
         self.pids: dict[int, int] = {}
         """Inode -> the process whose READ of it came last, until its handler takes it."""
+        self.installed = False
+        """Whether READs name their inode now (the mount then answers OPEN with ENOSYS)."""
 
     def install(self) -> bool:
         """Wrap the session's read slot; False (and logged) if the layout is unknown, and then
@@ -254,6 +256,7 @@ class InodeReads:
         if isinstance(handler, str):
             return handler
         self._pyfuse3 = handler
+        self.installed = True
         return None
 
     def _read(self, req, ino, size, off, fi) -> None:

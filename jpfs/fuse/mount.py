@@ -262,16 +262,21 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
             sock = hints.socket_path(state_dir(), mp)
             if len(sock) > hints.MAX_PATH:
                 sock = ""
-            ops = Operations(vfs, FuseConfig(mountpoint=mp, entry_timeout=entry_t,
-                                             attr_timeout=attr_t, negative_timeout=neg_t),
-                             hint_socket=sock)
+            # a read-only mount stops the kernel's OPENs where READs can be made to name
+            # their inode (installed in the session once it exists)
+            reads = InodeReads() if opts.read_only and not opts.open_requests else None
+            ops = Operations(vfs, FuseConfig(mountpoint=mp, cluster=str(cluster.path or ""),
+                                             entry_timeout=entry_t, attr_timeout=attr_t,
+                                             negative_timeout=neg_t),
+                             hint_socket=sock, storage=vfs.client.storage, reads=reads)
             fuse_options = {f"fsname={FSNAME}", f"subtype={FSNAME}", "default_permissions"}
             if opts.allow_other:
                 fuse_options.add("allow_other")
             if opts.read_only:
                 fuse_options.add("ro")  # hints still arrive, on the socket
             fuse_options.update(opts.kernel_options)
-            await _serve_mounted(ops, mp, opts, fuse_options, nursery, cache_dir, ready)
+            await _serve_mounted(ops, mp, opts, fuse_options, nursery, cache_dir, ready,
+                                 reads)
         finally:
             if vfs is not None:
                 if vfs.client.storage is not None:  # before the connections close
@@ -320,7 +325,7 @@ def check_mountpoint(mp: str, nonempty: bool = False) -> None:
 
 async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_options: set[str],
                          nursery: trio.Nursery, cache_dir: Path,
-                         ready: Callable[[], None] | None) -> None:
+                         ready: Callable[[], None] | None, reads: InodeReads | None) -> None:
     pyfuse3.init(ops, mp, fuse_options)
     sf = state_file(mp)
     try:
@@ -331,8 +336,8 @@ async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_opti
                                   "log_file": opts.log_file, "cache_dir": str(cache_dir),
                                   "started": time.time()}))
         nursery.start_soon(_on_signals, ops)
-        if ops.hint_socket:
-            await nursery.start(hints.serve, ops.hint_socket, ops.submit_hints)
+        if ops.control.hint_socket:
+            await nursery.start(hints.serve, ops.control.hint_socket, ops.control.submit_hints)
         if opts.metrics:
             _serve_metrics(ops, opts.metrics)
         log.info("mounted %s at %s (%s, prefetch %s)", ops.vfs.client.cluster.path, mp,
@@ -344,15 +349,13 @@ async def _serve_mounted(ops: Operations, mp: str, opts: MountOptions, fuse_opti
             fallocate = Fallocate(ops, requests)  # holds the callback libfuse calls
             fallocate.install()
             noflush = NoFlushOnRead()  # the same; a read-only mount stops FLUSH with ENOSYS
-            reads = InodeReads()  # the same
             if not opts.read_only:
                 noflush.install()
-            elif not opts.open_requests and reads.install():
-                ops.kernel_opens = False  # OPEN is answered ENOSYS: the kernel opens files
-                ops.read_pids = reads.pids
+            elif reads is not None:
+                reads.install()  # then OPEN is answered ENOSYS: the kernel opens files itself
             await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
             requests.cancel_scope.cancel()
-        del fallocate, noflush, reads
+        del fallocate, noflush
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(30):
             await ops.vfs.commit_all()
