@@ -123,10 +123,10 @@ class VFS:
         self.leases: DirLeases | None = None
         """Directories whose creates and unlinks this VFS answers from memory (``leases.py``)."""
         if self.known is not None and config.dir_leases:
+            # on a write-behind mount, a close that finds its create held goes behind it
             self.leases = DirLeases(self.meta, client.nursery, self._lease_granted,
-                                    self._lease_ended, self._lease_failed)
-            if config.write_behind:  # a close that finds its create held goes behind it
-                self.leases.writing = self._writing
+                                    self._lease_ended, self._lease_failed,
+                                    writing=self._writing if config.write_behind else None)
         self.xattrs = Xattrs(self.meta, inodes, self.stats, self._attr_age, self._writable)
         self.xattrs.settle = self._settle
         self._unopened: OrderedDict[int, tuple[int, int]] = OrderedDict()
@@ -282,7 +282,7 @@ class VFS:
         shard before it is asked about them."""
         leases = self.leases
         if leases is not None and leases.dirs:
-            await leases.settle(*inos)
+            await leases.book.settle(*inos)
 
     async def _give_back(self, *dirs: int) -> None:
         """Before this VFS changes these directories' names through the shard."""
@@ -328,13 +328,13 @@ class VFS:
         """The entry ``name`` in ``parent`` (the kernel counts one more lookup of it)."""
         leases = self.leases
         if leases is not None and leases.dirs:
-            new = leases.entry(parent, name)
+            new = leases.book.entry(parent, name)
             if new is not None:  # answered from the lease, not committed yet
                 held = self.inodes.get(new.ino)
                 node = self.inodes.remember(held.attr if held is not None else new, parent,
                                             name, fetched=held.fetched if held else None)
                 return self.attr_of(node)
-            held = self.inodes.get(leases.named(parent, name) or 0)
+            held = self.inodes.get(leases.book.named(parent, name) or 0)
             if held is not None:  # the lease vouches for the name, the kernel knows the inode
                 leases.stats["lookups"] += 1
                 node = self.inodes.remember(held.attr, parent, name, fetched=held.fetched)
@@ -357,8 +357,8 @@ class VFS:
             if known is not None and e.errno == errno.ENOENT:
                 await known.missed(parent)
             raise
-        if leases is not None and leases.busy(attr.ino):  # a leased directory, behind
-            await leases.settle(attr.ino)
+        if leases is not None and leases.book.busy(attr.ino):  # a leased directory, behind
+            await leases.book.settle(attr.ino)
             attr = await self.meta.getattr(attr.ino)
         self.stats.lookups_asked += 1
         if self._listing_age > 0:  # a stat of every file there lists it (``looked_up``)
@@ -499,7 +499,7 @@ class VFS:
         node = self.inodes.child(parent, name)
         if leases is not None and node is not None and not node.attr.is_dir:
             ld = await leases.hold(parent)
-            if ld is not None and leases.removable(ld, name, node.ino):
+            if ld is not None and leases.book.removable(ld, name, node.ino):
                 try:
                     await leases.remove(ld, name, node.ino)
                 except GiveBack:
@@ -562,14 +562,14 @@ class VFS:
             # one shard's transaction (a file made in the directory): no self-recall
             ld = await leases.hold(parent_old)
             target = self.inodes.child(parent_new, name_new)
-            if ld is not None and (target is None or target.attr.is_reg) and leases.movable(
+            if ld is not None and (target is None or target.attr.is_reg) and leases.book.movable(
                     ld, name_old, moving.ino, name_new, target.ino if target else None):
                 leases.rename(ld, name_old, name_new)
                 if target is None or target.ino != moving.ino:  # else rename(2) does nothing
                     self._moved(parent_old, name_old, parent_new, name_new, 0, None)
                 return
             if ld is not None:
-                await leases.settle(parent_old)
+                await leases.book.settle(parent_old)
         if ld is None:
             await self._give_back(parent_old, parent_new)
         with self._names_of(parent_old, parent_new), self._changing(parent_old), \
@@ -578,7 +578,7 @@ class VFS:
                 parent_old, name_old, parent_new, name_new, flags,
                 session=leases.session if leases is not None and ld is not None else None)
         if leases is not None and ld is not None:
-            leases.renamed(ld, name_old, name_new)
+            leases.book.renamed(ld, name_old, name_new)
         self._moved(parent_old, name_old, parent_new, name_new, flags, (src_after, dst_after))
 
     def _moved(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
@@ -891,7 +891,7 @@ class VFS:
                                              self.name_of(node))
                 w.settle = self._settle
                 if self.leases is not None:
-                    w.attach = self.leases.attach
+                    w.attach = self.leases.book.attach
                 self.inodes.update(layout.attr)
         w.refs += 1
         node.opens += 1
@@ -918,7 +918,7 @@ class VFS:
         gid, mode = self._owner(parent, uid, gid, mode)
         sent = time.monotonic()
         leases = self.leases
-        if leases is not None and leases.dirs and leases.entry(parent, name) is not None:
+        if leases is not None and leases.dirs and leases.book.entry(parent, name) is not None:
             if flags & os.O_EXCL:  # made from the lease, not sent yet: it exists all the same
                 raise error(errno.EEXIST, "file exists")
             return await self._open_pending(parent, name, flags)
@@ -1092,7 +1092,7 @@ class VFS:
         n = w.dirty_bytes
         if self._behind_bytes + n > BEHIND_BYTES:
             return False
-        stored = leases.store_behind(w.ino)
+        stored = leases.book.store_behind(w.ino)
         if stored is None:
             return False
         self._behind[w.ino] = n
@@ -1184,7 +1184,7 @@ class VFS:
             if w.refs == 0 and node.writer is w:
                 node.writer = None
                 if self.leases is not None:
-                    self.leases.closed(node.ino)
+                    self.leases.book.closed(node.ino)
                 if node.lookups <= 0:
                     self.inodes.drop_if_unused(node)
 
@@ -1245,7 +1245,7 @@ class VFS:
         if self.leases is not None and self.leases.dirs:
             # what this VFS answered from leases is listed by the shard, with the attributes
             # of leased directories as they are after it
-            await self.leases.settle_all()
+            await self.leases.book.settle_all()
         # positions: 1 after ".", 2 after "..", then 3 + i after entry i
         if start == 0:
             yield b".", self.attr_of(await self._node(h.ino)), 1

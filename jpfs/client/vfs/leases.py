@@ -1,36 +1,23 @@
-"""A mount's directory write leases: creates, unlinks and renames answered from memory, committed
-behind.
+"""A mount's directory write leases, as spoken with the shards: asked for, renewed, recalled,
+given back, and what was answered under them committed behind in batches.
 
 A create through the mount costs a metadata round trip in the FUSE request's path. A mount that
 holds a directory's *lease* (``daemon/meta/leases.py``: nobody else changes its names until it
 gives the lease back) knows the directory's names for certain and holds a range of inode numbers
 of the directory's shard, so it answers a create at once (the VFS checks the name against
 ``KnownDirs``, pinned while leased) and commits the new entries behind with ``create_batch``,
-one transaction for the changes of the next few milliseconds (``SEND_DELAY``).
+one transaction for the changes of the next few milliseconds (``SEND_DELAY``). What was answered
+and not sent, and the unlinks and renames answered the same way, are the local bookkeeping of
+``lease_book.py`` (``DirLeases.book``); this module makes the calls.
 
-Unlinks and plain renames of files there are answered the same way when the lease's names (as
-granted, then as this mount changed them) give each name the inode the kernel names and those
-live on the directory's shard: the batch carries the changes in the order they were answered
-(``LeasedDir.queue``), and a file not sent yet is just dropped (unlinked) or made under its new
-name (renamed). A lookup of a name the lease's names hold, of an inode the VFS knows, needs no
-call either.
-
-On a ``--write-behind`` mount a batch leaves out a new file still open for writing (for up to
-``HOLD_OPEN``), so that its close usually finds its create unsent, and a file closed before its
-bytes are stored (``store_behind``) holds its create, and everything queued after it, until the
-store has ended, so nobody sees it without its bytes.
-
-Until its batch commits, a change exists in this mount only. Whatever would show the shard that
-it is missing waits for the batch first (``settle``): the file's own metadata calls (its first
-commit, getattr, setattr, open, xattrs) and this mount's listings of the directory. A plain
-rename of a file the lease's names cannot vouch for (the kernel's view of a name is older than
-the lease's) is sent to the shard as the holder's (``session``: the shard lets it pass) once
-what is pending has committed, and the lease's names follow it (``renamed``); any other change
-of the directory's names by this mount (mkdir, link, other renames, an unlink the lease cannot
-answer) gives the lease back first (``give_back``); another client's change recalls it (the
-shard answers ``lease_wait``), and the shard runs that change once the lease is back. A killed
-mount loses the changes it had not sent (as a local filesystem loses those its journal had not
-committed); ``fsync`` of the file or the directory and unmount send them first.
+A plain rename of a file the lease's names cannot vouch for (the kernel's view of a name is
+older than the lease's) is sent to the shard as the holder's (``session``: the shard lets it
+pass) once what is pending has committed, and the lease's names follow it (``renamed``); any
+other change of the directory's names by this mount (mkdir, link, other renames, an unlink the
+lease cannot answer) gives the lease back first (``give_back``); another client's change recalls
+it (the shard answers ``lease_wait``), and the shard runs that change once the lease is back. A
+killed mount loses the changes it had not sent (as a local filesystem loses those its journal
+had not committed); ``fsync`` of the file or the directory and unmount send them first.
 
 A lease is asked for once a directory saw ``LEASE_AFTER`` creates, unlinks or renames answered
 by the shard, and not
@@ -40,20 +27,18 @@ directory settle on round trips rather than trade the lease).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import stat
 import time
-from collections import deque
 from collections.abc import Callable
 
 import trio
 
-from ...errors import JPFSError, error
+from ...errors import JPFSError
 from ...placement import make_ino, shard_of
 from ...types import Attr
 from ..wire.meta import MetaClient
+from .lease_book import BATCH_MAX, GiveBack, LeaseBook, LeasedDir, inos_of
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +47,10 @@ LEASE_AFTER = 3
 lease."""
 RETRY_AFTER = 2.0
 """Seconds after a refusal, a recall or a give-back before a directory's lease is asked again."""
-BATCH_MAX = 512
-"""Entries per ``create_batch``."""
 SEND_DELAY = 0.005
 """Seconds new files wait for more to share their batch, and for their first commit to go with
 them (a file written and closed at once: one metadata call for both), unless something waits
 for them (``settle``)."""
-HOLD_OPEN = 0.02
-"""Seconds at most a batch leaves out a new file that is still open for writing (and what was
-queued after it), so that its first commit goes with its create, unless something waits."""
 WAIT_SECONDS = 5.0
 """How long one ``lease_wait`` waits for a recall before it answers none (and is sent again)."""
 IDLE_RETURN = 5.0
@@ -80,118 +60,9 @@ MAX_LEASES = 256
 """Leases one mount holds at most."""
 
 
-class NewFile:
-    """A file answered from a lease and not committed yet; ``chunks`` and ``size`` once its
-    first commit is to go with it, ``answer`` what the shard said then; ``seq`` its place in
-    the directory's queue (a file renamed before it was sent takes a new place); ``stored``,
-    for a file closed before its bytes were stored (``store_behind``), set once they are (or
-    could not be): until then its create, and what was queued after it, wait."""
-
-    __slots__ = ("attr", "chunks", "size", "answer", "seq", "stored", "made")
-
-    def __init__(self, attr: Attr):
-        self.attr = attr
-        self.made = time.monotonic()
-        self.chunks: list | None = None
-        self.size = 0
-        self.answer: Attr | OSError | None = None
-        self.seq = 0
-        self.stored: trio.Event | None = None
-
-    def entry(self, name: bytes) -> list:
-        a = self.attr
-        e = [name, a.ino, a.mode, a.uid, a.gid, a.ctime_ns]
-        if self.chunks is not None:
-            e += [self.size, [c.to_wire() for c in self.chunks]]
-        return e
-
-
-class GiveBack(Exception):
-    """The lease is being given back: unlink through the shard instead."""
-
-
-class LeasedDir:
-    """A directory this mount holds the lease of."""
-
-    __slots__ = ("parent", "shard", "inos", "pending", "queue", "queued", "seq", "sending",
-                 "in_flight", "idle", "ending", "lost", "renewing", "gone", "kick", "next_done",
-                 "sent_done", "used", "names", "urgent", "look")
-
-    def __init__(self, parent: int):
-        self.parent = parent
-        self.shard = shard_of(parent)
-        self.inos: deque[int] = deque()
-        """Reserved inode numbers not used yet."""
-        self.pending: dict[bytes, NewFile] = {}
-        """Files answered and not sent yet, by name."""
-        self.queue: deque = deque()
-        """The changes answered and not sent yet, in the order they were answered (the shard
-        applies a batch in its order): ``(seq, name, NewFile)`` a create (skipped when the
-        name no longer holds that file at that place: removed or renamed before it was sent),
-        ``[name, ino]`` a remove, ``[old, new, ino, replaced or 0]`` a rename."""
-        self.queued: set[int] = set()
-        """The inodes the queue changes."""
-        self.seq = 0
-        self.sending: dict[bytes, NewFile] = {}
-        """Files in the batch in flight."""
-        self.in_flight: set[int] = set()
-        """The inodes the batch in flight changes."""
-        self.names: dict[bytes, int] = {}
-        """The directory's names and their inodes: as granted, then as this VFS changed them
-        (nobody else does while the lease is held)."""
-        self.kick = trio.Event()
-        """Set to wake the sender: somebody waits for queued changes (``urgent``: send them
-        now), or the rest of a full batch is to go at once."""
-        self.urgent: set[int | None] = set()
-        """The files somebody waits for (None: all that is queued)."""
-        self.look = trio.Event()
-        """Set when a create the sender holds back may go: somebody waits, its file was closed
-        or its store ended."""
-        self.next_done = trio.Event()
-        """Set once the batch that takes the pending files has its answer."""
-        self.sent_done = trio.Event()
-        """... and the batch in flight."""
-        self.sent_done.set()
-        self.used = time.monotonic()
-        """When a create last used the lease."""
-        self.idle = trio.Event()
-        """Set while nothing is pending or in flight."""
-        self.idle.set()
-        self.ending = False
-        """Being given back (or lost): no more creates from memory."""
-        self.lost = False
-        self.renewing: trio.Event | None = None
-        self.gone = trio.Event()
-        """Set once the lease has ended."""
-
-    def entry(self, name: bytes) -> Attr | None:
-        """A file answered under ``name`` and not committed yet (one renamed away after it was
-        sent is not under its old name any more)."""
-        f = self.pending.get(name) or self.sending.get(name)
-        return f.attr if f is not None and self.names.get(name) == f.attr.ino else None
-
-    def done_event(self, ino: int | None) -> trio.Event | None:
-        """What to wait on for the changes of ``ino`` (None: everything now queued or in
-        flight) to be answered; None when nothing is."""
-        if ino is None:
-            if self.queue:
-                self.urgent.add(None)
-                self.kick.set()
-                self.look.set()
-                return self.next_done
-            return None if self.sent_done.is_set() else self.sent_done
-        if ino in self.queued:
-            self.urgent.add(ino)
-            self.kick.set()
-            self.look.set()
-            return self.next_done
-        if ino in self.in_flight:
-            return self.sent_done
-        return None
-
-
 class DirLeases:
-    """This mount's leases (see the module docstring).
+    """This mount's leases (see the module docstring); what was answered under them is
+    ``book``'s.
 
     Args:
         meta: the metadata client.
@@ -203,25 +74,27 @@ class DirLeases:
         failed: called with (directory, name, attr, error, change) for a change the shard
             refused (attr: the new file's, for a create; else None, and ``change`` says
             which).
+        writing: whether a file is open for writing on this mount, so that a batch holds its
+            create back for its close (the VFS answers it on a ``--write-behind`` mount; by
+            default nothing is held back).
     """
 
     def __init__(self, meta: MetaClient, nursery: trio.Nursery,
                  granted: Callable[[int, list[bytes]], None],
                  ended: Callable[[int, bool], None],
-                 failed: Callable[[int, bytes, Attr | None, OSError, str], None]):
+                 failed: Callable[[int, bytes, Attr | None, OSError, str], None],
+                 writing: Callable[[int], bool] | None = None):
         self.meta = meta
         self.nursery = nursery
         self.session = os.urandom(16)
-        self.dirs: dict[int, LeasedDir] = {}
-        self.unsent: dict[int, tuple[int, bytes]] = {}
-        """Inode -> (directory, name), for files answered whose batch has not committed."""
-        self.changing: dict[int, int] = {}
-        """Inode -> directory, for every file with a change answered and not committed (a
-        create, remove or rename)."""
+        self.stats = {"granted": 0, "refused": 0, "recalled": 0, "given_back": 0, "lost": 0,
+                      "idle_returned": 0, "answered": 0, "removes": 0, "cancelled": 0,
+                      "lookups": 0, "renames": 0, "renames_answered": 0, "batches": 0,
+                      "failed": 0}
+        self.book = LeaseBook(self.stats, writing)
+        """The directories held and what was answered there (``lease_book.py``)."""
+        self.dirs = self.book.dirs
         self._granted, self._ended, self._failed = granted, ended, failed
-        self.writing: Callable[[int], bool] = lambda ino: False
-        """Whether a file is open for writing on this mount, so that a batch holds its create
-        back for its close (the VFS answers it on a ``--write-behind`` mount)."""
         self._creates: dict[int, int] = {}
         self._not_before: dict[int, float] = {}
         self._asking: dict[int, trio.Event] = {}
@@ -229,10 +102,6 @@ class DirLeases:
         self._inflight: dict[int, int] = {}
         """Directory -> creates and unlinks sent to the shard and not answered yet."""
         self._drained: dict[int, trio.Event] = {}
-        self.stats = {"granted": 0, "refused": 0, "recalled": 0, "given_back": 0, "lost": 0,
-                      "idle_returned": 0, "answered": 0, "removes": 0, "cancelled": 0,
-                      "lookups": 0, "renames": 0, "renames_answered": 0, "batches": 0,
-                      "failed": 0}
 
     # ---- creates, unlinks and renames
 
@@ -255,202 +124,29 @@ class DirLeases:
         return ld if ld is not None and not ld.ending else None
 
     def add(self, ld: LeasedDir, name: bytes, mode: int, uid: int, gid: int) -> Attr:
-        """A new regular file in ``ld``, answered now and committed behind: its attributes."""
-        now = time.time_ns()
-        attr = Attr(ld.inos.popleft(), stat.S_IFREG | (mode & 0o7777), 1, uid, gid, 0,
-                    now, now, now)
-        ld.names[name] = attr.ino
-        ld.used = time.monotonic()
-        self.unsent[attr.ino] = (ld.parent, name)
-        self.stats["answered"] += 1
-        self._queue_create(ld, name, NewFile(attr))
+        """A new regular file in ``ld``, answered now and committed behind: its attributes
+        (``LeaseBook.add``)."""
+        attr = self.book.add(ld, name, mode, uid, gid)
+        self._start(ld)
         return attr
 
-    def _queue_create(self, ld: LeasedDir, name: bytes, f: NewFile) -> None:
-        ld.seq += 1
-        f.seq = ld.seq
-        ld.pending[name] = f
-        self._queue(ld, (f.seq, name, f), f.attr.ino)
-
-    def _queue(self, ld: LeasedDir, change: tuple | list, *inos: int) -> None:
-        ld.queue.append(change)
-        for ino in inos:
-            ld.queued.add(ino)
-            self.changing[ino] = ld.parent
+    def rename(self, ld: LeasedDir, old: bytes, new: bytes) -> None:
+        """Rename ``old`` to ``new`` in ``ld``, answered now and committed behind
+        (``LeaseBook.rename``)."""
+        self.book.rename(ld, old, new)
         self._start(ld)
 
-    def _cancel(self, ld: LeasedDir, name: bytes, ino: int) -> bool:
-        """Forget the create of ``name`` (file ``ino``) if it has not been sent: True if so
-        (its queued create is skipped)."""
-        f = ld.pending.get(name)
-        if f is None or f.attr.ino != ino:
-            return False
-        del ld.pending[name]
-        self.unsent.pop(ino, None)
-        self.changing.pop(ino, None)  # a file not sent has no other change queued
-        f.answer = error(errno.ENOENT, "removed before it was committed")
-        self.stats["cancelled"] += 1
-        return True
-
-    @staticmethod
-    def removable(ld: LeasedDir, name: bytes, ino: int) -> bool:
-        """Whether an unlink of ``name`` (file ``ino``, as the kernel knows it) can be answered
-        from ``ld``: the lease's names say so, and the inode lives on the directory's
-        shard."""
-        return not ld.ending and shard_of(ino) == ld.shard and ld.names.get(name) == ino
-
-    @staticmethod
-    def movable(ld: LeasedDir, old: bytes, ino: int, new: bytes, replaced: int | None) -> bool:
-        """Whether a rename of ``old`` (file ``ino``) to ``new`` (naming the regular file
-        ``replaced``, or nothing) can be answered from ``ld``: the lease's names say so, and
-        both inodes live on the directory's shard (one transaction there)."""
-        return DirLeases.removable(ld, old, ino) and ld.names.get(new) == replaced and (
-            replaced is None or shard_of(replaced) == ld.shard)
-
-    def rename(self, ld: LeasedDir, old: bytes, new: bytes) -> None:
-        """Rename ``old`` to ``new`` in ``ld`` (``movable``), answered now and committed behind.
-        A file not sent yet is made under its new name instead; a file ``new`` named that was
-        not sent yet is never sent."""
-        ino = ld.names[old]
-        replaced = ld.names.get(new)
-        ld.used = time.monotonic()
-        self.stats["renames"] += 1
-        self.stats["renames_answered"] += 1
-        if replaced == ino:
-            return  # two names of one file: rename(2) does nothing
-        del ld.names[old]
-        ld.names[new] = ino
-        if replaced is not None and self._cancel(ld, new, replaced):
-            replaced = None
-        f = ld.pending.get(old)
-        if f is not None and f.attr.ino == ino:  # not sent yet: made under its new name
-            del ld.pending[old]
-            if replaced is not None:
-                self._queue(ld, [new, replaced], replaced)
-            self.unsent[ino] = (ld.parent, new)
-            self._queue_create(ld, new, f)
-        elif replaced is not None:
-            self._queue(ld, [old, new, ino, replaced], ino, replaced)
-        else:
-            self._queue(ld, [old, new, ino, 0], ino)
-
-    def renamed(self, ld: LeasedDir, old: bytes, new: bytes) -> None:
-        """This mount renamed ``old`` to ``new`` in ``ld`` through the shard, as the holder:
-        the lease's names follow (whatever ``new`` named is replaced)."""
-        ino = ld.names.get(old)
-        if ino is not None and ld.names.get(new) != ino:  # else a no-op, as rename(2)'s
-            del ld.names[old]
-            ld.names[new] = ino
-        ld.used = time.monotonic()
-        self.stats["renames"] += 1
-
     async def remove(self, ld: LeasedDir, name: bytes, ino: int) -> None:
-        """Unlink ``name`` (file ``ino``) in ``ld``, answered now and committed behind; a file
-        answered and not sent yet is just never sent."""
-        ld.names.pop(name, None)
-        if self._cancel(ld, name, ino):
-            return
-        if ino in ld.in_flight:
-            await ld.sent_done.wait()  # the shard must have it before it can remove it
-            if ld.ending:
-                raise GiveBack
-        ld.used = time.monotonic()
-        self.stats["removes"] += 1
-        self._queue(ld, [name, ino], ino)
+        """Unlink ``name`` (file ``ino``) in ``ld``, answered now and committed behind
+        (``LeaseBook.remove``; ``GiveBack`` when the lease is being given back meanwhile)."""
+        await self.book.remove(ld, name, ino)
+        self._start(ld)
 
     def _start(self, ld: LeasedDir) -> None:
-        if ld.idle.is_set():
+        """Send ``ld``'s queue, unless a sender is at it already."""
+        if ld.queue and ld.idle.is_set():
             ld.idle = trio.Event()
             self.nursery.start_soon(self._send, ld)
-
-    def entry(self, parent: int, name: bytes) -> Attr | None:
-        """A file answered in ``parent`` and not committed yet, by name."""
-        ld = self.dirs.get(parent)
-        return ld.entry(name) if ld is not None else None
-
-    def named(self, parent: int, name: bytes) -> int | None:
-        """The inode ``name`` in ``parent`` names, when this mount holds ``parent``'s lease
-        (nobody else changes its names meanwhile); None when it does not, or no such name."""
-        ld = self.dirs.get(parent)
-        return ld.names.get(name) if ld is not None and not ld.ending else None
-
-    async def settle(self, *inos: int) -> None:
-        """Return once the files ``inos`` (and directories, for their entries) are known to
-        the shard: what this mount answered there has committed."""
-        for ino in inos:
-            while True:
-                parent = self.changing.get(ino)
-                ld = self.dirs.get(parent if parent is not None else ino)
-                ev = ld.done_event(ino if parent is not None else None) \
-                    if ld is not None else None
-                if ev is None or ev.is_set():
-                    break
-                await ev.wait()
-                if parent is None:
-                    break  # a directory: what was pending when asked
-
-    def busy(self, parent: int) -> bool:
-        """Whether a leased directory has changes not committed yet (its attributes on the
-        shard are behind)."""
-        ld = self.dirs.get(parent)
-        return ld is not None and not ld.idle.is_set()
-
-    async def settle_all(self) -> None:
-        """Every change answered from a lease committed (before a listing: the shard's
-        attributes of a leased directory are behind until then)."""
-        for parent in [p for p, ld in self.dirs.items() if not ld.idle.is_set()]:
-            await self.settle(parent)
-
-    def store_behind(self, ino: int) -> trio.Event | None:
-        """The file ``ino``, answered from a lease and not sent yet, was closed and its bytes
-        are to be stored behind the close: its create waits in the queue for its first commit
-        (``attach``) so that nobody sees it without its bytes. The event to set once the store
-        has ended, whatever its outcome (then the create goes, with or without them); None when
-        the file is not waiting to be sent (commit it before the close is answered)."""
-        where = self.unsent.get(ino)
-        ld = self.dirs.get(where[0]) if where is not None else None
-        f = ld.pending.get(where[1]) if ld is not None and where is not None else None
-        if f is None or ld is None or ld.ending or f.chunks is not None or (
-                f.stored is not None and not f.stored.is_set()):
-            return None
-        f.stored = trio.Event()
-        ld.look.set()  # a batch holding it back for its close looks again
-        return f.stored
-
-    def closed(self, ino: int) -> None:
-        """The file ``ino`` is no longer open for writing: a batch holding its create back for
-        its first commit need not wait any longer."""
-        where = self.unsent.get(ino)
-        ld = self.dirs.get(where[0]) if where is not None else None
-        if ld is not None:
-            ld.look.set()
-
-    async def attach(self, ino: int, chunks: list, size: int) -> Attr | None:
-        """The first commit of a file answered from a lease and not sent yet: it goes with the
-        file's create, in one batch. The file's attributes after it, or None when the file
-        is no longer waiting (commit it as usual, after ``settle``)."""
-        where = self.unsent.get(ino)
-        if where is None:
-            return None
-        parent, name = where
-        ld = self.dirs.get(parent)
-        f = ld.pending.get(name) if ld is not None else None
-        if f is None or ld is None:
-            return None
-        f.chunks, f.size = chunks, size
-        if f.stored is not None:
-            f.stored.set()  # the queue may go on past it
-        while f.answer is None:
-            ev = ld.done_event(ino)
-            if ev is None or ev.is_set():
-                break
-            await ev.wait()
-        answer = f.answer
-        if answer is None:
-            raise error(errno.EIO, "the mount stopped before the file was committed")
-        if isinstance(answer, OSError):
-            raise answer
-        return answer
 
     async def give_back(self, parent: int) -> None:
         """Commit what is pending in ``parent`` and give its lease back (before this mount
@@ -485,7 +181,7 @@ class DirLeases:
 
     def as_dict(self) -> dict:
         """The lease counters, with the leases held and the files made under them not sent yet."""
-        return {**self.stats, "held": len(self.dirs), "unsent": len(self.unsent)}
+        return {**self.stats, "held": len(self.dirs), "unsent": len(self.book.unsent)}
 
     def begin(self, parent: int) -> None:
         """A create or unlink in ``parent`` was sent to the shard (a lease is not asked for
@@ -622,14 +318,14 @@ class DirLeases:
                 while True:
                     ld.kick = trio.Event()
                     ld.look = trio.Event()
-                    changes, wait, until = self._take(ld)
+                    changes, wait, until = self.book.take_batch(ld)
                     if changes or wait is None:
                         break
                     with trio.move_on_after(until - time.monotonic()):
                         await wait.wait()  # a store ends, a held file is closed, or a waiter
-                ld.queued = {ino for c in ld.queue for ino in _inos(c)}
+                ld.queued = {ino for c in ld.queue for ino in inos_of(c)}
                 ld.sending = {c[1]: c[2] for c in changes if isinstance(c, tuple)}
-                ld.in_flight = {ino for c in changes for ino in _inos(c)}
+                ld.in_flight = {ino for c in changes for ino in inos_of(c)}
                 done = ld.sent_done = ld.next_done
                 ld.next_done = trio.Event()
                 if len(changes) >= BATCH_MAX:  # more than a batch: the rest goes at once
@@ -637,8 +333,8 @@ class DirLeases:
                 if changes:
                     await self._commit(ld, changes)
                 for ino in ld.in_flight:
-                    if ino not in ld.queued and self.changing.get(ino) == ld.parent:
-                        del self.changing[ino]
+                    if ino not in ld.queued and self.book.changing.get(ino) == ld.parent:
+                        del self.book.changing[ino]
                 ld.sending = {}
                 ld.in_flight = set()
                 done.set()
@@ -647,33 +343,6 @@ class DirLeases:
             ld.sent_done.set()
             ld.next_done.set()  # who waits for a file dropped meanwhile looks again
             ld.next_done = trio.Event()
-
-    def _take(self, ld: LeasedDir) -> tuple[list, trio.Event | None, float]:
-        """The next batch from the head of ``ld``'s queue: up to ``BATCH_MAX`` changes, ending
-        before a create that must wait (its file's bytes are being stored behind its close; or
-        it is open for writing, young, and nobody waits for it or what follows it). With no
-        change to send: what to wait for, and until when, before looking again."""
-        urgent, ld.urgent = ld.urgent, set()
-        if ld.ending:
-            urgent.add(None)
-        changes: list = []
-        now = time.monotonic()
-        while ld.queue and len(changes) < BATCH_MAX:
-            c = ld.queue[0]
-            if isinstance(c, tuple):  # a create: still that file under that name?
-                f: NewFile = c[2]
-                if ld.pending.get(c[1]) is not f or f.seq != c[0]:
-                    ld.queue.popleft()
-                    continue
-                if f.stored is not None and not f.stored.is_set():
-                    return changes, (None if changes else f.stored), float("inf")
-                if f.chunks is None and now - f.made < HOLD_OPEN and None not in urgent and \
-                        self.writing(f.attr.ino) and not (
-                            urgent and urgent & {i for q in ld.queue for i in _inos(q)}):
-                    return changes, (None if changes else ld.look), f.made + HOLD_OPEN
-                del ld.pending[c[1]]
-            changes.append(ld.queue.popleft())
-        return changes, None, 0.0
 
     async def _commit(self, ld: LeasedDir, changes: list) -> None:
         """One ``create_batch`` of ``changes`` (see ``LeasedDir.queue``), and its answers."""
@@ -686,7 +355,7 @@ class DirLeases:
         for c, r in zip(changes, results, strict=True):
             if isinstance(c, tuple):
                 f = c[2]
-                self.unsent.pop(f.attr.ino, None)
+                self.book.unsent.pop(f.attr.ino, None)
                 f.answer = r
                 if isinstance(r, OSError):
                     self.stats["failed"] += 1
@@ -695,15 +364,6 @@ class DirLeases:
                 self.stats["failed"] += 1
                 self._failed(ld.parent, c[0], None, r, "remove" if len(c) == 2 else
                              f"rename to {c[1].decode(errors='replace')!r}")
-
-
-def _inos(change: tuple | list) -> tuple[int, ...]:
-    """The files a queued change is about (see ``LeasedDir.queue``)."""
-    if isinstance(change, tuple):
-        return (change[2].attr.ino,)
-    if len(change) == 2:
-        return (change[1],)
-    return (change[2], change[3]) if change[3] else (change[2],)
 
 
 __all__ = ["DirLeases", "GiveBack", "LeasedDir"]
