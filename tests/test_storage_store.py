@@ -7,8 +7,8 @@ import os
 
 import pytest
 import xxhash
-from jpfs_daemon.storage.server import _Files
 from jpfs_daemon.storage.store import DeleteOp, PutOp, SealOp, Store, record_size
+from jpfs_daemon.storage.volume_fds import VolumeFds
 
 from jpfs.errors import JPFSError
 
@@ -96,7 +96,7 @@ def test_descriptors_are_bounded_and_pinned_ones_survive(tmp_path):
     try:
         store.commit([put_op(os.urandom(100))[0] for _ in range(6)])
         vols = sorted(store.volume_records())
-        files = _Files(store, keep=2)
+        files = VolumeFds(store, keep=2)
         pinned = [files.pin(v) for v in vols[:3]]  # three pinned: over the limit, all kept
         assert len(files._fds) == 3
         files.unpin(vols[:3])
@@ -184,8 +184,8 @@ def test_a_put_cut_short_is_not_indexed(tmp_path):
 
 
 def test_an_index_from_before_records_is_read(tmp_path):
-    from jpfs_daemon.storage.store import _VOLREC_V1, VolRec
+    from jpfs_daemon.storage.formats import VOLREC_V1, VolRec
 
-    old = VolRec.unpack(_VOLREC_V1.pack(1000, 900, 3, 0))
+    old = VolRec.unpack(VOLREC_V1.pack(1000, 900, 3, 0))
     assert (old.end, old.live_bytes, old.live_blobs, old.record_bytes) == (1000, 900, 3, 0)
     assert old.dead_bytes == 100 and VolRec.unpack(old.pack()) == old

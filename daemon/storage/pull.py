@@ -25,7 +25,9 @@ from jpfs.errors import JPFSError, error
 from jpfs.proto import storage as P
 from jpfs.rpc import Pool
 
-from .store import BYVOL_KEY, PutOp, ScrubOp, Store
+from .formats import BYVOL_KEY
+from .ops import PutOp, ScrubOp
+from .store import Store
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +142,7 @@ class Puller:
         self.counters["reports_bad"] += 1
         store = self.store
         found = store.lookup(ids)
-        entries = [(BYVOL_KEY.pack(e[0], e[1], bid), e[0], e[1], e[2], e[3])
+        entries = [(BYVOL_KEY.pack(e.vol, e.offset, bid), e.vol, e.offset, e.length, e.xxh)
                    for bid, e in zip(ids, found, strict=True)
                    if e is not None and bid not in store.bad_ids]
         if not entries:

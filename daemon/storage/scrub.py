@@ -26,7 +26,8 @@ from typing import Any
 
 import trio
 
-from .store import ScrubOp, Store
+from .ops import ScrubOp
+from .store import Store
 
 log = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ node to ``pull_blobs`` a good copy from another node itself: ``pull.py``). ``--s
 the wait between passes. A client whose read fails its checksum calls ``report_bad``, which
 re-verifies those blobs at once.
 
-Volumes in use by an answer being sent are pinned: compaction retires them, but the open file
-descriptor is closed (and the unlinked file's space freed) only after the last send. Volume ids are
-never reused, so a stale descriptor can never be mistaken for a new volume.
+Volumes in use by an answer being sent are pinned (``volume_fds.py``): compaction
+(``compaction.py``) retires them, but the open file descriptor is closed only after the last
+send.
 """
 
 from __future__ import annotations
@@ -43,32 +43,24 @@ import errno
 import functools
 import logging
 import os
-from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import trio
 import xxhash
 
 from jpfs import config
-from jpfs.errors import JPFSError, error
+from jpfs.errors import error
 from jpfs.proto import storage as P
 from jpfs.rpc import FileSegment, Handler, Limits, Reply, Service, serve
 
 from .. import common
+from .compaction import Compactor
+from .ops import DeleteOp, Op, PutOp
+from .pending import PENDING_AGE
 from .pull import Puller
 from .scrub import DEFAULT_PAUSE, DEFAULT_RATE, Scrubber
-from .store import (
-    PENDING_AGE,
-    AllocOp,
-    DeleteOp,
-    Op,
-    PutOp,
-    SealOp,
-    Store,
-    SwitchOp,
-    crash_point,
-)
+from .store import Store
+from .volume_fds import VolumeFds
 
 log = logging.getLogger(__name__)
 
@@ -160,59 +152,6 @@ class _Writer:
                 q.done.set()
 
 
-class _Files:
-    """Read-only descriptors of volumes, pinned while an answer that uses them is sent.
-
-    At most ``keep`` unpinned descriptors stay open (least recently used go first), so a node
-    with thousands of volumes does not run out of file descriptors.
-    """
-
-    def __init__(self, store: Store, keep: int = 256):
-        self.store = store
-        self.keep = keep
-        self._fds: OrderedDict[int, list] = OrderedDict()  # vol -> [fd, pins, retired]
-
-    def pin(self, vol: int) -> int:
-        slot = self._fds.get(vol)
-        if slot is None:
-            slot = self._fds[vol] = [os.open(self.store.vol_path(vol), os.O_RDONLY), 1, False]
-            if len(self._fds) > self.keep:
-                self._trim()
-        else:
-            self._fds.move_to_end(vol)
-            slot[1] += 1
-        return slot[0]
-
-    def _trim(self) -> None:
-        for vol in [v for v, slot in self._fds.items() if not slot[1]]:
-            if len(self._fds) <= self.keep:
-                break
-            os.close(self._fds.pop(vol)[0])
-
-    def unpin(self, vols: Sequence[int]) -> None:
-        for vol in vols:
-            slot = self._fds[vol]
-            slot[1] -= 1
-            if slot[2] and not slot[1]:
-                os.close(slot[0])
-                del self._fds[vol]
-
-    def retire(self, vol: int) -> None:
-        """The volume is leaving: close its descriptor once nothing sends from it."""
-        slot = self._fds.get(vol)
-        if slot is None:
-            return
-        slot[2] = True
-        if not slot[1]:
-            os.close(slot[0])
-            del self._fds[vol]
-
-    def close(self) -> None:
-        for fd, _, _ in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
 class StorageServer:
     """The storage service's handlers over one ``Store``. Start ``run`` before serving."""
 
@@ -224,13 +163,13 @@ class StorageServer:
         self.warm_cold_reads = warm_cold_reads
         self.writer = _Writer(store)
         self.scrubber = Scrubber(store, self.writer.submit, rate=scrub_rate, pause=scrub_pause)
-        self.files = _Files(store)
+        self.files = VolumeFds(store)
         self.puller = Puller(store, self.writer.submit, secret, node)
-        self._compact_lock = trio.Lock()
         self._devnull = os.open(os.devnull, os.O_WRONLY)
         self.counters = dict.fromkeys(
             ("puts", "blobs_put", "gets", "blobs_sent", "segments_sent", "bytes_sent",
              "cold_warmups", "compactions", "locates", "blobs_located"), 0)
+        self.compactor = Compactor(store, self.writer.submit, self.files, self.counters)
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The group-commit writer and the scrubber; runs until cancelled."""
@@ -254,7 +193,7 @@ class StorageServer:
             P.GET_BLOBS: Handler(self.get_blobs),
             P.DELETE_BLOBS: Handler(self.delete_blobs),
             P.LIST_BLOBS: Handler(self.list_blobs),
-            P.COMPACT: Handler(self.compact),
+            P.COMPACT: Handler(self.compactor.compact),
             P.STATS: Handler(self.stats),
             P.SCRUB_STATUS: Handler(self.scrub_status),
             P.SCRUB_START: Handler(self.scrub_start),
@@ -289,7 +228,7 @@ class StorageServer:
         ``MAX_GET_BYTES`` in one request."""
         P.check_ids(ids, "get_blobs")
         entries = self.store.lookup(ids)
-        total = sum(e[2] for e in entries if e is not None)
+        total = sum(e.length for e in entries if e is not None)
         if total > P.MAX_GET_BYTES:
             raise error(errno.E2BIG, f"get_blobs: {total} bytes asked for in one request "
                                      f"(at most {P.MAX_GET_BYTES})")
@@ -443,86 +382,6 @@ class StorageServer:
             raise error(errno.EINVAL, "bad_blobs: negative limit")
         return await trio.to_thread.run_sync(self.store.bad_blobs, after,
                                              min(limit, P.MAX_LIST))
-
-    # ------------------------------------------------------------------ compaction
-
-    async def compact(self, min_dead_ratio: float) -> dict:
-        """Rewrite volumes whose dead share is at least ``min_dead_ratio``; return a summary."""
-        if not 0.0 <= min_dead_ratio <= 1.0:
-            raise error(errno.EINVAL, "compact: min_dead_ratio must be between 0 and 1")
-        async with self._compact_lock:
-            return await self._compact(float(min_dead_ratio))
-
-    async def _compact(self, ratio: float) -> dict:
-        store = self.store
-        recs = await trio.to_thread.run_sync(store.volume_records)
-        candidates = sorted(
-            v for v, r in recs.items()
-            if v not in store.short and r.dead_bytes > 0 and r.dead_bytes >= ratio * r.end
-        )
-        summary = {"volumes_compacted": 0, "volumes_written": 0, "blobs_moved": 0,
-                   "bytes_reclaimed": 0, "corrupt_blobs": 0}
-        if not candidates:
-            return summary
-        for v in candidates:  # appends must stop before we take a volume's snapshot
-            await self.writer.submit(SealOp(v))
-        recs = await trio.to_thread.run_sync(store.volume_records)  # as sealed
-        candidates = [v for v in candidates if v in recs]
-        # Pack the survivors of several old volumes into one new volume, up to the volume size.
-        groups: list[list[int]] = []
-        size = 0
-        for v in candidates:
-            live = recs[v].live_bytes
-            if groups and size + live <= store.volume_size:
-                groups[-1].append(v)
-                size += live
-            else:
-                groups.append([v])
-                size = live
-        for group in groups:
-            done = await self._compact_group(group)
-            for k in summary:
-                summary[k] += done.get(k, 0)
-            summary["bytes_reclaimed"] += sum(recs[v].end for v in group) - done["new_end"]
-        log.info("compaction: %s", summary)
-        return summary
-
-    async def _compact_group(self, group: list[int]) -> dict:
-        store = self.store
-        snapshots = [(v, await trio.to_thread.run_sync(store.volume_entries, v)) for v in group]
-        new_vol = None
-        moves: list = []
-        end = bad = 0
-        if any(entries for _, entries in snapshots):
-            new_vol = await self.writer.submit(AllocOp())
-            fd = await trio.to_thread.run_sync(store.create_volume, new_vol)
-            try:
-                for v, entries in snapshots:
-                    m, end, b = await trio.to_thread.run_sync(store.copy_live, v, entries, fd, end)
-                    moves += m
-                    bad += b
-                await trio.to_thread.run_sync(store.sync_volume, fd)
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(store.unlink_volume, new_vol)
-                raise
-            finally:
-                os.close(fd)
-            crash_point("compact_copied")
-        try:
-            switched = await self.writer.submit(SwitchOp(group, new_vol, end, moves))
-        except JPFSError:
-            if new_vol is not None:
-                with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(store.unlink_volume, new_vol)
-            raise
-        crash_point("compact_switched")
-        for v in group:
-            self.files.retire(v)
-            await trio.to_thread.run_sync(store.unlink_volume, v)
-        self.counters["compactions"] += len(group)
-        return {"volumes_compacted": len(group), "volumes_written": int(new_vol is not None),
-                "blobs_moved": switched["moved"], "corrupt_blobs": bad, "new_end": end}
 
 
 # ---------------------------------------------------------------------- helpers (pure / blocking)
