@@ -105,8 +105,9 @@ class AsyncClient:
             mount passes its own). Default: memory only, ``MEMORY_CACHE`` bytes at most.
         keep_whole: whether whole-file reads leave their blobs in the cache (the mount's case).
         prefetch: prefetch limits and switches.
-        kernel_has: ``(ino, version) -> bool``: the reader's side holds that version already
-            (the mount's page cache), so prefetch skips it.
+        own_prefetcher: False for a caller that builds its own prefetcher over these parts
+            (the mount's VFS: its prefetcher knows what the kernel holds); ``prefetcher`` is
+            then None.
         first_copy: which live copy of a chunk this client reads first (``StorageClient``;
             default: chosen at random, so readers spread over the copies).
         short_circuit: read the volume files of storage nodes on this host directly
@@ -120,7 +121,8 @@ class AsyncClient:
     def __init__(self, nursery: trio.Nursery, cluster: config.Cluster, *,
                  dir_cache_ttl: float = 1.0, cache: BlobCache | None = None,
                  keep_whole: bool = False, prefetch: PrefetchConfig | None = None,
-                 kernel_has=None, first_copy: int | None = None, short_circuit: bool = True):
+                 own_prefetcher: bool = True, first_copy: int | None = None,
+                 short_circuit: bool = True):
         self.cluster = cluster
         self.nursery = nursery
         self.meta = MetaClient(nursery, cluster)
@@ -132,8 +134,8 @@ class AsyncClient:
         self.reader = Reader(self.cache, self.storage.get, keep_whole=keep_whole) \
             if self.storage else None
         self.prefetcher = Prefetcher(self.meta, self.storage.get, self.cache,
-                                     prefetch or PrefetchConfig(small_file=cluster.chunk_size),
-                                     kernel_has) if self.storage else None
+                                     prefetch or PrefetchConfig(small_file=cluster.chunk_size)
+                                     ) if self.storage and own_prefetcher else None
         if self.prefetcher is not None:
             nursery.start_soon(self.prefetcher.run)
         self.dir_cache_ttl = dir_cache_ttl

@@ -53,7 +53,7 @@ from ...types import ROOT_INO, Attr, Layout, StatFS
 from ..client import AsyncClient
 from ..data.cache import BlobCache
 from ..data.listings import KnownDirs
-from ..data.prefetch import PrefetchConfig
+from ..data.prefetch import KernelBatch, PrefetchConfig, Prefetcher
 from ..data.reader import chunk_map
 from ..data.writer import FileWriter
 from ..wire.storage import Moved
@@ -99,15 +99,16 @@ class VFS:
     """JPFS by inode (see the module docstring). Build it with ``await VFS.connect(...)``."""
 
     def __init__(self, client: AsyncClient, inodes: Inodes, config: VFSConfig,
-                 notifier: Notifier):
-        if client.data is None or client.reader is None or client.prefetcher is None:
+                 notifier: Notifier, *, prefetcher: Prefetcher | None = None):
+        prefetcher = prefetcher or client.prefetcher
+        if client.data is None or client.reader is None or prefetcher is None:
             raise error(errno.ENODEV, "this cluster has no storage nodes: nothing to mount")
         self.client = client
         self.meta = client.meta
         self.data = client.data
         self.reader = client.reader
         self.cache = client.cache
-        self.prefetcher = client.prefetcher
+        self.prefetcher = prefetcher
         self.inodes = inodes
         self.config = config
         self.notifier = notifier
@@ -142,8 +143,8 @@ class VFS:
         """Files handed whole since the last one handed without its last page."""
         self._hand_carry = 0
         """... and their bytes."""
-        if self.ro and config.notify_store:
-            self.prefetcher.handoff = self._hand_to_kernel
+        if prefetcher.config.handoff:
+            client.nursery.start_soon(self._take_handoffs)
         self._behind: dict[int, int] = {}
         """Inode -> its bytes, for files whose close was answered before they were stored."""
         self._behind_bytes = 0
@@ -160,23 +161,23 @@ class VFS:
         """Connect to ``cluster`` and build the VFS over ``cache`` (an opened BlobCache)."""
         if not cluster.n_nodes:
             raise error(errno.ENODEV, "this cluster has no storage nodes: nothing to mount")
-        holder: list[Inodes] = []
-
-        def kernel_has(ino: int, version: int) -> bool:
-            return bool(holder) and holder[0].kernel_has(ino, version)
-
-        client = AsyncClient(
-            nursery, cluster, dir_cache_ttl=config.entry_timeout, cache=cache, keep_whole=True,
-            prefetch=PrefetchConfig(enabled=prefetch, small_file=config.small_file,
-                                    layouts=config.read_only, kernel_ahead=config.kernel_ahead),
-            kernel_has=kernel_has, short_circuit=config.short_circuit)
+        client = AsyncClient(nursery, cluster, dir_cache_ttl=config.entry_timeout, cache=cache,
+                             keep_whole=True, own_prefetcher=False,
+                             short_circuit=config.short_circuit)
         try:
             inodes = Inodes(await client.meta.getattr(ROOT_INO))
         except BaseException:
             client.close()
             raise
-        holder.append(inodes)
-        return cls(client, inodes, config, notifier or NullNotifier())
+        assert client.storage is not None
+        # the mount's prefetcher skips what the kernel holds, and on a read-only mount hands
+        # what sweeps and scans fetch on to it (``_take_handoffs``)
+        prefetcher = Prefetcher(client.meta, client.storage.get, cache, PrefetchConfig(
+            enabled=prefetch, small_file=config.small_file, layouts=config.read_only,
+            kernel_ahead=config.kernel_ahead,
+            handoff=config.read_only and config.notify_store), inodes.kernel_has)
+        nursery.start_soon(prefetcher.run)
+        return cls(client, inodes, config, notifier or NullNotifier(), prefetcher=prefetcher)
 
     def close(self) -> None:
         """Close the client under the VFS (its connections); a mount calls it last, as it ends."""
@@ -739,7 +740,23 @@ class VFS:
             self._close_unopened(ino)
         return out
 
-    async def _hand_to_kernel(self, parent: int, attrs: list[Attr]) -> None:
+    async def _take_handoffs(self) -> None:
+        """Hand each batch the prefetcher fetched for the kernel, each in a task of its own."""
+        async with trio.open_nursery() as nursery:
+            async for batch in self.prefetcher.handoffs:
+                nursery.start_soon(self._hand_batch, batch)
+
+    async def _hand_batch(self, batch: KernelBatch) -> None:
+        handed, failed = 0, False
+        try:
+            handed = await self._hand_to_kernel(batch.parent, batch.attrs)
+        except Exception:
+            failed = True  # prefetch is a hint: the files' READs fetch what this missed
+            log.exception("a prefetch task failed")
+        finally:
+            self.prefetcher.handed(batch, handed, failed=failed)
+
+    async def _hand_to_kernel(self, parent: int, attrs: list[Attr]) -> int:
         """A read-only mount's directory sweep or scan fetched ``attrs`` (files of ``parent``):
         give them to the kernel's page cache now, before anybody reads them. Their readers then
         make no request at all (the kernel holds the entries, the pages and, with no OPEN, the
@@ -797,7 +814,7 @@ class VFS:
             files.append((a.ino, data))
             picked.append((node, layout, data))
         if not files:
-            return
+            return 0
         samples: dict[int, int] = {}
         for k, ((ino, data), (node, _, _)) in enumerate(zip(files, picked, strict=True)):
             path = self.inodes.path(node)
@@ -809,6 +826,7 @@ class VFS:
             else:
                 self._hand_group += 1
         stored = await self.notifier.store_many(files)
+        handed = 0
         for (node, layout, data), ok in zip(picked, stored, strict=True):
             if ok and node.ino in self._unopened:
                 self._stored_under_reader(node.ino, len(data))
@@ -817,7 +835,7 @@ class VFS:
                 continue  # gone, or read meanwhile: its READs opened it, the kernel has it
             node.kernel_version = layout.attr.version
             self.stats.handed_files += 1
-            self.prefetcher.handed_bytes += len(data)
+            handed += len(data)
             self._hand_carry += len(data)
             held = samples.get(node.ino)
             if held is not None:
@@ -826,6 +844,7 @@ class VFS:
                 self._hand_carry = 0
             self.stats.notify_store_bytes += len(data) if held is None else held
             self.cache.delivered([c.blob for c in layout.chunks])
+        return handed
 
     def _stored_under_reader(self, ino: int, nbytes: int) -> None:
         """A file was read (its first READ opened it) while its hand-off was being stored:
@@ -842,8 +861,7 @@ class VFS:
         """A handed file's last page was asked for, or the kernel let go of it."""
         h = self._handed.pop(ino, None)
         if h is not None:
-            self.prefetcher.handed_bytes -= h.carries
-            self.prefetcher.progress()
+            self.prefetcher.reached(h.carries)
         return h
 
     async def _open_unopened(self, ino: int, stream: int) -> int:
