@@ -103,7 +103,7 @@ file); an empty file; a write open."""
 
 @dataclass(slots=True)
 class Handed:
-    """A file a sweep gave the kernel without its last page (``VFS._hand_to_kernel``)."""
+    """A file a sweep gave the kernel without its last page (``Handoff.hand``)."""
 
     version: int
     cut: int

@@ -27,16 +27,23 @@ _NO_CAPS_MAX = 65536
 
 
 class Xattrs:
-    """getxattr/setxattr/listxattr/removexattr by inode, with the capability shortcut."""
+    """getxattr/setxattr/listxattr/removexattr by inode, with the capability shortcut.
+
+    Args:
+        writable: raises EROFS on a read-only mount.
+        settle: awaited before the shard is asked about an inode (what a lease answered for it
+            reaches the shard first).
+    """
 
     def __init__(self, meta: MetaClient, inodes: Inodes, stats: VFSStats, attr_age: float,
-                 writable: Callable[[], None]):
+                 writable: Callable[[], None],
+                 settle: Callable[[int], Awaitable[None]] = _nothing):
         self.meta = meta
         self.inodes = inodes
         self.stats = stats
         self._attr_age = attr_age
         self._writable = writable
-        self.settle: Callable[[int], Awaitable[None]] = _nothing
+        self.settle = settle
         """Awaited before the shard is asked about an inode (the VFS's lease settle)."""
         self._no_caps: dict[int, float] = {}
         """Inodes known to have no security.capability, and since when (time.monotonic())."""

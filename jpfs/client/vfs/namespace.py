@@ -1,0 +1,264 @@
+"""Changes of names: mknod, mkdir, symlink, link, unlink, rmdir and rename.
+
+Each is sent to the directory's shard, which answers with the directory's attributes after it
+where it can (``post_op``), except where this VFS holds the directory's write lease
+(``leases.py``): unlinks and plain renames of files there are answered at once and committed
+behind in batches. Any other change of a leased directory's names gives the lease back first.
+What this VFS knew of the directories' names is forgotten when a change fails (it may be
+wrong). ``create`` is writes.py's (it opens what it makes), with the helpers here.
+"""
+
+from __future__ import annotations
+
+import stat
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ...errors import JPFSError
+from ...placement import shard_of
+from ...types import Attr
+from .leases import GiveBack
+from .leasing import Leasing
+from .shared import SharedState
+
+_DEVICES = (stat.S_IFBLK, stat.S_IFCHR)
+
+
+class Namespace:
+    """The namespace changes the VFS sends, or answers from a lease (see the module
+    docstring)."""
+
+    def __init__(self, shared: SharedState, leasing: Leasing):
+        self.shared = shared
+        self.leasing = leasing
+        self.leases = leasing.leases
+        self.meta = shared.meta
+        self.inodes = shared.inodes
+        self.prefetcher = shared.prefetcher
+        self.known = shared.known
+
+    def owner(self, parent: int, uid: int, gid: int, mode: int) -> tuple[int, int]:
+        """(gid, mode) of a new inode: a setgid directory gives its group, and to a new
+        directory its setgid bit (as Linux does on local filesystems)."""
+        p = self.inodes.get(parent)
+        if p is not None and p.attr.mode & stat.S_ISGID:
+            gid = p.attr.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        return gid, mode
+
+    @contextmanager
+    def names_of(self, *dirs: int) -> Iterator[None]:
+        """Around a namespace change: if it fails, what this VFS knew of the directories' names
+        may be wrong (EEXIST where it knew of nothing): forget it."""
+        try:
+            yield
+        except JPFSError:
+            if self.known is not None:
+                for d in dirs:
+                    self.known.drop(d)
+            raise
+
+    def made_in(self, parent: int, name: bytes, child: Attr, subdir: bool = False) -> None:
+        """``child`` was just made in ``parent``. Made in one transaction on the parent's shard
+        (files, symlinks, directories placed there), the parent's new mtime and ctime are the
+        child's ctime to the nanosecond (and a directory adds a link): no need to ask again,
+        and the attributes stay as fresh as they were. Anything else: ask next time."""
+        self.prefetcher.forget_dir(parent)
+        here = shard_of(child.ino) == shard_of(parent)
+        if self.known is not None:
+            self.known.changed(parent, added=name)
+        node = self.inodes.get(parent)
+        if node is None:
+            return
+        if not here or node.fetched == float("-inf"):
+            self.inodes.stale(parent)
+            return
+        t = child.ctime_ns
+        node.attr = node.attr.with_(mtime_ns=t, ctime_ns=t,
+                                    nlink=node.attr.nlink + (1 if subdir else 0))
+
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
+                    gid: int) -> Attr:
+        """A regular file, FIFO, socket or block/character device (metadata only: type, mode
+        and device number; the kernel does their I/O)."""
+        self.shared.writable()
+        await self.leasing.give_back(parent)
+        gid, mode = self.owner(parent, uid, gid, mode)
+        with self.names_of(parent):
+            attr = await self.meta.mknod(parent, name, mode,
+                                         rdev if stat.S_IFMT(mode) in _DEVICES else 0, uid, gid)
+        self.made_in(parent, name, attr)
+        return self.shared.attr_of(self.inodes.remember(attr, parent, name))
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        """Make directory ``name`` in ``parent`` owned by ``uid``/``gid`` (a setgid parent gives its
+        group and bit); its attributes. EEXIST if the name is taken, EROFS on a read-only mount."""
+        self.shared.writable()
+        await self.leasing.give_back(parent)
+        gid, mode = self.owner(parent, uid, gid, stat.S_IFDIR | (mode & 0o7777))
+        sent = time.monotonic()
+        with self.names_of(parent):
+            attr, after = await self.meta.mkdir(parent, name, mode & 0o7777, uid, gid)
+        self.made_in(parent, name, attr, subdir=True)
+        if after is not None:
+            self.shared.post_op(parent, after)
+        if self.known is not None:
+            self.known.made(attr.ino, sent)
+        return self.shared.attr_of(self.inodes.remember(attr, parent, name))
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int
+                      ) -> Attr:
+        """Make symlink ``name`` in ``parent`` pointing at ``target``; its attributes. EEXIST if the
+        name is taken, EROFS on a read-only mount."""
+        self.shared.writable()
+        await self.leasing.give_back(parent)
+        gid, _ = self.owner(parent, uid, gid, stat.S_IFLNK)
+        with self.names_of(parent):
+            attr = await self.meta.symlink(parent, name, target, uid, gid)
+        self.made_in(parent, name, attr)
+        return self.shared.attr_of(self.inodes.remember(attr, parent, name))
+
+    async def link(self, ino: int, parent: int, name: bytes) -> Attr:
+        """Give inode ``ino`` the new name ``name`` in ``parent``; its attributes after. EEXIST if
+        the name is taken, EROFS on a read-only mount."""
+        self.shared.writable()
+        await self.leasing.settle(ino)
+        await self.leasing.give_back(parent)
+        with self.names_of(parent):
+            attr = await self.meta.link(ino, parent, name)
+        self.shared.changed_dir(parent)
+        if self.known is not None:
+            self.known.changed(parent, added=name)
+        return self.shared.attr_of(self.inodes.remember(attr, parent, name))
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        """Remove the non-directory ``name`` from ``parent`` (answered at once from the directory's
+        lease where this VFS holds it); ENOENT, EISDIR or EROFS as unlink(2)."""
+        self.shared.writable()
+        leases = self.leases
+        node = self.inodes.child(parent, name)
+        if leases is not None and node is not None and not node.attr.is_dir:
+            ld = await leases.hold(parent)
+            if ld is not None and leases.book.removable(ld, name, node.ino):
+                try:
+                    await leases.remove(ld, name, node.ino)
+                except GiveBack:
+                    pass
+                else:
+                    self._unlinked(parent, name)
+                    return
+        await self.leasing.give_back(parent)
+        with self.names_of(parent), self.leasing.changing(parent):
+            after = await self.meta.unlink(parent, name)
+        gone = self.inodes.unname(parent, name)
+        if self.known is not None:
+            self.known.changed(parent, removed=name)
+        self.shared.post_op(parent, after)
+        if gone is not None:
+            self.inodes.stale(gone.ino)  # nlink and ctime changed
+
+    def _unlinked(self, parent: int, name: bytes) -> None:
+        """An unlink answered from a lease: what the shard's post-op answer would have told."""
+        gone = self.inodes.unname(parent, name)
+        if self.known is not None:
+            self.known.changed(parent, removed=name)
+        self._touched_in_lease(parent)
+        if gone is not None:
+            self.inodes.stale(gone.ino)  # nlink and ctime: asked (after the batch) next time
+
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        """Remove the empty directory ``name`` from ``parent``; ENOTEMPTY, ENOTDIR or EROFS as
+        rmdir(2)."""
+        self.shared.writable()
+        await self.leasing.give_back(parent)
+        child = self.inodes.child(parent, name)
+        if child is not None:
+            await self.leasing.give_back(child.ino)  # its own entries, which it must not have
+        with self.names_of(parent):
+            after = await self.meta.rmdir(parent, name)
+        gone = self.inodes.unname(parent, name)
+        if self.known is not None:
+            self.known.changed(parent, removed=name)
+            if gone is not None:
+                self.known.drop(gone.ino)
+        self.shared.post_op(parent, after)
+        if gone is not None:
+            self.inodes.stale(gone.ino)
+        self.inodes.moved()
+
+    async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
+                     flags: int) -> None:
+        """Rename as ``rename(2)``, with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2). A plain
+        rename of a file within a directory this mount holds the lease of keeps the lease: it
+        is answered from the lease and committed behind when the lease's names vouch for both
+        names (``LeaseBook.movable``); else what the lease answered there is committed first,
+        and the shard lets the holder's rename pass (the lease's names follow it)."""
+        self.shared.writable()
+        leases = self.leases
+        ld = None
+        moving = self.inodes.child(parent_old, name_old)
+        if leases is not None and parent_old == parent_new and not flags and moving is not None \
+                and moving.attr.is_reg and shard_of(moving.ino) == shard_of(parent_old):
+            # one shard's transaction (a file made in the directory): no self-recall
+            ld = await leases.hold(parent_old)
+            target = self.inodes.child(parent_new, name_new)
+            if ld is not None and (target is None or target.attr.is_reg) and leases.book.movable(
+                    ld, name_old, moving.ino, name_new, target.ino if target else None):
+                leases.rename(ld, name_old, name_new)
+                if target is None or target.ino != moving.ino:  # else rename(2) does nothing
+                    self._moved(parent_old, name_old, parent_new, name_new, 0, None)
+                return
+            if ld is not None:
+                await leases.book.settle(parent_old)
+        if ld is None:
+            await self.leasing.give_back(parent_old, parent_new)
+        with self.names_of(parent_old, parent_new), self.leasing.changing(parent_old), \
+                self.leasing.changing(parent_new):
+            src_after, dst_after = await self.meta.rename(
+                parent_old, name_old, parent_new, name_new, flags,
+                session=leases.session if leases is not None and ld is not None else None)
+        if leases is not None and ld is not None:
+            leases.book.renamed(ld, name_old, name_new)
+        self._moved(parent_old, name_old, parent_new, name_new, flags, (src_after, dst_after))
+
+    def _moved(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
+               flags: int, after: tuple | None) -> None:
+        """What this VFS knows after a rename: ``after``, the shard's post-op attributes of both
+        directories, or None for a rename answered from the lease (the directory's times are
+        now; the moved file's ctime is asked after the batch)."""
+        if self.known is not None:
+            exchange = bool(flags & 2)
+            self.known.changed(parent_old, removed=None if exchange else name_old)
+            self.known.changed(parent_new, added=name_new)
+            if exchange:
+                self.known.changed(parent_old, added=name_old)
+        moved = self.inodes.unname(parent_old, name_old)
+        other = self.inodes.unname(parent_new, name_new)
+        if after is None:
+            self._touched_in_lease(parent_old)
+        else:
+            self.shared.post_op(parent_old, after[0])
+            if parent_new != parent_old:
+                self.shared.post_op(parent_new, after[1])
+        for node, p, n in ((moved, parent_new, name_new),
+                           (other if flags & 2 else None, parent_old, name_old)):
+            if node is not None:  # keep the names right: co-access learning works on paths
+                self.inodes.remember(node.attr, p, n, lookup=False)
+                self.inodes.stale(node.ino)  # its ctime moved
+        if other is not None and not flags & 2:
+            self.inodes.stale(other.ino)  # replaced: one link fewer
+        self.inodes.moved()
+
+    def _touched_in_lease(self, parent: int) -> None:
+        """``parent``'s names changed by a change answered from its lease: its times are
+        now."""
+        self.prefetcher.forget_dir(parent)
+        node = self.inodes.get(parent)
+        if node is not None and node.fetched != float("-inf"):
+            t = time.time_ns()
+            node.attr = node.attr.with_(mtime_ns=t, ctime_ns=t)
+
+
+__all__ = ["Namespace"]
