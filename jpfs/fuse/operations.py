@@ -78,6 +78,13 @@ def _leaves(e: BaseException) -> list[BaseException]:
     return [e]
 
 
+_COUNTED_AS_DATA = frozenset({"mknod", "mkdir", "symlink", "link", "unlink", "rmdir", "rename",
+                              "create", "readlink", "fsync", "fallocate", "fsyncdir", "setxattr",
+                              "removexattr"})
+"""Requests on the control tree counted with the data requests, as they always were: attempts
+to change the tree, and requests that reading it never sends. Reading it (lookups, attributes,
+opens, reads, listings, hints) is counted apart, so that reading the stats changes no figure."""
+
 Route = Callable[[Any, tuple], bool]
 """Whether a request (the adapter, the request's arguments) is the control tree's."""
 
@@ -112,16 +119,20 @@ def _linked(ops, args: tuple) -> bool:
 
 def fuse_op(name: str, control_if: Route | None = None):
     """Count the request, send it to the control tree where ``control_if`` says it is the
-    tree's (the one place the adapter routes ``.jpfs``; such requests are counted apart), and
-    turn whatever was raised into the kernel's answer: the one place where errors become
-    FUSEError."""
+    tree's (the one place the adapter routes ``.jpfs``; counted apart but for
+    ``_COUNTED_AS_DATA``), and turn whatever was raised into the kernel's answer: the one place
+    where errors become FUSEError."""
+    to_data = name in _COUNTED_AS_DATA
 
     def deco(fn):
         @functools.wraps(fn)
         async def handler(self, *args):
             try:
                 if control_if is not None and control_if(self, args):
-                    self.stats.control_requests += 1
+                    if to_data:
+                        self.stats.requests[name] += 1
+                    else:
+                        self.stats.control_requests += 1
                     return await getattr(self.control, name)(*args)
                 self.stats.requests[name] += 1
                 return await fn(self, *args)
