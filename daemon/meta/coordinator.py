@@ -59,7 +59,8 @@ from jpfs.rpc import Method, Pool
 from ..common import fault_point
 from . import keys as K
 from . import once, ops
-from .store import Locked, Store, Txn
+from .store import Store
+from .txn import Locked, Txn
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from jpfs.placement import spread
 from jpfs.types import Chunk
 
 from . import keys as K
-from .store import Txn
+from .txn import Txn
 
 ACTIVE, DRAINING, REMOVED = "active", "draining", "removed"
 BATCH_BYTES = 16 << 20

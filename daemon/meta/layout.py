@@ -19,7 +19,7 @@ from . import keys as K
 from .keys import Inode
 from .namespace import each_name, touch
 from .ops import apply
-from .store import Txn
+from .txn import Txn
 
 MAX_BULK = 10_000
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .store import Locked
+from .txn import Locked
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from jpfs.proto.meta import check_name
 from . import keys as K
 from . import ops
 from .keys import Inode
-from .store import Txn
+from .txn import Txn
 
 MAX_SCAN = 5000
 

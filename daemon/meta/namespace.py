@@ -16,7 +16,7 @@ from jpfs.proto.meta import XATTR_CREATE, XATTR_REPLACE, check_name
 
 from . import keys as K
 from .keys import Inode
-from .store import Txn
+from .txn import Txn
 
 MAX_READDIR = 10_000
 MAX_SYMLINK = 4096

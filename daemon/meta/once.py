@@ -15,7 +15,7 @@ from collections.abc import Callable
 from jpfs.rpc.service import Defer
 
 from . import keys as K
-from .store import Txn
+from .txn import Txn
 
 KEEP_NS = 120 * 10**9
 """How long a request id is remembered (a retry comes within a failover: seconds)."""

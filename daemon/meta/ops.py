@@ -36,7 +36,7 @@ from jpfs.errors import JPFSError, error
 
 from . import keys as K
 from .keys import Inode
-from .store import Txn
+from .txn import Txn
 
 NEW = "$new"
 

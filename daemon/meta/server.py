@@ -43,7 +43,8 @@ from .keys import Inode
 from .leases import LEASE_INODES, LEASE_MAX_NAMES, Leases
 from .ops import NEW, apply_local
 from .replica import RENEW, STALL, TTL, Replication
-from .store import SYNC_DELAY, Locked, Store, Txn
+from .store import SYNC_DELAY, Store
+from .txn import Locked, Txn
 
 log = logging.getLogger(__name__)
 
