@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import sys
 
-from . import aggregate, convert, gen, heal, loader, meta, mount, read
+from . import aggregate, convert, gen, heal, leadership, loader, meta, mount, read
 from .runner import run, standalone
 
 __all__ = ["COMMANDS", "main", "run", "standalone"]
 
 COMMANDS = {"gen": gen, "meta": meta, "read": read, "loader": loader, "aggregate": aggregate,
-            "convert": convert, "mount": mount, "heal": heal}
+            "convert": convert, "mount": mount, "heal": heal, "leadership": leadership}
 """The benchmarks by subcommand name, in the order `--help` lists them."""
 
 

@@ -35,12 +35,19 @@ from jpfs.proto import replica as R
 from jpfs.rpc import Later, Pool
 
 from . import replog
+from .renewal import Renewals
 from .store import Store
 
 log = logging.getLogger(__name__)
 
-TTL = 2.0
-RENEW = 0.5
+TTL = 5.0
+"""Seconds of the leader's etcd lease: how late renewals may be before it steps down, and how
+long a shard waits for a new leader after its leader dies without revoking it (a clean stop or
+a restart revokes or clears it at once). 2 s stepped leaders down spuriously on loaded hosts."""
+RENEW = 1.0
+"""Seconds between renewals (from a thread: ``renewal.py``): five chances per lease."""
+POLL = 0.5
+"""Seconds between a follower's looks at the leader key (a vacancy is noticed within this)."""
 SNAPSHOT_BYTES = 1 << 20
 PIPELINE = 4
 """Appends in flight per follower."""
@@ -192,7 +199,7 @@ class Replication:
             if kv.create_revision > self.known_term:
                 self.known_term = kv.create_revision
             self.leader, self.leader_address = info.get("replica"), info.get("address")
-            await trio.sleep(self.renew)
+            await trio.sleep(POLL)
             return
         self.leader = self.leader_address = None
         if self._vacant_since is None:
@@ -270,7 +277,7 @@ class Replication:
         try:
             async with trio.open_nursery() as nursery:
                 self._lead_scope = nursery.cancel_scope
-                nursery.start_soon(self._guard, self._keepalive, etcd, lease, granted)
+                nursery.start_soon(self._guard, self._keepalive, lease, granted)
                 nursery.start_soon(self._guard, self._stalls)
                 for j in range(self.n):
                     if j != self.replica:
@@ -327,36 +334,27 @@ class Replication:
                 f"confirm the change within {self.stall:.3g} s ({reachable} reachable); it may "
                 "still apply once they are back: run `jpfs cluster status`")))
 
-    async def _keepalive(self, etcd: Etcd, lease: int, granted: float) -> None:
-        """Renew the lease every ``renew`` seconds counted from the last renewal's send (from
-        ``granted``, when the grant was asked for, at first), so neither a slow election nor a
-        slow answer pushes the next renewal towards the end of the lease.
+    async def _keepalive(self, lease: int, granted: float) -> None:
+        """Renew the lease every ``renew`` seconds from a thread of its own (``Renewals``: the
+        loop's request work never delays a renewal), counted from the last renewal's send
+        (from ``granted``, when the grant was asked for, at first), so neither a slow election
+        nor a slow answer pushes the next renewal towards the end of the lease.
 
         A late answer is waited for until the lease may have lapsed in etcd (the TTL from the
         send of the last renewal it confirmed); meanwhile this copy stops answering clients
         (``serving``), and a renewal that comes back resumes it: a loaded host then pauses the
         shard for a moment instead of starting an election. It steps down when etcd says the
         lease is gone, or when no renewal came back within the TTL."""
-        confirmed = sent = granted
-        while True:
-            await trio.sleep_until(sent + self.renew)
-            sent = trio.current_time()
-            left: float | None = None
-            with trio.move_on_at(confirmed + self.ttl):
-                try:
-                    left = await etcd.keepalive(lease)
-                except JPFSError as e:
-                    log.warning("shard %d replica %d: lease renewal failed: %s", self.shard,
-                                self.replica, e.strerror)
-            if left is not None and left > 0:
-                confirmed = sent
-                self.valid_until = sent + min(left, self.ttl) * 0.75
-                self._advance()
-            elif left == 0 or trio.current_time() >= confirmed + self.ttl:
-                log.warning("shard %d replica %d: lease %s; stepping down", self.shard,
-                            self.replica, "gone" if left == 0 else "not renewed within its TTL")
-                self._stop_leading()
-                return
+        def renewed(sent: float, left: float) -> None:
+            self.valid_until = sent + min(left, self.ttl) * 0.75
+            self._advance()
+
+        renewals = Renewals(self.endpoints, lease, ttl=self.ttl, renew=self.renew,
+                            granted=granted, where=f"shard {self.shard} replica {self.replica}")
+        why = await renewals.run(renewed)
+        log.warning("shard %d replica %d: lease %s; stepping down", self.shard, self.replica,
+                    why)
+        self._stop_leading()
 
     async def _append_call(self, j: int, prev: tuple[int, int], entries: list) -> Any:
         return await self.peers.call(j, R.REPL_APPEND, [

@@ -254,3 +254,40 @@ async def wait_ready(endpoints: Sequence[str], deadline: float) -> None:
                     await trio.sleep(0.05)
     raise EtcdError(errno.ETIMEDOUT, f"etcd did not come up at {', '.join(endpoints)} within "
                                      f"{deadline:.0f} s")
+
+
+class LeaseKeepalive:
+    """Blocking renewals of one lease, for a thread of its own (a leader's renewals must not
+    wait behind its event loop's work; see ``jpfs_daemon.meta.renewal``). One keep-alive
+    HTTP connection, the endpoints tried in turn as ``Etcd`` does."""
+
+    def __init__(self, endpoints: Sequence[str], lease: int):
+        self.endpoints = [e.rstrip("/") for e in endpoints]
+        self.lease = lease
+        self._http = httpx.Client(trust_env=False)
+        self._first = random.randrange(len(self.endpoints))
+
+    def renew(self, timeout: float) -> float:
+        """Renew the lease; the seconds it has left (0.0: it is gone). EtcdError when no
+        endpoint answered within ``timeout`` seconds."""
+        last: Exception | None = None
+        n = len(self.endpoints)
+        for k in range(n):
+            i = (self._first + k) % n
+            try:
+                r = self._http.post(self.endpoints[i] + "/v3/lease/keepalive",
+                                    json={"ID": str(self.lease)}, timeout=timeout)
+            except httpx.HTTPError as e:
+                last = e
+                continue
+            if r.status_code != 200:
+                raise EtcdError(errno.EIO, f"etcd at {self.endpoints[i]} refused a lease "
+                                           f"renewal: HTTP {r.status_code} {r.text.strip()[:200]}")
+            self._first = i
+            return float(r.json().get("result", {}).get("TTL", 0))
+        kind = errno.ETIMEDOUT if isinstance(last, httpx.TimeoutException) else errno.EIO
+        raise EtcdError(kind, f"etcd did not answer at {', '.join(self.endpoints)} ({last!r})")
+
+    def close(self) -> None:
+        """Close the HTTP connection."""
+        self._http.close()

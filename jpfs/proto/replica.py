@@ -30,9 +30,18 @@ NOT_LEADER = errno.EREMOTE
 
 _HINT = re.compile(r"\[leader (\d+)\]")
 
-FAILOVER_FOR = 10.0
-"""Seconds a call keeps looking for a shard's leader (a failover takes a lease TTL plus an
-election: 2-3 s here) before it fails."""
+FAILOVER_FOR = 60.0
+"""Seconds a call keeps looking for a shard's leader, and a change that met an election keeps
+being retried, before it fails. A failover takes a lease TTL plus an election (seconds); this
+rides out several in a row, and an etcd outage longer than a lease, the way a hard NFS mount
+rides out a server restart, while a shard that is really gone still fails in bounded time."""
+
+RETRIED_ANSWERS = frozenset({errno.EAGAIN, errno.EHOSTUNREACH, errno.ETIMEDOUT})
+"""What a leader answers when a change met an election rather than failed: its own leadership
+changed during a two-phase commit (EAGAIN), a participant shard had no leader (EHOSTUNREACH), or
+no majority confirmed it in time (ETIMEDOUT). A change that carries a request id is sent again
+on these: the first attempt either did nothing or recorded its result under the id, which the
+retry then answers (``once``), so no change is made twice."""
 
 
 def not_leader(shard: int, replica: int, leader: int | None, address: str | None) -> JPFSError:
@@ -110,9 +119,10 @@ class ShardPool:
     seen leading; on "not leader" it moves to the named leader (or the next copy), on a
     refused, closed or silent connection to the next copy, and retries within
     ``failover_for`` seconds. Calls that change the namespace carry a request id
-    (``MetaClient``), so a retry after a failover answers what the first attempt did. A shard
-    whose every copy refuses the connection fails at once. Unreplicated shards (one copy) go
-    straight to their ``Pool``, as before.
+    (``MetaClient``), so a retry after a failover answers what the first attempt did; such a
+    call is also sent again, within the same bound, when the leader answers that the change met
+    an election (``RETRIED_ANSWERS``). A shard whose every copy refuses the connection fails at
+    once. Unreplicated shards (one copy) go straight to their ``Pool``, as before.
     """
 
     def __init__(self, nursery: trio.Nursery, replicas: Sequence[Sequence[str]],
@@ -159,7 +169,9 @@ class ShardPool:
         """Call ``method`` on the leader of ``shard`` and return its answer, failing over as the
         class says. Raises EINVAL for a shard that does not exist; Refused when every copy
         refuses the connection; Unavailable when no copy answers as leader within
-        ``failover_for`` seconds; any other error the leader answers, as it is."""
+        ``failover_for`` seconds; an answer in ``RETRIED_ANSWERS`` to a change with a request
+        id once ``failover_for`` has passed, naming the shard; any other error the leader
+        answers, as it is."""
         if not 0 <= shard < len(self.pools):
             raise error(errno.EINVAL, f"no metadata shard number {shard}")
         pool = self.pools[shard]
@@ -167,6 +179,7 @@ class ShardPool:
         if n == 1:
             return await pool.call(0, method, args, payload, **kw)
         give_up = trio.current_time() + self.failover_for
+        retried = getattr(args, "rid", None) is not None
         j = self.leader[shard]
         refused: set[int] = set()
         delay = 0.02
@@ -192,6 +205,15 @@ class ShardPool:
                     if len(refused) == n:
                         raise Refused(f"metadata shard {shard}: every copy refused the "
                                       f"connection (not running?): {e.strerror}") from None
+                elif retried and e.errno in RETRIED_ANSWERS:
+                    if trio.current_time() + delay >= give_up:
+                        raise error(e.errno, f"metadata shard {shard}: {e.strerror} (still so "
+                                    f"after {self.failover_for:.3g} s of retries); run `jpfs "
+                                    "cluster status`") from None
+                    log.debug("shard %d: %s; sending the change again", shard, e.strerror)
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 0.25)
+                    continue  # the same copy: it answered as leader
                 else:
                     raise
                 if trio.current_time() + delay >= give_up:

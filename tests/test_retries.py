@@ -1,0 +1,328 @@
+"""Transparent retries: elections again and again (a shard's leader killed with SIGKILL and
+restarted, a leader SIGSTOPped until another copy leads, etcd SIGSTOPped until every leader has
+let its lease go) while two processes create, unlink, mkdir, rmdir and rename, across shards
+(two-phase commits) and within them. Not one call fails, and the tree at the end is exactly
+what the loops say it is.
+
+Real daemons, real etcd, a real kernel mount: three copies of each of two shards; one loop calls
+the native client, the other makes the same system calls through the mount. Every wait is on a
+state (a new leader, copies that follow it, loops that made progress) with a deadline that
+prints it; the faults last until the state they are there to cause has come about.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+from fuse_support import mounted, requires_fuse
+
+import jpfs
+from jpfs import config, localcluster
+from jpfs.errors import JPFSError
+from jpfs.placement import new_dir_shard
+from jpfs.proto import replica as R
+from jpfs.rpc import Pool
+
+pytestmark = [pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
+              pytest.mark.slow]
+
+SHARDS = 2
+COPIES = 3
+WAIT = 60.0
+"""Deadline of every wait on the cluster's state (seconds)."""
+ETCD_OUTAGE = 12.0
+"""How long etcd stays stopped once every leader has stepped down (a fault's length, not a
+wait: no shard can elect a leader meanwhile)."""
+
+# One loop of changes per process, in its own tree /wN with a directory on each shard (a on
+# shard 0, b on shard 1): a file's entry lives on its directory's shard, a new directory's
+# inode on the shard its name hashes to, so half the mkdirs and rmdirs and every rename from a
+# to b are two-phase commits; a directory moved between parents also takes shard 0's rename
+# lock. Every call counts; a failed one is recorded and ends the loop (what it did is unknown).
+WORKER = r"""
+import json, os, sys, time, traceback
+import jpfs
+
+cluster_file, top, stop_file, out, where = sys.argv[1:6]
+if where == "native":
+    client = jpfs.connect(cluster_file)
+    root = ""
+    mkdir, create, rename = client.mkdir, client.create, client.rename
+    rmdir, unlink = client.rmdir, client.unlink
+else:  # through the mount at ``where``: the calls a program makes
+    client = None
+    root = where
+    mkdir, rename, rmdir, unlink = os.mkdir, os.rename, os.rmdir, os.unlink
+
+    def create(path):
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+
+a, b = f"{top}/a", f"{top}/b"
+expect = set()
+calls = 0
+failures = []
+slowest = [0.0, ""]
+
+def call(what, fn, *args):
+    global calls
+    t0 = time.monotonic()
+    fn(*(root + arg for arg in args))
+    took = time.monotonic() - t0
+    calls += 1
+    if took > slowest[0]:
+        slowest[:] = [took, f"{what} {args[0]}"]
+
+def progress():
+    tmp = out + ".progress.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"calls": calls, "failed": len(failures)}, f)
+    os.replace(tmp, out + ".progress")
+
+i = 0
+try:
+    while not os.path.exists(stop_file):
+        d, f, g = f"{a}/d{i}", f"{b}/f{i}", f"{a}/g{i}"
+        call("mkdir", mkdir, d)
+        call("create", create, f"{d}/x")
+        call("rename", rename, f"{d}/x", f)          # out of d: often across shards
+        call("rename", rename, d, f"{b}/d{i}")       # a directory between parents
+        call("rmdir", rmdir, f"{b}/d{i}")
+        if i % 3 == 0:
+            call("unlink", unlink, f)
+        else:
+            expect.add(f)
+        call("create", create, g)
+        if i % 2:
+            call("unlink", unlink, g)
+        else:
+            expect.add(g)
+        i += 1
+        progress()
+except OSError as e:
+    failures.append(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+finally:
+    progress()
+    with open(out, "w") as fh:
+        json.dump({"calls": calls, "loops": i, "failures": failures,
+                   "expect": sorted(expect), "slowest": slowest}, fh)
+    if client is not None:
+        client.close()
+"""
+
+
+def _statuses(c: config.Cluster, shard: int) -> list[dict | None]:
+    """Every copy's replication status; None for one that does not answer within a second
+    (killed, or stopped)."""
+    addresses = [s.address for s in c.meta_replicas[shard]]
+
+    async def ask() -> list[dict | None]:
+        out: list[dict | None] = [None] * len(addresses)
+        async with trio.open_nursery() as nursery:
+            pool = Pool(nursery, addresses, c.secret, role="meta", retry_for=0.0,
+                        peer_timeout=0.5, timeout=1.0)
+
+            async def one(j: int) -> None:
+                with contextlib.suppress(JPFSError):
+                    out[j] = await pool.call(j, R.REPL_STATUS, [shard])
+
+            async with trio.open_nursery() as calls:
+                for j in range(len(addresses)):
+                    calls.start_soon(one, j)
+            pool.close()
+        return out
+
+    return trio.run(ask)
+
+
+def _wait(what: str, check, state) -> object:
+    """Wait until ``check()`` is true (returns its value); past ``WAIT`` seconds fail with
+    ``state()``, what was seen last."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {WAIT:.0f} s; last seen: {state()}")
+        time.sleep(0.05)
+
+
+def _leader(c: config.Cluster, shard: int, other_than: int | None = None) -> tuple[int, int]:
+    """(replica, term) of the copy that leads ``shard`` (and is not ``other_than``)."""
+    seen: list = []
+
+    def check():
+        seen[:] = _statuses(c, shard)
+        leaders = [(s["replica"], s["term"]) for s in seen
+                   if s is not None and s["role"] == "leader" and s["replica"] != other_than]
+        return leaders[0] if len(leaders) == 1 else None
+
+    return _wait(f"a leader of shard {shard} other than {other_than}", check, lambda: seen)
+
+
+def _steady(c: config.Cluster) -> None:
+    """Every copy of every shard runs and follows one leader, none installing a snapshot:
+    the next fault then takes at most one copy of a shard away."""
+    for shard in range(SHARDS):
+        seen: list = []
+
+        def check(shard=shard, seen=seen):
+            seen[:] = _statuses(c, shard)
+            if any(s is None or s["resyncing"] for s in seen):
+                return False
+            leaders = [s["replica"] for s in seen if s["role"] == "leader"]
+            return len(leaders) == 1 and all(s["leader"] == leaders[0] for s in seen)
+
+        _wait(f"every copy of shard {shard} following one leader", check, lambda seen=seen: seen)
+
+
+def _pid(d: Path, name: str) -> int:
+    return int((d / f"{name}.pid").read_text())
+
+
+def _progress(outs: list[Path]) -> list[dict]:
+    got = []
+    for out in outs:
+        try:
+            got.append(json.loads(Path(f"{out}.progress").read_text()))
+        except (OSError, ValueError):
+            got.append({"calls": 0, "failed": 0})
+    return got
+
+
+def _made_progress(outs: list[Path], procs: list[subprocess.Popen], calls: int) -> None:
+    """Both loops made ``calls`` more calls (they are not stuck behind the last fault)."""
+    start = [p["calls"] for p in _progress(outs)]
+
+    def check():
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"a loop ended early (status {p.returncode}): "
+                                     f"{_progress(outs)}")
+        return all(p["calls"] >= s + calls for p, s in zip(_progress(outs), start, strict=True))
+
+    _wait(f"both loops making {calls} more calls", check, lambda: _progress(outs))
+
+
+def _elections(d: Path) -> int:
+    return sum(p.read_text(errors="replace").count(" leads (term ")
+               for p in (d / "logs").glob("meta-*.log"))
+
+
+@requires_fuse
+@pytest.mark.fuse
+def test_elections_again_and_again_fail_no_call(tmp_path):
+    d = tmp_path / "cluster"
+    c = localcluster.up(d, meta_shards=SHARDS, storage_nodes=1, etcd=True,
+                        meta_replicas=COPIES)
+    procs: list[subprocess.Popen] = []
+    etcd = _pid(d, "etcd")
+    stopped: list[int] = []
+    mount = contextlib.ExitStack()
+    try:
+        mp = mount.enter_context(mounted(localcluster.cluster_file(d), tmp_path / "mnt")).path
+        client = jpfs.connect(c)
+        tops = ["/w0", "/w1"]
+        for top in tops:
+            ino = client.mkdir(top).ino
+            # a's entries on shard 0, b's on shard 1 (a directory's inode: its name's hash)
+            for want, stem in ((0, "a"), (1, "b")):
+                name = next(f"{stem}{k}" for k in range(1000)
+                            if new_dir_shard(ino, f"{stem}{k}".encode(), SHARDS) == want)
+                client.mkdir(f"{top}/{name}")
+                client.rename(f"{top}/{name}", f"{top}/{stem}")
+        _steady(c)
+        before = _elections(d)
+        stop_file = d / "stop"
+        outs = [d / f"worker{w}.json" for w in range(2)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        # one loop through the native client, one through the mount
+        for top, out, where in zip(tops, outs, ("native", str(mp)), strict=True):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", WORKER, str(localcluster.cluster_file(d)), top,
+                 str(stop_file), str(out), where], env=env))
+        _made_progress(outs, procs, 20)
+
+        def kill_leader(shard: int) -> None:
+            victim, _ = _leader(c, shard)
+            localcluster.kill(d, "meta", shard, replica=victim)
+            _leader(c, shard, other_than=victim)
+            localcluster.start(d, "meta", shard, replica=victim)
+
+        def pause_leader(shard: int) -> None:
+            victim, _ = _leader(c, shard)
+            pid = _pid(d, localcluster.daemon_name("meta", shard, victim))
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+            try:
+                _leader(c, shard, other_than=victim)  # the others elected one without it
+            finally:
+                os.kill(pid, signal.SIGCONT)
+                stopped.remove(pid)
+
+        def pause_etcd() -> None:
+            os.kill(etcd, signal.SIGSTOP)
+            stopped.append(etcd)
+            try:
+                # no leader may answer past its lease: every one of them steps down
+                seen: list = []
+
+                def check():
+                    seen[:] = [s for shard in range(SHARDS) for s in _statuses(c, shard)]
+                    return all(s is not None and s["role"] != "leader" for s in seen)
+
+                _wait("every leader stepping down with etcd stopped", check, lambda: seen)
+                # and no election for a while longer: the loops' calls wait it out
+                time.sleep(ETCD_OUTAGE)
+            finally:
+                os.kill(etcd, signal.SIGCONT)
+                stopped.remove(etcd)
+
+        faults = [(kill_leader, 0), (pause_leader, 1), (pause_etcd,), (kill_leader, 1),
+                  (pause_leader, 0), (kill_leader, 0)]
+        for fault, *args in faults:
+            t0 = time.monotonic()
+            fault(*args)
+            _steady(c)
+            _made_progress(outs, procs, 10)
+            print(f"{fault.__name__}{tuple(args)}: {time.monotonic() - t0:.1f} s, "
+                  f"{_progress(outs)}")
+        stop_file.touch()
+        for p in procs:
+            p.wait(timeout=WAIT)
+        results = [json.loads(out.read_text()) for out in outs]
+        mount.close()  # unmounted: every change it answered is committed
+        elections = _elections(d) - before
+        calls = sum(r["calls"] for r in results)
+        print(f"{elections} elections, {calls} calls, "
+              f"{sum(len(r['failures']) for r in results)} failed; slowest: "
+              f"{[r['slowest'] for r in results]}")
+        assert [r["failures"] for r in results] == [[], []]
+        assert elections >= len(faults) + SHARDS - 1  # etcd's pause: one per shard
+        for top, r in zip(tops, results, strict=True):
+            found = {f"{where}/{name}" for where, dirs, files in client.walk(top)
+                     for name in dirs + files}
+            want = set(r["expect"]) | {f"{top}/a", f"{top}/b"}
+            assert found == want, (sorted(found - want), sorted(want - found))
+            assert r["loops"] > 0
+        client.close()
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        mount.close()
+        localcluster.down(d)
