@@ -1,13 +1,14 @@
 """Steady metadata leadership on a busy host: leader step-downs per hour, and failed calls.
 
 A cluster of two shards with three copies each (etcd leases) runs beside ``--busy`` processes
-that spin on the CPU (by default two per core: a training node's DataLoader workers) while
+that spin on the CPU (by default two per core: a training node's DataLoader workers) and
+``--syncers`` that write and fdatasync on the cluster's disk (a checkpoint or log writer), while
 ``--writers`` processes loop over mkdir, create, rename, unlink and rmdir through the native
 client for ``--seconds``. Nothing is killed, so every step-down counted (a copy's log saying
 it stops leading) is spurious: a leader that was alive but late. Reported: step-downs and
 elections per hour, the calls made and how many failed (a program would have seen each), and
 the load average over the run. The baseline is the same cluster and loop with no busy
-processes, measured first in the same run (``--baseline-seconds``; 0 skips it).
+processes or syncers, measured first in the same run (``--baseline-seconds``; 0 skips it).
 """
 
 from __future__ import annotations
@@ -55,6 +56,19 @@ with open(out, "w") as f:
 """
 
 SPIN = "while True: pass"
+SYNC = r"""
+import os, sys
+path = sys.argv[1]
+block = os.urandom(1 << 20)
+with open(path, "wb") as f:
+    while True:
+        for _ in range(4):
+            f.write(block)
+        f.flush()
+        os.fdatasync(f.fileno())
+        if f.tell() > 256 << 20:
+            f.seek(0)
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="length of the unloaded run before it (default 60; 0 skips it)")
     p.add_argument("--busy", type=int, default=2 * (os.cpu_count() or 1),
                    help="processes spinning on the CPU (default two per core)")
+    p.add_argument("--syncers", type=int, default=2,
+                   help="processes writing 4 MiB and fdatasync-ing it in a loop on the "
+                        "cluster's disk, as a checkpoint or a log writer does (default 2)")
     p.add_argument("--writers", type=int, default=2,
                    help="processes looping over namespace changes (default 2)")
 
@@ -74,11 +91,13 @@ def _count(d: Path, needle: str) -> int:
                for p in (d / "logs").glob("meta-*.log"))
 
 
-def _measure(d: Path, seconds: float, busy: int, writers: int, tag: str) -> dict:
+def _measure(d: Path, seconds: float, busy: int, syncers: int, writers: int, tag: str) -> dict:
     from jpfs import localcluster
 
     stepdowns0, elections0 = _count(d, " stops leading "), _count(d, " leads (term ")
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(busy)]
+    spinners += [subprocess.Popen([sys.executable, "-c", SYNC, str(d / f"{tag}-sync{k}")])
+                 for k in range(syncers)]
     outs = [d / f"{tag}-writer{w}.json" for w in range(writers)]
     until = time.time() + seconds
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -106,7 +125,9 @@ def _measure(d: Path, seconds: float, busy: int, writers: int, tag: str) -> dict
     for r in results:
         for k, v in r["errors"].items():
             errors[k] = errors.get(k, 0) + v
-    return {"seconds": round(elapsed, 1), "busy": busy, "writers": writers,
+    for k in range(syncers):
+        (d / f"{tag}-sync{k}").unlink(missing_ok=True)
+    return {"seconds": round(elapsed, 1), "busy": busy, "syncers": syncers, "writers": writers,
             "load_avg": round(sum(loads) / len(loads), 2) if loads else load0,
             "stepdowns": stepdowns, "elections": elections,
             "stepdowns_per_hour": round(stepdowns / hours, 1),
@@ -121,13 +142,13 @@ def run(args: argparse.Namespace) -> dict:
     out: dict = {}
     with temporary_cluster(2, 0, etcd=True, meta_replicas=3) as d:
         if args.baseline_seconds > 0:
-            out["quiet"] = _measure(d, args.baseline_seconds, 0, args.writers, "quiet")
-        out["busy"] = _measure(d, args.seconds, args.busy, args.writers, "busy")
-    rows = [[k, f"{r['seconds']:.0f} s", r["busy"], r["load_avg"], r["stepdowns"],
+            out["quiet"] = _measure(d, args.baseline_seconds, 0, 0, args.writers, "quiet")
+        out["busy"] = _measure(d, args.seconds, args.busy, args.syncers, args.writers, "busy")
+    rows = [[k, f"{r['seconds']:.0f} s", r["busy"], r["syncers"], r["load_avg"], r["stepdowns"],
              r["stepdowns_per_hour"], r["elections"], r["calls"], r["failed"],
              fmt_rate(r["calls_per_s"])] for k, r in out.items()]
-    print_table(["run", "length", "spinners", "load", "step-downs", "per hour", "elections",
-                 "calls", "failed", "calls/s"], rows,
+    print_table(["run", "length", "spinners", "syncers", "load", "step-downs", "per hour",
+                 "elections", "calls", "failed", "calls/s"], rows,
                 title="metadata leadership: 2 shards x 3 copies, nothing killed")
     for k, r in out.items():
         for e, n in r["errors"].items():
