@@ -53,6 +53,27 @@ def fault_point(name: str) -> None:
             os._exit(137)
 
 
+_STALLS: dict[str, list[float]] | None = None
+
+
+def stall_point(name: str) -> None:
+    """Slow-disk test hook: ``JPFS_STALLS="name:seconds[:n],..."`` blocks the calling thread for
+    ``seconds`` the n-th time (default first) it passes point ``name``, as an fsync that stalls
+    on a contended disk blocks the event loop it runs on. Costs one dict lookup otherwise."""
+    global _STALLS
+    if _STALLS is None:
+        _STALLS = {}
+        for item in filter(None, os.environ.get("JPFS_STALLS", "").split(",")):
+            point, seconds, *count = item.split(":")
+            _STALLS[point.strip()] = [float(seconds), int(count[0]) if count else 1]
+    stall = _STALLS.get(name)
+    if stall is not None:
+        stall[1] -= 1
+        if stall[1] == 0:
+            log.warning("stall point %s reached: blocking for %.3g s", name, stall[0])
+            time.sleep(stall[0])
+
+
 class BlockingCalls:
     """One kind of blocking call (an fsync, a storage group commit), run on the event loop
     while its recent runs were short, in a worker thread otherwise.

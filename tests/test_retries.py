@@ -20,26 +20,20 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-import trio
+import repl_support as rs
 from fuse_support import mounted, requires_fuse
 
 import jpfs
-from jpfs import config, localcluster
-from jpfs.errors import JPFSError
+from jpfs import localcluster
 from jpfs.placement import new_dir_shard
-from jpfs.proto import replica as R
-from jpfs.rpc import Pool
 
 pytestmark = [pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
               pytest.mark.slow]
 
 SHARDS = 2
 COPIES = 3
-WAIT = 60.0
-"""Deadline of every wait on the cluster's state (seconds)."""
 ETCD_OUTAGE = 12.0
 """How long etcd stays stopped once every leader has stepped down (a fault's length, not a
 wait: no shard can elect a leader meanwhile)."""
@@ -120,105 +114,6 @@ finally:
 """
 
 
-def _statuses(c: config.Cluster, shard: int) -> list[dict | None]:
-    """Every copy's replication status; None for one that does not answer within a second
-    (killed, or stopped)."""
-    addresses = [s.address for s in c.meta_replicas[shard]]
-
-    async def ask() -> list[dict | None]:
-        out: list[dict | None] = [None] * len(addresses)
-        async with trio.open_nursery() as nursery:
-            pool = Pool(nursery, addresses, c.secret, role="meta", retry_for=0.0,
-                        peer_timeout=0.5, timeout=1.0)
-
-            async def one(j: int) -> None:
-                with contextlib.suppress(JPFSError):
-                    out[j] = await pool.call(j, R.REPL_STATUS, [shard])
-
-            async with trio.open_nursery() as calls:
-                for j in range(len(addresses)):
-                    calls.start_soon(one, j)
-            pool.close()
-        return out
-
-    return trio.run(ask)
-
-
-def _wait(what: str, check, state) -> object:
-    """Wait until ``check()`` is true (returns its value); past ``WAIT`` seconds fail with
-    ``state()``, what was seen last."""
-    deadline = time.monotonic() + WAIT
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {WAIT:.0f} s; last seen: {state()}")
-        time.sleep(0.05)
-
-
-def _leader(c: config.Cluster, shard: int, other_than: int | None = None) -> tuple[int, int]:
-    """(replica, term) of the copy that leads ``shard`` (and is not ``other_than``)."""
-    seen: list = []
-
-    def check():
-        seen[:] = _statuses(c, shard)
-        leaders = [(s["replica"], s["term"]) for s in seen
-                   if s is not None and s["role"] == "leader" and s["replica"] != other_than]
-        return leaders[0] if len(leaders) == 1 else None
-
-    return _wait(f"a leader of shard {shard} other than {other_than}", check, lambda: seen)
-
-
-def _steady(c: config.Cluster) -> None:
-    """Every copy of every shard runs and follows one leader, none installing a snapshot:
-    the next fault then takes at most one copy of a shard away."""
-    for shard in range(SHARDS):
-        seen: list = []
-
-        def check(shard=shard, seen=seen):
-            seen[:] = _statuses(c, shard)
-            if any(s is None or s["resyncing"] for s in seen):
-                return False
-            leaders = [s["replica"] for s in seen if s["role"] == "leader"]
-            return len(leaders) == 1 and all(s["leader"] == leaders[0] for s in seen)
-
-        _wait(f"every copy of shard {shard} following one leader", check, lambda seen=seen: seen)
-
-
-def _pid(d: Path, name: str) -> int:
-    return int((d / f"{name}.pid").read_text())
-
-
-def _progress(outs: list[Path]) -> list[dict]:
-    got = []
-    for out in outs:
-        try:
-            got.append(json.loads(Path(f"{out}.progress").read_text()))
-        except (OSError, ValueError):
-            got.append({"calls": 0, "failed": 0})
-    return got
-
-
-def _made_progress(outs: list[Path], procs: list[subprocess.Popen], calls: int) -> None:
-    """Both loops made ``calls`` more calls (they are not stuck behind the last fault)."""
-    start = [p["calls"] for p in _progress(outs)]
-
-    def check():
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"a loop ended early (status {p.returncode}): "
-                                     f"{_progress(outs)}")
-        return all(p["calls"] >= s + calls for p, s in zip(_progress(outs), start, strict=True))
-
-    _wait(f"both loops making {calls} more calls", check, lambda: _progress(outs))
-
-
-def _elections(d: Path) -> int:
-    return sum(p.read_text(errors="replace").count(" leads (term ")
-               for p in (d / "logs").glob("meta-*.log"))
-
-
 @requires_fuse
 @pytest.mark.fuse
 def test_elections_again_and_again_fail_no_call(tmp_path):
@@ -226,7 +121,7 @@ def test_elections_again_and_again_fail_no_call(tmp_path):
     c = localcluster.up(d, meta_shards=SHARDS, storage_nodes=1, etcd=True,
                         meta_replicas=COPIES)
     procs: list[subprocess.Popen] = []
-    etcd = _pid(d, "etcd")
+    etcd = rs.pid(d, "etcd")
     stopped: list[int] = []
     mount = contextlib.ExitStack()
     try:
@@ -241,8 +136,8 @@ def test_elections_again_and_again_fail_no_call(tmp_path):
                             if new_dir_shard(ino, f"{stem}{k}".encode(), SHARDS) == want)
                 client.mkdir(f"{top}/{name}")
                 client.rename(f"{top}/{name}", f"{top}/{stem}")
-        _steady(c)
-        before = _elections(d)
+        rs.steady(c)
+        before = rs.elections(d)
         stop_file = d / "stop"
         outs = [d / f"worker{w}.json" for w in range(2)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -251,21 +146,21 @@ def test_elections_again_and_again_fail_no_call(tmp_path):
             procs.append(subprocess.Popen(
                 [sys.executable, "-c", WORKER, str(localcluster.cluster_file(d)), top,
                  str(stop_file), str(out), where], env=env))
-        _made_progress(outs, procs, 20)
+        rs.made_progress(outs, procs, 20)
 
         def kill_leader(shard: int) -> None:
-            victim, _ = _leader(c, shard)
+            victim, _ = rs.leader(c, shard)
             localcluster.kill(d, "meta", shard, replica=victim)
-            _leader(c, shard, other_than=victim)
+            rs.leader(c, shard, other_than=victim)
             localcluster.start(d, "meta", shard, replica=victim)
 
         def pause_leader(shard: int) -> None:
-            victim, _ = _leader(c, shard)
-            pid = _pid(d, localcluster.daemon_name("meta", shard, victim))
+            victim, _ = rs.leader(c, shard)
+            pid = rs.pid(d, localcluster.daemon_name("meta", shard, victim))
             os.kill(pid, signal.SIGSTOP)
             stopped.append(pid)
             try:
-                _leader(c, shard, other_than=victim)  # the others elected one without it
+                rs.leader(c, shard, other_than=victim)  # the others elected one without it
             finally:
                 os.kill(pid, signal.SIGCONT)
                 stopped.remove(pid)
@@ -278,10 +173,10 @@ def test_elections_again_and_again_fail_no_call(tmp_path):
                 seen: list = []
 
                 def check():
-                    seen[:] = [s for shard in range(SHARDS) for s in _statuses(c, shard)]
+                    seen[:] = [s for shard in range(SHARDS) for s in rs.statuses(c, shard)]
                     return all(s is not None and s["role"] != "leader" for s in seen)
 
-                _wait("every leader stepping down with etcd stopped", check, lambda: seen)
+                rs.wait("every leader stepping down with etcd stopped", check, lambda: seen)
                 # and no election for a while longer: the loops' calls wait it out
                 time.sleep(ETCD_OUTAGE)
             finally:
@@ -293,16 +188,16 @@ def test_elections_again_and_again_fail_no_call(tmp_path):
         for fault, *args in faults:
             t0 = time.monotonic()
             fault(*args)
-            _steady(c)
-            _made_progress(outs, procs, 10)
+            rs.steady(c)
+            rs.made_progress(outs, procs, 10)
             print(f"{fault.__name__}{tuple(args)}: {time.monotonic() - t0:.1f} s, "
-                  f"{_progress(outs)}")
+                  f"{rs.progress(outs)}")
         stop_file.touch()
         for p in procs:
-            p.wait(timeout=WAIT)
+            p.wait(timeout=rs.WAIT)
         results = [json.loads(out.read_text()) for out in outs]
         mount.close()  # unmounted: every change it answered is committed
-        elections = _elections(d) - before
+        elections = rs.elections(d) - before
         calls = sum(r["calls"] for r in results)
         print(f"{elections} elections, {calls} calls, "
               f"{sum(len(r['failures']) for r in results)} failed; slowest: "

@@ -10,8 +10,12 @@ microseconds a second, which a busy one hands over every switch interval (5 ms).
 The thread only talks to etcd; what an answer means is decided on the loop: a confirmed renewal
 extends how long the leader may answer (counted from the renewal's *send* time, so a slow
 answer never extends it past what etcd granted), and a lease that is gone, or none confirmed
-within the TTL, ends the leadership. A loop that has not run for a whole TTL (wedged, not just
-slow) stops the renewals, so a copy that cannot serve does not keep the others from leading.
+within the TTL, ends the leadership. So the loop may stall for longer than the TTL (an fsync
+stuck behind other writers on a shared disk, run on the loop while fsyncs were fast) and lead
+on afterwards: it answers nothing past its last confirmed renewal's validity meanwhile, as
+ever, but no election follows, and every copy sharing that disk would have stalled too. A loop
+that has not run for ``WEDGED`` TTLs is taken for wedged, not slow: the renewals stop, so a
+copy that cannot serve does not keep the others from leading for long.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ import trio
 from jpfs.coord.etcd import EtcdError, LeaseKeepalive
 
 log = logging.getLogger(__name__)
+
+WEDGED = 3
+"""TTLs the event loop may go without running before the renewals stop."""
 
 
 class Renewals:
@@ -72,8 +79,9 @@ class Renewals:
                     sent = time.perf_counter()
                     left: float | None = None
                     reason = "not renewed within its TTL"
-                    if sent - self._tick > self.ttl:
-                        reason = f"this copy's event loop has not run for {self.ttl:.3g} s"
+                    if sent - self._tick > WEDGED * self.ttl:
+                        reason = (f"this copy's event loop has not run for "
+                                  f"{sent - self._tick:.3g} s")
                     else:
                         try:
                             left = keeper.renew(timeout=max(0.1, confirmed + self.ttl - sent))

@@ -55,7 +55,7 @@ import trio
 from jpfs.errors import JPFSError, error
 from jpfs.rpc.service import Defer, Later
 
-from ..common import BlockingCalls
+from ..common import BlockingCalls, stall_point
 from . import keys as K
 from . import replog
 from .txn import Locked, Txn
@@ -237,6 +237,7 @@ class Store:
             upto = self._committed
             failure = None
             try:
+                stall_point("meta.fsync")
                 await self.fsyncs.run(self.env.sync, True)
                 last = trio.current_time()
                 self.syncs += 1

@@ -1,0 +1,123 @@
+"""Waiting on a replicated cluster's state in tests: who leads each shard, copies that follow
+it, loops in other processes that make progress. Every wait has a deadline (``WAIT``) and fails
+with the state it saw last."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import trio
+
+from jpfs import config
+from jpfs.errors import JPFSError
+from jpfs.proto import replica as R
+from jpfs.rpc import Pool
+
+WAIT = 60.0
+"""Deadline of every wait on the cluster's state (seconds)."""
+
+
+def statuses(c: config.Cluster, shard: int) -> list[dict | None]:
+    """Every copy's replication status; None for one that does not answer within a second
+    (killed, or stopped)."""
+    addresses = [s.address for s in c.meta_replicas[shard]]
+
+    async def ask() -> list[dict | None]:
+        out: list[dict | None] = [None] * len(addresses)
+        async with trio.open_nursery() as nursery:
+            pool = Pool(nursery, addresses, c.secret, role="meta", retry_for=0.0,
+                        peer_timeout=0.5, timeout=1.0)
+
+            async def one(j: int) -> None:
+                with contextlib.suppress(JPFSError):
+                    out[j] = await pool.call(j, R.REPL_STATUS, [shard])
+
+            async with trio.open_nursery() as calls:
+                for j in range(len(addresses)):
+                    calls.start_soon(one, j)
+            pool.close()
+        return out
+
+    return trio.run(ask)
+
+
+def wait(what: str, check, state) -> object:
+    """Wait until ``check()`` is true (returns its value); past ``WAIT`` seconds fail with
+    ``state()``, what was seen last."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {WAIT:.0f} s; last seen: {state()}")
+        time.sleep(0.05)
+
+
+def leader(c: config.Cluster, shard: int, other_than: int | None = None) -> tuple[int, int]:
+    """(replica, term) of the copy that leads ``shard`` (and is not ``other_than``)."""
+    seen: list = []
+
+    def check():
+        seen[:] = statuses(c, shard)
+        leaders = [(s["replica"], s["term"]) for s in seen
+                   if s is not None and s["role"] == "leader" and s["replica"] != other_than]
+        return leaders[0] if len(leaders) == 1 else None
+
+    return wait(f"a leader of shard {shard} other than {other_than}", check, lambda: seen)
+
+
+def steady(c: config.Cluster) -> None:
+    """Every copy of every shard runs and follows one leader, none installing a snapshot:
+    the next fault then takes at most one copy of a shard away."""
+    for shard in range(c.n_shards):
+        seen: list = []
+
+        def check(shard=shard, seen=seen):
+            seen[:] = statuses(c, shard)
+            if any(s is None or s["resyncing"] for s in seen):
+                return False
+            leaders = [s["replica"] for s in seen if s["role"] == "leader"]
+            return len(leaders) == 1 and all(s["leader"] == leaders[0] for s in seen)
+
+        wait(f"every copy of shard {shard} following one leader", check, lambda seen=seen: seen)
+
+
+def pid(d: Path, name: str) -> int:
+    """The pid a local cluster's daemon ``name`` wrote."""
+    return int((d / f"{name}.pid").read_text())
+
+
+def progress(outs: list[Path]) -> list[dict]:
+    """What each loop last wrote to ``OUT.progress`` (``calls``, ``failed``)."""
+    got = []
+    for out in outs:
+        try:
+            got.append(json.loads(Path(f"{out}.progress").read_text()))
+        except (OSError, ValueError):
+            got.append({"calls": 0, "failed": 0})
+    return got
+
+
+def made_progress(outs: list[Path], procs: list[subprocess.Popen], calls: int) -> None:
+    """Both loops made ``calls`` more calls (they are not stuck behind the last fault)."""
+    start = [p["calls"] for p in progress(outs)]
+
+    def check():
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"a loop ended early (status {p.returncode}): "
+                                     f"{progress(outs)}")
+        return all(p["calls"] >= s + calls for p, s in zip(progress(outs), start, strict=True))
+
+    wait(f"both loops making {calls} more calls", check, lambda: progress(outs))
+
+
+def elections(d: Path) -> int:
+    """Elections won so far, from the copies' logs."""
+    return sum(p.read_text(errors="replace").count(" leads (term ")
+               for p in (d / "logs").glob("meta-*.log"))
