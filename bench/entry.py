@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import sys
 
-from . import aggregate, convert, gen, heal, leadership, loader, meta, mount, read
+from . import aggregate, convert, gen, heal, leadership, loader, meta, mount, read, soak
 from .runner import run, standalone
 
 __all__ = ["COMMANDS", "main", "run", "standalone"]
 
 COMMANDS = {"gen": gen, "meta": meta, "read": read, "loader": loader, "aggregate": aggregate,
-            "convert": convert, "mount": mount, "heal": heal, "leadership": leadership}
+            "convert": convert, "mount": mount, "heal": heal, "leadership": leadership,
+            "soak": soak}
 """The benchmarks by subcommand name, in the order `--help` lists them."""
 
 
