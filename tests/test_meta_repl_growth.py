@@ -10,6 +10,7 @@ import time
 
 import pytest
 from jpfs_bench.harness import free_port
+from jpfs_daemon.meta.replica import POLL, TTL
 
 import jpfs
 from jpfs import config, localcluster
@@ -78,7 +79,8 @@ def test_copies_added_to_a_shard_with_data_fill_from_it(tmp_path):
         for j in (1, 2):  # the new copies first: empty, they must not elect one of them
             localcluster.start(tmp_path, "meta", 0, replica=j)
         client = jpfs.connect(localcluster.cluster_file(tmp_path))
-        time.sleep(3 * 2.0)  # longer than a lease and an election
+        # nothing must happen: wait past a lease, the copies' looks at the key and an election
+        time.sleep(TTL + 2 * POLL + 1.0)
         for j in (1, 2):
             st = client.run(lambda ac, j=j: ac.meta.pool.pools[0].call(j, R.REPL_STATUS, [0]))
             assert st["role"] == "follower" and st["resyncing"], st
