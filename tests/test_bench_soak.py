@@ -29,7 +29,9 @@ def test_epochs_through_faults_deliver_every_sample_once(tmp_path):
     assert set(res["epochs"]) == {"jpfs 0", "jpfs 1", "mount 0", "mount 1"}
     for name, epoch in res["epochs"].items():
         assert epoch["samples"] == res["samples_per_epoch"], name
+    # the fault loop runs only while the epochs do: each of these met an epoch's opening (its
+    # metadata reads) or its samples; those that began among the samples report their dip
     assert len(res["faults"]) >= 2, res["faults"]
-    hit = [f for e in res["epochs"].values() for f in e["faults"]]
-    assert hit, f"no fault fell within an epoch: {res}"
-    assert all(f["lowest_per_s"] >= 0 for f in hit)
+    for e in res["epochs"].values():
+        for f in e["faults"]:
+            assert f["lowest_per_s"] >= 0 and f["fault"] in {x["fault"] for x in res["faults"]}
