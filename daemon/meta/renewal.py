@@ -61,7 +61,7 @@ class Renewals:
         stop = threading.Event()
 
         def renewed(sent: float, left: float) -> None:  # on the loop
-            if not lost.is_set():
+            if not (lost.is_set() or stop.is_set()):  # (one queued as the leadership ended)
                 try:
                     on_renewed(sent + offset, left)
                 except Exception:  # never into trio's system task
