@@ -345,6 +345,30 @@ async def test_garbage_after_auth_closes_only_that_connection(pool, server, garb
     assert await pool.call(0, METHODS["add"], [20, 22]) == 42
 
 
+async def test_a_server_of_another_protocol_version_is_refused_by_name(nursery):
+    """A daemon of a release with the next wire protocol: the client refuses it with a message
+    that names both versions and says what to do (a daemon refusing such a client: the
+    garbage test's unknown version)."""
+    async def newer_server(stream: trio.SocketStream) -> None:
+        body = msgpack.packb([F.VERSION + 1, b"n" * 32, "test"])
+        await stream.send_all(F.HEADER.pack(F.MAGIC, F.VERSION + 1, F.HELLO, len(body), 0)
+                              + body)
+        await trio.sleep_forever()
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, host="127.0.0.1"),
+                                    newer_server, 0)
+    port = listeners[0].socket.getsockname()[1]
+    p = Pool(nursery, [f"127.0.0.1:{port}"], SECRET, role="test", retry_for=0.0)
+    try:
+        with pytest.raises(JPFSError) as got:
+            await p.call(0, METHODS["add"], [1, 2])
+    finally:
+        p.close()
+    msg = str(got.value)
+    assert f"protocol version {F.VERSION + 1}" in msg and f"speaks {F.VERSION}" in msg, msg
+    assert "run one release on both" in msg and f"127.0.0.1:{port}" in msg, msg
+
+
 async def test_bad_requests_in_good_frames_keep_the_connection(server):
     def abuse():
         s = _raw_session(server)

@@ -59,7 +59,8 @@ async def client_handshake(fs: F.FrameSocket, secret: bytes) -> str:
         raise ProtocolError("handshake: malformed HELLO frame")
     version, server_nonce, role = body
     if version != F.VERSION:
-        raise ProtocolError(f"handshake: server speaks protocol {version}, we speak {F.VERSION}")
+        raise ProtocolError(f"handshake: server speaks protocol {version}, we speak {F.VERSION} "
+                            "(another JPFS release: run one release on both)")
     server_nonce = _nonce(server_nonce)
     client_nonce = secrets.token_bytes(NONCE_BYTES)
     async with fs.send_lock:

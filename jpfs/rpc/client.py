@@ -26,7 +26,7 @@ from typing import Any
 import trio
 
 from ..config import DEFAULT_PEER_TIMEOUT, parse_address
-from ..errors import DeadlineError, JPFSError, ProtocolError, Unavailable, error
+from ..errors import AuthError, DeadlineError, JPFSError, ProtocolError, Unavailable, error
 from . import frame as F
 from .auth import HANDSHAKE_TIMEOUT, client_handshake
 from .service import Method
@@ -337,6 +337,8 @@ async def connect(
         raise Unavailable(f"{address} closed the connection during the handshake") from None
     except OSError as e:
         _close(sock)
+        if isinstance(e, (ProtocolError, AuthError)):  # name the server that spoke so
+            raise type(e)(f"{address}: {e.strerror}") from None
         if isinstance(e, JPFSError):
             raise
         if e.errno == errno.ECONNREFUSED:

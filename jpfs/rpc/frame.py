@@ -265,7 +265,8 @@ class FrameSocket:
             raise ProtocolError("not a JPFS frame (bad magic)")
         if version != VERSION:
             raise ProtocolError(
-                f"unsupported protocol version {version} (this side speaks {VERSION})")
+                f"unsupported protocol version {version} (this side speaks {VERSION}: the peer "
+                "runs a JPFS release with another wire protocol; run one release on both)")
         if kind not in KINDS:
             raise ProtocolError(f"unknown frame kind {kind}")
         if body_len > self.limits.max_body:
