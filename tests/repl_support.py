@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -90,6 +91,24 @@ def steady(c: config.Cluster) -> None:
 def pid(d: Path, name: str) -> int:
     """The pid a local cluster's daemon ``name`` wrote."""
     return int((d / f"{name}.pid").read_text())
+
+
+class LoopProgress:
+    """Kept by a loop in another process (it imports this module: the tests' folder is on the
+    ``PYTHONPATH`` they start it with): the calls it made and the failures it met, written to
+    ``OUT.progress`` at once whole (``write``), for ``progress`` and ``made_progress``."""
+
+    def __init__(self, out: str):
+        self.out = out
+        self.calls = 0
+        self.failures: list[str] = []
+
+    def write(self) -> None:
+        """Publish the counts (a rename: a reader never sees half a file)."""
+        tmp = f"{self.out}.progress.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"calls": self.calls, "failed": len(self.failures)}, f)
+        os.replace(tmp, f"{self.out}.progress")
 
 
 def progress(outs: list[Path]) -> list[dict]:

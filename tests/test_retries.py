@@ -46,6 +46,7 @@ wait: no shard can elect a leader meanwhile)."""
 WORKER = r"""
 import json, os, sys, time, traceback
 import jpfs
+from repl_support import LoopProgress
 
 cluster_file, top, stop_file, out, where = sys.argv[1:6]
 if where == "native":
@@ -63,24 +64,16 @@ else:  # through the mount at ``where``: the calls a program makes
 
 a, b = f"{top}/a", f"{top}/b"
 expect = set()
-calls = 0
-failures = []
+done = LoopProgress(out)
 slowest = [0.0, ""]
 
 def call(what, fn, *args):
-    global calls
     t0 = time.monotonic()
     fn(*(root + arg for arg in args))
     took = time.monotonic() - t0
-    calls += 1
+    done.calls += 1
     if took > slowest[0]:
         slowest[:] = [took, f"{what} {args[0]}"]
-
-def progress():
-    tmp = out + ".progress.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"calls": calls, "failed": len(failures)}, f)
-    os.replace(tmp, out + ".progress")
 
 i = 0
 try:
@@ -101,13 +94,13 @@ try:
         else:
             expect.add(g)
         i += 1
-        progress()
+        done.write()
 except OSError as e:
-    failures.append(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    done.failures.append(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
 finally:
-    progress()
+    done.write()
     with open(out, "w") as fh:
-        json.dump({"calls": calls, "loops": i, "failures": failures,
+        json.dump({"calls": done.calls, "loops": i, "failures": done.failures,
                    "expect": sorted(expect), "slowest": slowest}, fh)
     if client is not None:
         client.close()

@@ -39,6 +39,7 @@ NODES = 3
 WORKER = r"""
 import json, os, random, sys, time, traceback
 import jpfs
+from repl_support import LoopProgress
 
 cluster_file, top, stop_file, out, where = sys.argv[1:6]
 rnd = random.Random(top)
@@ -65,40 +66,33 @@ def rename(src, dst):
         *((src, dst) if client is not None else (where + src, where + dst)))
 
 names = {}
-calls = 0
-failures = []
-
-def progress():
-    tmp = out + ".progress.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"calls": calls, "failed": len(failures)}, f)
-    os.replace(tmp, out + ".progress")
+done = LoopProgress(out)
 
 i = 0
 try:
     while not os.path.exists(stop_file):
         names[i] = f"{top}/f{i}"
         write(names[i], data(i))
-        calls += 1
+        done.calls += 1
         k = rnd.randrange(i + 1)
         got = read(names[k])
-        calls += 1
+        done.calls += 1
         if got != data(k):
             raise AssertionError(f"{names[k]}: {len(got)} bytes read, not the "
                                  f"{len(data(k))} written")
         if i % 3 == 2:
             rename(names[k], f"{top}/r{k}")
             names[k] = f"{top}/r{k}"
-            calls += 1
+            done.calls += 1
         i += 1
-        progress()
+        done.write()
 except (OSError, AssertionError) as e:
-    failures.append(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    done.failures.append(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
 finally:
-    progress()
+    done.write()
     with open(out, "w") as fh:
-        json.dump({"calls": calls, "files": {v: k for k, v in names.items()},
-                   "failures": failures}, fh)
+        json.dump({"calls": done.calls, "files": {v: k for k, v in names.items()},
+                   "failures": done.failures}, fh)
     if client is not None:
         client.close()
 """
