@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -140,3 +141,45 @@ def elections(d: Path) -> int:
     """Elections won so far, from the copies' logs."""
     return sum(p.read_text(errors="replace").count(" leads (term ")
                for p in (d / "logs").glob("meta-*.log"))
+
+
+class Loops:
+    """A loop ``script`` in one process per tree and way in, started as ``python -c SCRIPT
+    CLUSTER_FILE TOP STOP_FILE OUT WHERE`` (``WHERE``: ``native``, or a mount point); the loop
+    keeps a ``LoopProgress`` in ``OUT``, runs until ``STOP_FILE`` exists and then writes its
+    results to ``OUT``. On exit, whatever still runs is killed."""
+
+    def __init__(self, script: str, d: Path, tops: list[str], wheres: list[str]):
+        from jpfs import localcluster
+
+        self.stop_file = d / "stop"
+        self.outs = [d / f"loop{w}.json" for w in range(len(tops))]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        self.procs = [subprocess.Popen(
+            [sys.executable, "-c", script, str(localcluster.cluster_file(d)), top,
+             str(self.stop_file), str(out), where], env=env)
+            for top, out, where in zip(tops, self.outs, wheres, strict=True)]
+
+    def __enter__(self) -> Loops:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def progress(self) -> list[dict]:
+        """Each loop's counts so far."""
+        return progress(self.outs)
+
+    def made_progress(self, calls: int) -> None:
+        """Wait until every loop made ``calls`` more calls."""
+        made_progress(self.outs, self.procs, calls)
+
+    def stop(self) -> list[dict]:
+        """Stop the loops and return what each wrote."""
+        self.stop_file.touch()
+        for p in self.procs:
+            p.wait(timeout=WAIT)
+        return [json.loads(out.read_text()) for out in self.outs]

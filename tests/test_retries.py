@@ -13,12 +13,9 @@ prints it; the faults last until the state they are there to cause has come abou
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -113,7 +110,6 @@ def test_elections_again_and_again_fail_no_call(tmp_path):
     d = tmp_path / "cluster"
     c = localcluster.up(d, meta_shards=SHARDS, storage_nodes=1, etcd=True,
                         meta_replicas=COPIES)
-    procs: list[subprocess.Popen] = []
     etcd = rs.pid(d, "etcd")
     stopped: list[int] = []
     mount = contextlib.ExitStack()
@@ -131,15 +127,9 @@ def test_elections_again_and_again_fail_no_call(tmp_path):
                 client.rename(f"{top}/{name}", f"{top}/{stem}")
         rs.steady(c)
         before = rs.elections(d)
-        stop_file = d / "stop"
-        outs = [d / f"worker{w}.json" for w in range(2)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         # one loop through the native client, one through the mount
-        for top, out, where in zip(tops, outs, ("native", str(mp)), strict=True):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", WORKER, str(localcluster.cluster_file(d)), top,
-                 str(stop_file), str(out), where], env=env))
-        rs.made_progress(outs, procs, 20)
+        loops = mount.enter_context(rs.Loops(WORKER, d, tops, ["native", str(mp)]))
+        loops.made_progress(20)
 
         def kill_leader(shard: int) -> None:
             victim, _ = rs.leader(c, shard)
@@ -182,13 +172,10 @@ def test_elections_again_and_again_fail_no_call(tmp_path):
             t0 = time.monotonic()
             fault(*args)
             rs.steady(c)
-            rs.made_progress(outs, procs, 10)
+            loops.made_progress(10)
             print(f"{fault.__name__}{tuple(args)}: {time.monotonic() - t0:.1f} s, "
-                  f"{rs.progress(outs)}")
-        stop_file.touch()
-        for p in procs:
-            p.wait(timeout=rs.WAIT)
-        results = [json.loads(out.read_text()) for out in outs]
+                  f"{loops.progress()}")
+        results = loops.stop()
         mount.close()  # unmounted: every change it answered is committed
         elections = rs.elections(d) - before
         calls = sum(r["calls"] for r in results)
@@ -208,9 +195,5 @@ def test_elections_again_and_again_fail_no_call(tmp_path):
         for pid in stopped:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGCONT)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         mount.close()
         localcluster.down(d)

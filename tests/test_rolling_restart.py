@@ -12,11 +12,7 @@ every chunk (a write meets at most one node down and still finds two). Every wai
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -109,7 +105,6 @@ def test_a_rolling_restart_of_every_daemon_fails_no_call(tmp_path):
     d = tmp_path / "cluster"
     c = localcluster.up(d, meta_shards=SHARDS, storage_nodes=NODES, replicas=2, etcd=True,
                         meta_replicas=COPIES)
-    procs: list[subprocess.Popen] = []
     mount = contextlib.ExitStack()
     try:
         mp = mount.enter_context(mounted(localcluster.cluster_file(d), tmp_path / "mnt")).path
@@ -118,14 +113,8 @@ def test_a_rolling_restart_of_every_daemon_fails_no_call(tmp_path):
         for top in tops:
             client.mkdir(top)
         rs.steady(c)
-        stop_file = d / "stop"
-        outs = [d / f"worker{w}.json" for w in range(2)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        for top, out, where in zip(tops, outs, ("native", str(mp)), strict=True):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", WORKER, str(localcluster.cluster_file(d)), top,
-                 str(stop_file), str(out), where], env=env))
-        rs.made_progress(outs, procs, 20)
+        loops = mount.enter_context(rs.Loops(WORKER, d, tops, ["native", str(mp)]))
+        loops.made_progress(20)
         daemons = ([("meta", shard, copy) for shard in range(SHARDS) for copy in range(COPIES)]
                    + [("storage", node, 0) for node in range(NODES)] + [("etcd", 0, 0)])
         for role, index, copy in daemons:
@@ -136,13 +125,10 @@ def test_a_rolling_restart_of_every_daemon_fails_no_call(tmp_path):
             else:
                 localcluster.start(d, role, index, replica=copy)
             rs.steady(c)
-            rs.made_progress(outs, procs, 10)
+            loops.made_progress(10)
             print(f"{localcluster.daemon_name(role, index, copy)} restarted: "
-                  f"{time.monotonic() - t0:.1f} s, {rs.progress(outs)}")
-        stop_file.touch()
-        for p in procs:
-            p.wait(timeout=rs.WAIT)
-        results = [json.loads(out.read_text()) for out in outs]
+                  f"{time.monotonic() - t0:.1f} s, {loops.progress()}")
+        results = loops.stop()
         mount.close()  # unmounted: every change it answered is committed
         assert [r["failures"] for r in results] == [[], []]
         for top, r in zip(tops, results, strict=True):
@@ -153,9 +139,5 @@ def test_a_rolling_restart_of_every_daemon_fails_no_call(tmp_path):
                 assert client.read_bytes(path) == _data(i), path
         client.close()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         mount.close()
         localcluster.down(d)
