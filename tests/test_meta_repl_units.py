@@ -137,19 +137,24 @@ def test_a_retried_change_with_the_same_request_id_answers_once(tmp_path):
 
 
 def _leaders(c) -> list[tuple[int, int]]:
-    """(replica, term) of every copy of shard 0 that says it leads."""
+    """(replica, term) of every copy of shard 0 that says it leads; the JPFSError of a copy
+    that did not answer."""
     addresses = [s.address for s in c.meta_replicas[0]]
 
-    async def ask() -> list[tuple[int, int]]:
+    async def ask() -> list[dict] | JPFSError:
         async with trio.open_nursery() as nursery:
             pool = Pool(nursery, addresses, c.secret, role="meta")
             try:
-                st = [await pool.call(j, R.REPL_STATUS, [0]) for j in range(3)]
+                return [await pool.call(j, R.REPL_STATUS, [0]) for j in range(3)]
+            except JPFSError as e:  # (raised out of the nursery it would come in a group)
+                return e
             finally:
                 pool.close()
-        return [(x["replica"], x["term"]) for x in st if x["role"] == "leader"]
 
-    return trio.run(ask)
+    st = trio.run(ask)
+    if isinstance(st, JPFSError):
+        raise st
+    return [(x["replica"], x["term"]) for x in st if x["role"] == "leader"]
 
 
 def _one_leader(c, deadline: float) -> tuple[int, int]:

@@ -81,6 +81,21 @@ def _kv(d: dict) -> KV:
               lease=int(d.get("lease", 0)))
 
 
+def _answer(endpoint: str, path: str, r: httpx.Response) -> dict:
+    """The JSON of an answer to ``path``; EtcdError (EIO) for anything but HTTP 200."""
+    if r.status_code != 200:
+        raise EtcdError(errno.EIO, f"etcd at {endpoint} refused {path}: HTTP {r.status_code} "
+                                   f"{r.text.strip()[:200]}")
+    return r.json()
+
+
+def _unanswered(endpoints: Sequence[str], last: Exception | None) -> EtcdError:
+    """The error when no endpoint answered (``last``: the last endpoint's failure)."""
+    kind = errno.ETIMEDOUT if isinstance(last, httpx.TimeoutException) else errno.EIO
+    return EtcdError(kind, f"etcd did not answer at {', '.join(endpoints)} ({last!r}); is it "
+                           "running? (`jpfs cluster status`)")
+
+
 class Etcd:
     """Async access to an etcd cluster at ``endpoints`` (``http://HOST:PORT``)."""
 
@@ -103,9 +118,6 @@ class Etcd:
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
-    def _where(self) -> str:
-        return ", ".join(self.endpoints)
-
     async def _call(self, path: str, body: dict) -> dict:
         """POST ``body`` to ``path`` on the first endpoint that answers."""
         last: Exception | None = None
@@ -117,14 +129,9 @@ class Etcd:
             except httpx.HTTPError as e:
                 last = e
                 continue
-            if r.status_code != 200:
-                raise EtcdError(errno.EIO, f"etcd at {self.endpoints[i]} refused {path}: "
-                                           f"HTTP {r.status_code} {r.text.strip()[:200]}")
             self._first = i
-            return r.json()
-        kind = errno.ETIMEDOUT if isinstance(last, httpx.TimeoutException) else errno.EIO
-        raise EtcdError(kind, f"etcd did not answer at {self._where()} ({last!r}); is it "
-                              "running? (`jpfs cluster status`)")
+            return _answer(self.endpoints[i], path, r)
+        raise _unanswered(self.endpoints, last)
 
     # ---- keys
     async def get(self, key: str | bytes) -> KV | None:
@@ -280,13 +287,10 @@ class LeaseKeepalive:
             except httpx.HTTPError as e:
                 last = e
                 continue
-            if r.status_code != 200:
-                raise EtcdError(errno.EIO, f"etcd at {self.endpoints[i]} refused a lease "
-                                           f"renewal: HTTP {r.status_code} {r.text.strip()[:200]}")
             self._first = i
-            return float(r.json().get("result", {}).get("TTL", 0))
-        kind = errno.ETIMEDOUT if isinstance(last, httpx.TimeoutException) else errno.EIO
-        raise EtcdError(kind, f"etcd did not answer at {', '.join(self.endpoints)} ({last!r})")
+            got = _answer(self.endpoints[i], "/v3/lease/keepalive", r)
+            return float(got.get("result", {}).get("TTL", 0))
+        raise _unanswered(self.endpoints, last)
 
     def close(self) -> None:
         """Close the HTTP connection."""
