@@ -113,7 +113,8 @@ class Commits:
             return False
         self._behind[w.ino] = n
         self._behind_bytes += n
-        self._behind_done = trio.Event()
+        if self._behind_done.is_set():  # (a new event only when none was in flight: a waiter
+            self._behind_done = trio.Event()  # on the current one must see it set)
         self.shared.client.nursery.start_soon(self._commit_behind, node, w, stored)
         return True
 
@@ -145,6 +146,11 @@ class Commits:
         if lost:
             raise error(errno.EIO, f"the bytes of {len(lost)} file(s) closed here could not be "
                         "stored after their close (see the mount's log)")
+
+    async def behind_settled(self) -> None:
+        """Return once no file is being committed behind its close (each has stored its bytes,
+        or logged that it could not)."""
+        await self._behind_done.wait()
 
     async def commit_all(self) -> None:
         """Commit every file with buffered writes and make every change durable (before an

@@ -218,8 +218,10 @@ class Writes:
         self.commits.report_lost(h.node.ino, None)
 
     async def fsyncdir(self, ino: int) -> None:
-        """Return once the directory's entries are durable."""
+        """Return once the directory's entries are durable, and the files closed behind before
+        it have stored their bytes (EIO, once, for those that could not)."""
         await self.leasing.settle(ino)
+        await self.commits.behind_settled()
         await self.meta.sync([shard_of(ino)])
         self.commits.report_lost(None, ino)
 
