@@ -266,10 +266,6 @@ MANY = 5 * BATCH + 40
 """More creates than several lease batches carry."""
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: DirLeases.settle of a directory (VFS.readdir's settle_all) waits for one batch only "
-    "(at most BATCH_MAX=512 entries), so a listing right after more creates than that misses "
-    "files this VFS made"))
 async def test_readdir_right_after_many_creates_lists_them_all(cluster):  # noqa: F811
     async with open_fs(cluster, "leased") as fs:
         made = [b"e%04d" % i for i in range(MANY)]
@@ -277,10 +273,6 @@ async def test_readdir_right_after_many_creates_lists_them_all(cluster):  # noqa
         assert len(await fs.names()) == len(made)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: VFS.fsyncdir settles a leased directory by waiting for one batch only (at most "
-    "BATCH_MAX=512 entries), so it returns before every create there is committed: a mount "
-    "killed right after the fsync loses files"))
 async def test_fsyncdir_commits_every_create_before_it_returns(cluster):  # noqa: F811
     made = [b"e%04d" % i for i in range(MANY)]
     try:
@@ -302,21 +294,17 @@ async def _unsent_file(fs: Fs) -> tuple[int, int]:
     return fh, attr.ino
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: VFS.lookup (and create) in a parent that is a file made under a lease and not sent "
-    "yet asks the shard without settling the parent first: ENOENT (no such inode there yet) "
-    "instead of ENOTDIR (the kernel itself answers ENOTDIR before asking)"))
 async def test_a_file_not_committed_yet_is_not_a_directory(cluster):  # noqa: F811
     async with open_fs(cluster, "write-behind") as fs:
         fh, ino = await _unsent_file(fs)
         await expect(errno.ENOTDIR, fs.vfs.lookup(ino, b"x"))
+        await expect(errno.ENOTDIR, fs.create(b"x", parent=ino))
+        await expect(errno.ENOTDIR, fs.mkdir(b"x", parent=ino))
+        await expect(errno.ENOTDIR, fs.vfs.rename(fs.d, b"f", ino, b"x", 0))
         await fs.vfs.release(fh)
+        assert await fs.names() == [b"f"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a rename answered from a lease of a file whose create was not sent yet sends the "
-    "create under the new name (DirLeases.rename), so the file's ctime stays its creation "
-    "time: rename(2) did not change it"))
 async def test_a_rename_of_a_file_not_committed_yet_moves_its_ctime(cluster):  # noqa: F811
     async with open_fs(cluster, "write-behind") as fs:
         fh, ino = await _unsent_file(fs)

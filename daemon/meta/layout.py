@@ -179,8 +179,8 @@ def bulk_create(t: Txn, parent: int, entries: list, replace: bool, chunk_size: i
 def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size: int) -> list:
     """Changes a mount holding ``parent``'s lease already answered (``leases.py``), in order:
     new regular files, each ``[name, ino, mode, uid, gid, time_ns]`` with an inode number the
-    lease reserved, or with ``size, chunks`` after it (the file's first commit, made with
-    it); removes, ``[name, ino]`` (an unlink of a file whose inode lives here); and renames
+    lease reserved, ``[..., time_ns, ctime_ns]`` (renamed before it was sent: its ctime moved),
+    or ``[..., time_ns, size, chunks]`` (the file's first commit, made with it); removes, ``[name, ino]`` (an unlink of a file whose inode lives here); and renames
     within the directory, ``[old, new, ino, replaced]`` (``replaced``: the file ``new`` names,
     or 0). Per entry the file's attributes after it, or an errno name (EEXIST, ENOENT: the
     name changed while the lease was lost). A create or rename already made (a retry after a
@@ -194,10 +194,11 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
             return _remove_entry(t, parent, e)
         if isinstance(e, list) and len(e) == 4:
             return _rename_entry(t, parent, e)
-        if not isinstance(e, list) or len(e) not in (6, 8) or not all(
+        if not isinstance(e, list) or len(e) not in (6, 7, 8) or not all(
                 type(v) is int for v in e[1:7]):
             raise error(errno.EINVAL, "malformed entry")
         name, ino, mode, uid, gid, time_ns = e[:6]
+        ctime_ns = e[6] if len(e) == 7 else time_ns
         check_name(name)
         chunks = _check_chunks(e[7], chunk_size) if len(e) == 8 else None
         if shard_of(ino) != t.store.shard or not 0 < ino & COUNTER_MASK < top:
@@ -212,7 +213,7 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
             return node.attr().to_wire()  # made by an earlier attempt
         if t.inode(ino, lock=False) is not None:
             raise error(errno.EEXIST, f"inode {ino:#x} is in use")
-        node = Inode(ino, mode, 1, uid, gid, 0, time_ns, time_ns, time_ns, parent=parent)
+        node = Inode(ino, mode, 1, uid, gid, 0, time_ns, time_ns, ctime_ns, parent=parent)
         if chunks is not None:
             if e[6] < 0:
                 raise error(errno.EINVAL, "negative size")

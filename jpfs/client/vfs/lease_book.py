@@ -58,11 +58,14 @@ class NewFile:
         self.stored: trio.Event | None = None
 
     def entry(self, name: bytes) -> list:
-        """The file's entry of a ``create_batch`` under ``name``."""
+        """The file's entry of a ``create_batch`` under ``name`` (with its ctime apart where a
+        rename before it was sent moved it)."""
         a = self.attr
-        e = [name, a.ino, a.mode, a.uid, a.gid, a.ctime_ns]
-        if self.chunks is not None:
+        e = [name, a.ino, a.mode, a.uid, a.gid, a.mtime_ns]
+        if self.chunks is not None:  # the first commit: the shard's time for mtime and ctime
             e += [self.size, [c.to_wire() for c in self.chunks]]
+        elif a.ctime_ns != a.mtime_ns:
+            e.append(a.ctime_ns)
         return e
 
 
@@ -75,7 +78,8 @@ class LeasedDir:
 
     __slots__ = ("parent", "shard", "inos", "pending", "queue", "queued", "seq", "sending",
                  "in_flight", "idle", "ending", "lost", "renewing", "gone", "kick", "next_done",
-                 "sent_done", "used", "names", "urgent", "look")
+                 "sent_done", "used", "names", "urgent", "look", "queued_total",
+                 "taken_total", "answered_total")
 
     def __init__(self, parent: int):
         self.parent = parent
@@ -91,6 +95,14 @@ class LeasedDir:
         ``[name, ino]`` a remove, ``[old, new, ino, replaced or 0]`` a rename."""
         self.queued: set[int] = set()
         """The inodes the queue changes."""
+        self.queued_total = 0
+        """Changes ever queued here; with ``answered_total``, a change's place in the queue's
+        history (``settle`` of the directory waits for the changes queued before it)."""
+        self.taken_total = 0
+        """Changes taken from the head of the queue: sent, or skipped (a create whose file was
+        removed or renamed before it was sent)."""
+        self.answered_total = 0
+        """... and answered: ``taken_total`` once their batch has its answer."""
         self.seq = 0
         self.sending: dict[bytes, NewFile] = {}
         """Files in the batch in flight."""
@@ -193,6 +205,7 @@ class LeaseBook:
     def _queue(self, ld: LeasedDir, change: tuple | list, *inos: int) -> None:
         """Queue ``change`` (of files ``inos``); ``DirLeases`` starts the sender after."""
         ld.queue.append(change)
+        ld.queued_total += 1
         for ino in inos:
             ld.queued.add(ino)
             self.changing[ino] = ld.parent
@@ -243,6 +256,7 @@ class LeaseBook:
         f = ld.pending.get(old)
         if f is not None and f.attr.ino == ino:  # not sent yet: made under its new name
             del ld.pending[old]
+            f.attr = f.attr.with_(ctime_ns=max(time.time_ns(), f.attr.ctime_ns + 1))
             if replaced is not None:
                 self._queue(ld, [new, replaced], replaced)
             self.unsent[ino] = (ld.parent, new)
@@ -289,18 +303,29 @@ class LeaseBook:
 
     async def settle(self, *inos: int) -> None:
         """Return once the files ``inos`` (and directories, for their entries) are known to
-        the shard: what this mount answered there has committed."""
+        the shard: what this mount answered there has committed (for a directory: every
+        change queued there before the call, however many batches that takes; not those
+        queued meanwhile, so a directory being filled cannot hold a listing back for ever)."""
         for ino in inos:
+            if ino not in self.changing and ino in self.dirs:
+                await self._settle_dir(self.dirs[ino])
+                continue
             while True:
                 parent = self.changing.get(ino)
-                ld = self.dirs.get(parent if parent is not None else ino)
-                ev = ld.done_event(ino if parent is not None else None) \
-                    if ld is not None else None
+                ld = self.dirs.get(parent) if parent is not None else None
+                ev = ld.done_event(ino) if ld is not None else None
                 if ev is None or ev.is_set():
                     break
                 await ev.wait()
-                if parent is None:
-                    break  # a directory: what was pending when asked
+
+    async def _settle_dir(self, ld: LeasedDir) -> None:
+        """Wait until the changes queued in ``ld`` so far are answered (or the lease ended)."""
+        upto = ld.queued_total
+        while ld.answered_total < upto and self.dirs.get(ld.parent) is ld:
+            ev = ld.done_event(None)
+            if ev is None:
+                break
+            await ev.wait()
 
     def busy(self, parent: int) -> bool:
         """Whether a leased directory has changes not committed yet (its attributes on the
@@ -381,6 +406,7 @@ class LeaseBook:
                 f: NewFile = c[2]
                 if ld.pending.get(c[1]) is not f or f.seq != c[0]:
                     ld.queue.popleft()
+                    ld.taken_total += 1
                     continue
                 if f.stored is not None and not f.stored.is_set():
                     return changes, (None if changes else f.stored), float("inf")
@@ -390,6 +416,7 @@ class LeaseBook:
                     return changes, (None if changes else ld.look), f.made + HOLD_OPEN
                 del ld.pending[c[1]]
             changes.append(ld.queue.popleft())
+            ld.taken_total += 1
         return changes, None, 0.0
 
 

@@ -328,10 +328,12 @@ class DirLeases:
                 ld.in_flight = {ino for c in changes for ino in inos_of(c)}
                 done = ld.sent_done = ld.next_done
                 ld.next_done = trio.Event()
+                taken = ld.taken_total
                 if len(changes) >= BATCH_MAX:  # more than a batch: the rest goes at once
                     ld.kick.set()
                 if changes:
                     await self._commit(ld, changes)
+                ld.answered_total = taken
                 for ino in ld.in_flight:
                     if ino not in ld.queued and self.book.changing.get(ino) == ld.parent:
                         del self.book.changing[ino]

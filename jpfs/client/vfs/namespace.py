@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 from ...errors import JPFSError
 from ...placement import shard_of
+from ...proto.meta import check_name
 from ...types import Attr
 from .leases import GiveBack
 from .leasing import Leasing
@@ -84,6 +85,7 @@ class Namespace:
         """A regular file, FIFO, socket or block/character device (metadata only: type, mode
         and device number; the kernel does their I/O)."""
         self.shared.writable()
+        self.shared.directories(parent)
         await self.leasing.give_back(parent)
         gid, mode = self.owner(parent, uid, gid, mode)
         with self.names_of(parent):
@@ -96,6 +98,7 @@ class Namespace:
         """Make directory ``name`` in ``parent`` owned by ``uid``/``gid`` (a setgid parent gives its
         group and bit); its attributes. EEXIST if the name is taken, EROFS on a read-only mount."""
         self.shared.writable()
+        self.shared.directories(parent)
         await self.leasing.give_back(parent)
         gid, mode = self.owner(parent, uid, gid, stat.S_IFDIR | (mode & 0o7777))
         sent = time.monotonic()
@@ -113,6 +116,7 @@ class Namespace:
         """Make symlink ``name`` in ``parent`` pointing at ``target``; its attributes. EEXIST if the
         name is taken, EROFS on a read-only mount."""
         self.shared.writable()
+        self.shared.directories(parent)
         await self.leasing.give_back(parent)
         gid, _ = self.owner(parent, uid, gid, stat.S_IFLNK)
         with self.names_of(parent):
@@ -124,6 +128,7 @@ class Namespace:
         """Give inode ``ino`` the new name ``name`` in ``parent``; its attributes after. EEXIST if
         the name is taken, EROFS on a read-only mount."""
         self.shared.writable()
+        self.shared.directories(parent)
         await self.leasing.settle(ino)
         await self.leasing.give_back(parent)
         with self.names_of(parent):
@@ -137,6 +142,7 @@ class Namespace:
         """Remove the non-directory ``name`` from ``parent`` (answered at once from the directory's
         lease where this VFS holds it); ENOENT, EISDIR or EROFS as unlink(2)."""
         self.shared.writable()
+        self.shared.directories(parent)
         leases = self.leases
         node = self.inodes.child(parent, name)
         if leases is not None and node is not None and not node.attr.is_dir:
@@ -172,6 +178,7 @@ class Namespace:
         """Remove the empty directory ``name`` from ``parent``; ENOTEMPTY, ENOTDIR or EROFS as
         rmdir(2)."""
         self.shared.writable()
+        self.shared.directories(parent)
         await self.leasing.give_back(parent)
         child = self.inodes.child(parent, name)
         if child is not None:
@@ -196,6 +203,9 @@ class Namespace:
         names (``LeaseBook.movable``); else what the lease answered there is committed first,
         and the shard lets the holder's rename pass (the lease's names follow it)."""
         self.shared.writable()
+        self.shared.directories(parent_old, parent_new)
+        check_name(name_old)
+        check_name(name_new)  # before a lease answers it
         leases = self.leases
         ld = None
         moving = self.inodes.child(parent_old, name_old)

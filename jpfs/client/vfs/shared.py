@@ -66,6 +66,15 @@ class SharedState:
         if self.ro:
             raise error(errno.EROFS, "the mount is read-only")
 
+    def directories(self, *inos: int) -> None:
+        """ENOTDIR where this VFS knows one of ``inos`` is not a directory (an inode's type never
+        changes). The shard would say so itself, except of a file made under a lease and not
+        sent yet, which it does not know: ENOENT, where the kernel answers ENOTDIR."""
+        for ino in inos:
+            node = self.inodes.get(ino)
+            if node is not None and not node.attr.is_dir:
+                raise error(errno.ENOTDIR, "not a directory")
+
     def changed_dir(self, *inos: int) -> None:
         """Directories whose entries (and so times, nlink) changed, attributes unknown."""
         for ino in inos:
