@@ -180,10 +180,11 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
     """Changes a mount holding ``parent``'s lease already answered (``leases.py``), in order:
     new regular files, each ``[name, ino, mode, uid, gid, time_ns]`` with an inode number the
     lease reserved, ``[..., time_ns, ctime_ns]`` (renamed before it was sent: its ctime moved),
-    or ``[..., time_ns, size, chunks]`` (the file's first commit, made with it); removes, ``[name, ino]`` (an unlink of a file whose inode lives here); and renames
-    within the directory, ``[old, new, ino, replaced]`` (``replaced``: the file ``new`` names,
-    or 0). Per entry the file's attributes after it, or an errno name (EEXIST, ENOENT: the
-    name changed while the lease was lost). A create or rename already made (a retry after a
+    or ``[..., time_ns, size, chunks]`` (the file's first commit, made with it); removes,
+    ``[name, ino]`` (an unlink of a file whose inode lives here); and renames within the
+    directory, ``[old, new, ino, replaced]`` (``replaced``: the file ``new`` names, or 0). Per
+    entry the file's attributes after it, or an errno name (EEXIST, ENOENT: the name changed
+    while the lease was lost). A create or rename already made (a retry after a
     lost answer) answers its attributes."""
     pdir = t.need_dir(parent)
     t.check_lease(parent, session)

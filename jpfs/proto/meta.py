@@ -413,8 +413,8 @@ class CreateBatchReq(NamedTuple):
     entries: list
     """In order: creates, ``[name, ino, mode, uid, gid, time_ns]`` (the inode number from the
     lease), with ``ctime_ns`` after it for a file renamed before it was sent, or with ``size,
-    [Chunk.to_wire(), ...]`` after it for a file whose first commit goes with it; removes, ``[name, ino]``; renames within the directory, ``[old, new, ino,
-    replaced or 0]``."""
+    [Chunk.to_wire(), ...]`` after it for a file whose first commit goes with it; removes,
+    ``[name, ino]``; renames within the directory, ``[old, new, ino, replaced or 0]``."""
     rid: bytes | None = None
     """Request id (replicated shards): a retry after a failover answers the first result."""
 
