@@ -191,7 +191,7 @@ def test_columns_uint8_and_video_false(images):
 def test_uint8_to_float_is_lerobots_division():
     # Every uint8 value, converted the way ShardDataset does it, equals torch's u8.float() / 255
     # (what LeRobot's video decoders and ToTensor do); u8 * (1 / 255) does not.
-    from jpfs.torch.dataset import to_float
+    from jpfs.torch.assemble import to_float
 
     u8 = np.arange(256, dtype=np.uint8)
     out = np.empty(256, np.float32)
