@@ -20,19 +20,29 @@ a new volume and unlinks the old), so a descriptor held open stays right. The cl
 descriptors every ``CHECK_EVERY`` seconds whether or not it reads (``StorageClient``): those of
 volumes that were unlinked are closed, so a compaction's space is freed under an idle client
 too, and so are those no read used for ``IDLE_CLOSE`` seconds.
+
+``LocalReads`` is the part of a ``StorageClient`` that does this: which nodes are on this host,
+the local reads of a batch, and the task that tends the descriptors.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import trio
 import xxhash
 
+from ...errors import DeadlineError, JPFSError, Unavailable
 from ...proto import storage as P
+from ...rpc import Pool
+from ...types import Chunk
+
+log = logging.getLogger(__name__)
 
 KEEP = 64
 """Volume descriptors one node's ``LocalVolumes`` keeps open at most (least recently used go
@@ -149,3 +159,133 @@ class LocalVolumes:
             for fd, *_ in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+class LocalReads:
+    """The storage nodes on this host and the reads of their volume files, for one client.
+
+    Args:
+        nursery: runs the task that tends the volume descriptors (started with the first
+            local node found).
+        pool: the client's connections to the storage nodes (``host_info``, ``locate_blobs``).
+        retry_for: how long a call waits for an unreachable node when no other replica is left.
+        read_retry_for: how long it waits when another replica could serve the read instead.
+    """
+
+    def __init__(self, nursery: trio.Nursery, pool: Pool, *, retry_for: float,
+                 read_retry_for: float):
+        self.nursery = nursery
+        self.pool = pool
+        self.retry_for = retry_for
+        self.read_retry_for = read_retry_for
+        self.nodes: dict[int, LocalVolumes | None] = {}
+        """Per node asked: its volumes when it is on this host, else None."""
+        self._asking: dict[int, trio.Event] = {}
+        self._tending: trio.CancelScope | None = None
+        """The task that tends the local volumes' descriptors, once there are any."""
+        self.counters = dict.fromkeys(("local_blobs", "local_bytes", "local_fallbacks"), 0)
+        """Blobs and bytes read from local volume files, and blobs a local read left to the
+        socket (not there, not readable, bytes that did not check)."""
+
+    def close(self) -> None:
+        """Stop tending the descriptors and close every node's volume files."""
+        if self._tending is not None:
+            self._tending.cancel()
+        for local in self.nodes.values():
+            if local is not None:
+                local.close()
+
+    def forget(self, node: int) -> None:
+        """Close ``node``'s volumes and ask it again next time (it moved: it may be elsewhere
+        now)."""
+        local = self.nodes.pop(node, None)
+        if local is not None:
+            local.close()
+
+    def local_nodes(self) -> int:
+        """How many nodes were found on this host."""
+        return sum(v is not None for v in self.nodes.values())
+
+    async def ask(self, node: int) -> LocalVolumes | None:
+        """Whether ``node`` runs on this host with volumes this process can read (asked once
+        per node; a node that cannot say, or is down, is read over the socket)."""
+        while (asking := self._asking.get(node)) is not None:
+            await asking.wait()
+            if node in self.nodes:
+                return self.nodes[node]
+        if node in self.nodes:
+            return self.nodes[node]
+        self._asking[node] = done = trio.Event()
+        try:
+            info = await self.pool.call(node, P.HOST_INFO, P.NoArgs(),
+                                        retry_for=self.read_retry_for)
+            local = LocalVolumes(info["volumes"]) if isinstance(info, dict) \
+                and same_host(info) else None
+            if local is not None:
+                log.info("%s runs on this host: reading its volumes in %s directly",
+                         self.pool.name(node), local.dir)
+                if self._tending is None:
+                    self._tending = trio.CancelScope()
+                    self.nursery.start_soon(self._tend, self._tending)
+            self.nodes[node] = local
+            return local
+        except JPFSError as e:
+            if isinstance(e, Unavailable | DeadlineError):
+                return None  # ask again once it is back
+            self.nodes[node] = None  # an older node without host_info
+            return None
+        finally:
+            del self._asking[node]
+            done.set()
+
+    async def _tend(self, scope: trio.CancelScope) -> None:
+        """Every ``CHECK_EVERY`` seconds, read or not, let go of the volume files that a
+        compaction unlinked or that no read used lately, so an idle client pins no space."""
+        with scope:
+            while True:
+                await trio.sleep(CHECK_EVERY)
+                for local in list(self.nodes.values()):
+                    if local is None:
+                        continue
+                    try:
+                        local.tend()
+                    except OSError as e:  # a task of the client's own: log, never end it
+                        log.warning("tending the volume files in %s: %s", local.dir, e)
+
+    async def read(self, local: LocalVolumes, node: int, batch: list[int],
+                   chunks: Sequence[Chunk], into: list[memoryview], out: list,
+                   last: bool) -> set[int]:
+        """Read what ``local`` can of ``batch`` into ``into`` (filling ``out``); returns the
+        chunk indexes left to the socket. Raises what says the node is unreachable."""
+        try:
+            places = P.LOCATE_BLOBS.decode(await self.pool.call(
+                node, P.LOCATE_BLOBS, P.IdsReq([chunks[i].blob for i in batch]),
+                retry_for=self.retry_for if last else self.read_retry_for))
+        except (Unavailable, DeadlineError):
+            raise
+        except JPFSError:
+            return set(batch)  # the socket read meets the same trouble and reports it
+        found = P.BlobPlaces.found
+        jobs = [k for k, p in enumerate(places)
+                if found(p) and p[2] == chunks[batch[k]].blob_len] \
+            if len(places) == len(batch) else []
+        work = [(places[k][0], places[k][1], into[k], chunks[batch[k]].xxh) for k in jobs]
+        oks: list[bool | None] = [None] * len(work)
+        if sum(len(w[2]) for w in work) <= INLINE_MAX:
+            oks = local.read(work, nowait=True)
+        later = [j for j, ok in enumerate(oks) if ok is None]
+        if later:
+            got = await trio.to_thread.run_sync(local.read, [work[j] for j in later])
+            for j, ok in zip(later, got, strict=True):
+                oks[j] = ok
+        left = set(batch)
+        c = self.counters
+        for k, ok in zip(jobs, oks, strict=True):
+            if ok:
+                i = batch[k]
+                out[i] = into[k]
+                left.discard(i)
+                c["local_blobs"] += 1
+                c["local_bytes"] += len(into[k])
+        c["local_fallbacks"] += len(left)
+        return left

@@ -38,15 +38,13 @@ from ...proto import storage as P
 from ...rpc import Pool
 from ...rpc.frame import receive_buffer
 from ...types import Chunk
-from . import shortcircuit
-from .shortcircuit import INLINE_MAX, LocalVolumes, same_host
+from .replicas import ReplicaView, batches
+from .shortcircuit import LocalReads
 
 log = logging.getLogger(__name__)
 
 _HASH_INLINE = 1 << 20
 """Batches smaller than this are hashed on the trio thread; larger ones in a worker thread."""
-
-ACTIVE, DRAINING, REMOVED = "active", "draining", "removed"
 
 _REPORTED_MAX = 4096
 """Bad copies remembered as reported (each is reported once per client, not on every read)."""
@@ -106,14 +104,8 @@ class StorageClient:
         self.cluster = cluster
         self.first_copy = random.randrange(1 << 16) if first_copy is None else first_copy
         self.nursery = nursery
-        self.n_nodes = cluster.n_nodes
-        self.states: tuple[str, ...] = node_states(cluster)
-        self.writable: tuple[int, ...] = writable_nodes(cluster)
-        """Active nodes, where new blobs go (``placement.chunk_nodes`` takes this list)."""
-        self.domains: tuple[str, ...] = cluster.node_domains
-        """Each node's failure domain (copies of a chunk go to distinct ones)."""
-        self.replicas = cluster.replicas
-        self._demoted = frozenset(i for i, st in enumerate(self.states) if st != ACTIVE)
+        self.view = ReplicaView(cluster, self.first_copy)
+        """The map's nodes as this client orders them (replaced by ``follow``)."""
         self._reported: set[tuple[int, bytes]] = set()
         self._reports_out = 0
         self._reports_answered = trio.Event()
@@ -132,29 +124,50 @@ class StorageClient:
         self.retry_for = self.pool.retry_for
         self._down_until: dict[int, float] = {}
         self.short_circuit = short_circuit
-        self._local: dict[int, LocalVolumes | None] = {}
-        """Per node asked: its volumes when it is on this host, else None."""
-        self._asking: dict[int, trio.Event] = {}
-        self._tending: trio.CancelScope | None = None
-        """The task that tends the local volumes' descriptors, once there are any."""
-        self.counters = dict.fromkeys(("local_blobs", "local_bytes", "local_fallbacks"), 0)
+        self.local = LocalReads(nursery, self.pool, retry_for=self.retry_for,
+                                read_retry_for=read_retry_for)
+        """The nodes on this host and the reads of their volume files (``shortcircuit.py``)."""
+
+    @property
+    def n_nodes(self) -> int:
+        """Storage nodes in the map (removed ones included: indices never change meaning)."""
+        return self.view.n_nodes
+
+    @property
+    def states(self) -> tuple[str, ...]:
+        """Each node's state in the map this client follows."""
+        return self.view.states
+
+    @property
+    def writable(self) -> tuple[int, ...]:
+        """Active nodes, where new blobs go (``placement.chunk_nodes`` takes this list)."""
+        return self.view.writable
+
+    @property
+    def domains(self) -> tuple[str, ...]:
+        """Each node's failure domain (copies of a chunk go to distinct ones)."""
+        return self.view.domains
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each chunk, as the map says."""
+        return self.view.replicas
+
+    @property
+    def counters(self) -> dict[str, int]:
         """Blobs and bytes read from local volume files, and blobs a local read left to the
         socket (not there, not readable, bytes that did not check)."""
+        return self.local.counters
 
     def close(self) -> None:
         """Close the connections to the storage nodes, stop tending them and close the local
         volumes."""
         self.pool.close()
-        if self._tending is not None:
-            self._tending.cancel()
-        for local in self._local.values():
-            if local is not None:
-                local.close()
+        self.local.close()
 
     def as_dict(self) -> dict:
         """Counters for the mount's stats."""
-        return {"local_nodes": sum(v is not None for v in self._local.values()),
-                **self.counters}
+        return {"local_nodes": self.local.local_nodes(), **self.counters}
 
     def follow(self, cluster: Cluster) -> None:
         """Take a new cluster map: grown node list, moved addresses, node states, writable."""
@@ -162,20 +175,13 @@ class StorageClient:
                                                    strict=False)) if a != s.address]
         self.pool.set_addresses([s.address for s in cluster.storage])
         for i in moved:  # a node that moved may be elsewhere now: ask it again
-            local = self._local.pop(i, None)
-            if local is not None:
-                local.close()
+            self.local.forget(i)
         self.cluster = cluster
-        self.n_nodes = cluster.n_nodes
-        self.states = node_states(cluster)
-        self.writable = writable_nodes(cluster)
-        self.domains = cluster.node_domains
-        self.replicas = cluster.replicas
-        self._demoted = frozenset(i for i, st in enumerate(self.states) if st != ACTIVE)
+        self.view = ReplicaView(cluster, self.first_copy)
 
     def state(self, node: int) -> str:
         """``node``'s state in the map this client follows."""
-        return self.states[node] if 0 <= node < len(self.states) else REMOVED
+        return self.view.state(node)
 
     # ------------------------------------------------------------------ node health
 
@@ -196,44 +202,6 @@ class StorageClient:
 
     def _down_now(self) -> frozenset[int]:
         return frozenset(n for n in list(self._down_until) if self.is_down(n))
-
-    def _order(self, nodes: Sequence[int], down: frozenset[int]) -> Sequence[int]:
-        """Replicas to try: active ones that are up first (from this client's ``first_copy``
-        round the recorded order), then draining ones, then those known to be down, and
-        removed nodes last of all."""
-        demoted = self._demoted
-        if len(nodes) == 1:
-            return nodes
-        if not down and not demoted and len(nodes) == 2 and nodes[0] != nodes[1]:
-            return nodes if not self.first_copy & 1 else (nodes[1], nodes[0])
-        seen = list(dict.fromkeys(nodes))
-        k = self.first_copy % len(seen)
-        seen = seen[k:] + seen[:k]
-        if not down and not demoted:
-            return seen
-        states = self.states
-
-        def rank(n: int) -> int:
-            st = states[n] if 0 <= n < len(states) else REMOVED
-            if st == REMOVED:
-                return 4
-            return (2 if n in down else 0) + (st != ACTIVE)
-
-        return sorted(seen, key=rank)  # stable: recorded order within a rank
-
-    def _batches(self, items: list[int], sizes: Sequence[int]) -> list[list[int]]:
-        out: list[list[int]] = []
-        cur: list[int] = []
-        size = 0
-        for i in items:
-            if cur and (size + sizes[i] > self.batch_bytes or len(cur) >= self.batch_blobs):
-                out.append(cur)
-                cur, size = [], 0
-            cur.append(i)
-            size += sizes[i]
-        if cur:
-            out.append(cur)
-        return out
 
     # ------------------------------------------------------------------ get
 
@@ -264,7 +232,7 @@ class StorageClient:
                 dest.append(view)
         out: list[memoryview | None] = [None] * n
         down = self._down_now()
-        order = self._order
+        order = self.view.order
         orders = [order(c.nodes, down) for c in chunks]
         tried = [0] * n
         failures: list[list[str]] = [[] for _ in range(n)]
@@ -281,7 +249,7 @@ class StorageClient:
                 groups.setdefault(orders[i][tried[i]], []).append(i)
             async with trio.open_nursery() as nursery:
                 for node, items in groups.items():
-                    for batch in self._batches(items, sizes):
+                    for batch in batches(items, sizes, self.batch_bytes, self.batch_blobs):
                         last = any(tried[i] + 1 >= len(orders[i]) for i in batch)
                         nursery.start_soon(self._get_batch, node, batch, chunks, dest, out,
                                            failures, corrupt, unreachable, last)
@@ -300,10 +268,11 @@ class StorageClient:
             into = [memoryview(receive_buffer(chunks[i].blob_len)) for i in batch]
         local = None
         if self.short_circuit:
-            local = self._local[node] if node in self._local else await self._ask_local(node)
+            reads = self.local
+            local = reads.nodes[node] if node in reads.nodes else await reads.ask(node)
         if local is not None:
             try:
-                left = await self._get_local(local, node, batch, chunks, into, out, last)
+                left = await self.local.read(local, node, batch, chunks, into, out, last)
             except (Unavailable, DeadlineError) as e:  # as the socket read below would be
                 self._mark_down(node, e)
                 for i in batch:
@@ -391,90 +360,6 @@ class StorageClient:
                 view = memoryview(bytearray(view))  # own memory (see above), not a slice
             out[i] = view
 
-    async def _ask_local(self, node: int) -> LocalVolumes | None:
-        """Whether ``node`` runs on this host with volumes this process can read (asked once
-        per node; a node that cannot say, or is down, is read over the socket)."""
-        while (asking := self._asking.get(node)) is not None:
-            await asking.wait()
-            if node in self._local:
-                return self._local[node]
-        if node in self._local:
-            return self._local[node]
-        self._asking[node] = done = trio.Event()
-        try:
-            info = await self.pool.call(node, P.HOST_INFO, P.NoArgs(),
-                                        retry_for=self.read_retry_for)
-            local = LocalVolumes(info["volumes"]) if isinstance(info, dict) \
-                and same_host(info) else None
-            if local is not None:
-                log.info("%s runs on this host: reading its volumes in %s directly",
-                         self.pool.name(node), local.dir)
-                if self._tending is None:
-                    self._tending = trio.CancelScope()
-                    self.nursery.start_soon(self._tend_local, self._tending)
-            self._local[node] = local
-            return local
-        except JPFSError as e:
-            if isinstance(e, Unavailable | DeadlineError):
-                return None  # ask again once it is back
-            self._local[node] = None  # an older node without host_info
-            return None
-        finally:
-            del self._asking[node]
-            done.set()
-
-    async def _tend_local(self, scope: trio.CancelScope) -> None:
-        """Every ``CHECK_EVERY`` seconds, read or not, let go of the volume files that a
-        compaction unlinked or that no read used lately, so an idle client pins no space."""
-        with scope:
-            while True:
-                await trio.sleep(shortcircuit.CHECK_EVERY)
-                for local in list(self._local.values()):
-                    if local is None:
-                        continue
-                    try:
-                        local.tend()
-                    except OSError as e:  # a task of the client's own: log, never end it
-                        log.warning("tending the volume files in %s: %s", local.dir, e)
-
-    async def _get_local(self, local: LocalVolumes, node: int, batch: list[int],
-                         chunks: Sequence[Chunk], into: list[memoryview], out: list,
-                         last: bool) -> set[int]:
-        """Read what ``local`` can of ``batch`` into ``into`` (filling ``out``); returns the
-        chunk indexes left to the socket. Raises what says the node is unreachable."""
-        try:
-            places = P.LOCATE_BLOBS.decode(await self.pool.call(
-                node, P.LOCATE_BLOBS, P.IdsReq([chunks[i].blob for i in batch]),
-                retry_for=self.retry_for if last else self.read_retry_for))
-        except (Unavailable, DeadlineError):
-            raise
-        except JPFSError:
-            return set(batch)  # the socket read meets the same trouble and reports it
-        found = P.BlobPlaces.found
-        jobs = [k for k, p in enumerate(places)
-                if found(p) and p[2] == chunks[batch[k]].blob_len] \
-            if len(places) == len(batch) else []
-        work = [(places[k][0], places[k][1], into[k], chunks[batch[k]].xxh) for k in jobs]
-        oks: list[bool | None] = [None] * len(work)
-        if sum(len(w[2]) for w in work) <= INLINE_MAX:
-            oks = local.read(work, nowait=True)
-        later = [j for j, ok in enumerate(oks) if ok is None]
-        if later:
-            got = await trio.to_thread.run_sync(local.read, [work[j] for j in later])
-            for j, ok in zip(later, got, strict=True):
-                oks[j] = ok
-        left = set(batch)
-        c = self.counters
-        for k, ok in zip(jobs, oks, strict=True):
-            if ok:
-                i = batch[k]
-                out[i] = into[k]
-                left.discard(i)
-                c["local_blobs"] += 1
-                c["local_bytes"] += len(into[k])
-        c["local_fallbacks"] += len(left)
-        return left
-
     def _report_bad(self, node: int, blob: bytes) -> None:
         """Tell ``node`` its copy of ``blob`` read bad (once per client), in the background."""
         if (node, blob) in self._reported:
@@ -541,7 +426,8 @@ class StorageClient:
             raise Unavailable("no writable storage node: every node is draining or removed "
                               "(add one with `jpfs node add`; see `jpfs node list`)")
         want = [min(len(set(nodes)), room) for _, nodes, _ in blobs]
-        cands = [self._ring(nodes) for _, nodes, _ in blobs]
+        view = self.view
+        cands = [view.ring(nodes) for _, nodes, _ in blobs]
         stored: list[list[int]] = [[] for _ in range(n)]
         tried: list[set[int]] = [set() for _ in range(n)]
         failures: list[list[str]] = [[] for _ in range(n)]
@@ -557,7 +443,7 @@ class StorageClient:
                     raise Unavailable(
                         f"cannot store {want[i]} copies of blob {P.blob_name(blobs[i][0])}: "
                         f"stored on {stored[i] or 'no node'}; " + "; ".join(failures[i]))
-                picks = self._apart([x for x in fresh if not self.is_down(x)], need, stored[i])
+                picks = view.apart([x for x in fresh if not self.is_down(x)], need, stored[i])
                 if len(picks) < need:
                     picks += [x for x in fresh if x not in picks][:need - len(picks)]
                 for x in picks:
@@ -567,7 +453,7 @@ class StorageClient:
                 break
             async with trio.open_nursery() as nursery:
                 for node, items in groups.items():
-                    for batch in self._batches(items, sizes):
+                    for batch in batches(items, sizes, self.batch_bytes, self.batch_blobs):
                         nursery.start_soon(self._put_batch, node, batch, blobs, views, xxhs,
                                            stored, failures, fatal)
             if fatal:
@@ -577,36 +463,6 @@ class StorageClient:
             rank = {x: k for k, x in enumerate(cands[i])}
             result.append((tuple(sorted(stored[i], key=rank.__getitem__)), xxhs[i]))
         return result
-
-    def _apart(self, cands: list[int], need: int, stored: list[int]) -> list[int]:
-        """``need`` of ``cands`` (in order), those of failure domains no copy is on yet first:
-        a replacement for a preferred node that is down stays out of the other copies'
-        domains where it can."""
-        doms = self.domains
-
-        def dom(x: int) -> str:
-            return doms[x] if 0 <= x < len(doms) else f"#{x}"
-
-        taken = {dom(x) for x in stored}
-        picks: list[int] = []
-        for x in cands:
-            if len(picks) == need:
-                return picks
-            if dom(x) not in taken:
-                taken.add(dom(x))
-                picks.append(x)
-        return picks + [x for x in cands if x not in picks][:need - len(picks)]
-
-    def _ring(self, nodes: Sequence[int]) -> list[int]:
-        """The preferred writable nodes, then the other writable ones round the ring after
-        the last preferred one."""
-        ring = self.writable
-        ok = frozenset(ring)
-        pref = [x for x in dict.fromkeys(nodes) if x in ok]
-        last = nodes[-1] if nodes else 0
-        start = next((k for k, x in enumerate(ring) if x > last), 0)
-        rest = [ring[(start + k) % len(ring)] for k in range(len(ring))]
-        return pref + [x for x in rest if x not in pref]
 
     async def _put_batch(self, node, batch, blobs, views, xxhs, stored, failures, fatal) -> None:
         entries = [[blobs[i][0], len(views[i]), xxhs[i]] for i in batch]
@@ -677,16 +533,6 @@ class StorageClient:
     async def stats(self, node: int) -> dict:
         """``node``'s counters and space (see ``jpfs.proto.storage.STATS_KEYS``)."""
         return P.STATS.decode(await self.pool.call(node, P.STATS, P.NoArgs()))
-
-
-def node_states(cluster: Cluster) -> tuple[str, ...]:
-    """Each storage node's state in ``cluster``'s map."""
-    return tuple(s.state for s in cluster.storage)
-
-
-def writable_nodes(cluster: Cluster) -> tuple[int, ...]:
-    """The indices of ``cluster``'s active storage nodes, where new writes go."""
-    return tuple(cluster.writable_nodes)
 
 
 def _hash_all(views: Sequence[memoryview]) -> list[int]:
