@@ -1,7 +1,7 @@
 """A whole JPFS cluster of real daemon processes on loopback, in one directory.
 
 ``up(DIR)`` writes ``DIR/cluster.toml`` and a secret on first use, then starts every daemon that is
-not running (``python -m jpfs_daemon.meta.server ...``): data in ``DIR/meta-<i>`` and
+not running (``python -m jpfs_daemon.meta.main ...``): data in ``DIR/meta-<i>`` and
 ``DIR/storage-<i>``, logs in ``DIR/logs``, pid files ``DIR/<role>-<i>.pid``. A later ``up`` on the
 same directory restarts stopped daemons on their data (on their old ports when those are free).
 This is what ``jpfs cluster up``, the tests and the benchmarks use.
@@ -32,7 +32,7 @@ from pathlib import Path
 from . import config
 from .coord import clustermap
 
-MODULES = {"meta": "jpfs_daemon.meta.server", "storage": "jpfs_daemon.storage.server"}
+MODULES = {"meta": "jpfs_daemon.meta.main", "storage": "jpfs_daemon.storage.server"}
 DEFAULT_META_SHARDS = 2
 DEFAULT_STORAGE_NODES = 2
 DEFAULT_META_REPLICAS = 3

@@ -97,7 +97,7 @@ def _start_copies(d: Path, hosts: netns.SimHosts) -> list[subprocess.Popen]:
     procs = []
     for j in range(COPIES):
         cmd = ["ip", "netns", "exec", hosts.hosts[j].ns, sys.executable, "-m",
-               "jpfs_daemon.meta.server", "--cluster", str(d / "cluster.toml"), "--index", "0",
+               "jpfs_daemon.meta.main", "--cluster", str(d / "cluster.toml"), "--index", "0",
                "--replica", str(j), "--listen", hosts.listen_address(j, PORT + j),
                "--log-file", str(d / f"meta-0-r{j}.log"), "--no-sync"]
         with open(d / f"meta-0-r{j}.out", "ab") as out:
