@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -81,11 +82,14 @@ class Session:
 
 
 class Leases:
-    """This shard's directory leases (see the module docstring). ``store.leases`` is set to
-    it, so ``Txn.check_lease`` finds it; ``start`` gives it the nursery its timers run in."""
+    """This shard's directory leases (see the module docstring), made by the shard's ``Store``
+    (``store.leases``, which ``Txn.check_lease`` asks); ``start`` gives it the nursery its
+    timers run in. ``begun(txid)`` and ``resolved(txid)`` are the store's ``tx_begun`` and
+    ``tx_resolved``: a change recalling a lease waits on it as on a transaction's lock."""
 
-    def __init__(self, store):
-        self.store = store
+    def __init__(self, begun: Callable[[bytes], None], resolved: Callable[[bytes], None]):
+        self._begun = begun
+        self._resolved = resolved
         self.held: dict[int, bytes] = {}
         """Directory -> the session holding its lease."""
         self.sessions: dict[bytes, Session] = {}
@@ -94,7 +98,6 @@ class Leases:
         self._grant_of: dict[int, int] = {}
         """Directory -> the number of its current grant (a late timer acts on its own only)."""
         self.stats = {"granted": 0, "recalled": 0, "given_back": 0, "revoked": 0}
-        store.leases = self
 
     async def start(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the leases' timers until cancelled (``nursery.start``)."""
@@ -138,7 +141,7 @@ class Leases:
         s.leases.add(parent)
         s.recalled.discard(parent)  # told before, of an earlier lease
         s.told.discard(parent)
-        self.store.tx_begun(lease_txid(parent))  # what a recalled change waits on
+        self._begun(lease_txid(parent))  # what a recalled change waits on
         self.stats["granted"] += 1
         return True
 
@@ -186,7 +189,7 @@ class Leases:
             s.leases.clear()
             s.wake.set()
         for parent in list(self.held):
-            self.store.tx_resolved(lease_txid(parent))
+            self._resolved(lease_txid(parent))
         self.stats["revoked"] += len(self.held)
         self.held.clear()
         self._grant_of.clear()
@@ -209,7 +212,7 @@ class Leases:
             s.leases.discard(parent)
             s.recalled.discard(parent)
             s.told.discard(parent)
-        self.store.tx_resolved(lease_txid(parent))  # the waiting changes run again
+        self._resolved(lease_txid(parent))  # the waiting changes run again
 
     async def _take_back_late(self, parent: int, grant: int) -> None:
         await trio.sleep(RECALL_GRACE)

@@ -45,13 +45,20 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
         raise SystemExit(f"metadata shard {index} has {len(copies)} copies but the cluster "
                          "names no etcd (replication elects its leader there): add "
                          '[cluster] etcd = ["http://HOST:PORT"]')
-    store = Store(data, index, cluster.n_shards, sync=sync, ack_after_sync=ack_after_sync,
-                  sync_delay=sync_delay)
+    store: Store | None = None
     try:
         async with trio.open_nursery() as nursery:
+            def replication(s: Store) -> Replication:
+                return Replication(s, replica, [c.address for c in copies], cluster.secret,
+                                   etcd, cluster.name, nursery, ttl=ttl, renew=renew,
+                                   stall=stall, peer_timeout=min(cluster.peer_timeout, ttl / 2))
+
+            store = Store(data, index, cluster.n_shards, sync=sync,
+                          ack_after_sync=ack_after_sync, sync_delay=sync_delay,
+                          replication=replication if replicated else None)
             await nursery.start(store.committer)
             peers = C.shard_peers(nursery, cluster)
-            if not replicated:
+            if not isinstance(store.repl, Replication):
                 chunk_size = await store.write(init_shard, cluster.chunk_size)
                 shard = MetaShard(store, peers, chunk_size)
                 await nursery.start(shard.coord.resolver)
@@ -61,17 +68,13 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
                 if store.created and replica != 0:
                     store.mark_new_copy()
                 stored = store.read(stored_chunk_size)
-                shard = MetaShard(store, peers, stored or cluster.chunk_size)
-                shard.repl = Replication(
-                    store, replica, [s.address for s in copies], cluster.secret, etcd,
-                    cluster.name, nursery, on_lead=shard.lead, ttl=ttl, renew=renew, stall=stall,
-                    peer_timeout=min(cluster.peer_timeout, ttl / 2))
+                shard = MetaShard(store, peers, stored or cluster.chunk_size, store.repl)
             healer = heal.Healer(store, cluster, **(heal_options or {}))  # leads only: heal.py
             await nursery.start(healer.run)
             service = Service("meta", P.METHODS, {**shard.handlers(), **healer.handlers()})
             bound = await nursery.start(serve, service, host, port, cluster.secret)
             if shard.repl is not None:
-                await nursery.start(shard.repl.run)
+                await nursery.start(shard.repl.run, shard.lead)
             if etcd:
                 nursery.start_soon(C.follow_map, cluster, shard)
             if metrics:
@@ -83,7 +86,8 @@ async def run_shard(cluster: config.Cluster, index: int, data, host: str, port: 
                      cluster.n_shards, replica, len(copies), data, bound)
             task_status.started(bound)
     finally:
-        store.close()
+        if store is not None:
+            store.close()
 
 
 def main(argv: list[str] | None = None) -> None:

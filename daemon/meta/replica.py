@@ -58,14 +58,14 @@ STALL = 10.0
 class Replication:
     """Replica ``replica`` of ``store``'s shard; ``addresses`` lists every copy's address.
 
-    ``on_lead(nursery)`` is awaited when this copy becomes leader (the shard's 2PC recovery
-    runs there); the nursery is cancelled when it stops leading.
+    Built by the store's constructor (``Store(replication=...)``), which starts it as a
+    follower; ``run(on_lead)`` follows or leads.
     """
 
     def __init__(self, store: Store, replica: int, addresses: list[str], secret: bytes,
                  etcd_endpoints: tuple[str, ...], cluster_name: str, nursery: trio.Nursery, *,
-                 on_lead: Callable[[trio.Nursery], Awaitable[None]], ttl: float = TTL,
-                 renew: float = RENEW, peer_timeout: float = 1.0, stall: float = STALL):
+                 ttl: float = TTL, renew: float = RENEW, peer_timeout: float = 1.0,
+                 stall: float = STALL):
         self.store = store
         self.shard = store.shard
         self.replica = replica
@@ -74,7 +74,6 @@ class Replication:
         self.majority = self.n // 2 + 1
         self.endpoints = etcd_endpoints
         self.cluster_name = cluster_name
-        self.on_lead = on_lead
         self.ttl = ttl
         self.renew = renew
         self.stall = stall
@@ -97,8 +96,6 @@ class Replication:
         self._vacant_since: float | None = None
         self.elections = 0
         self.snapshots_sent = 0
-        store.repl = self
-        store.leading = False
 
     # ---- what the store and the handlers ask -------------------------------------------------
 
@@ -164,14 +161,17 @@ class Replication:
     def _key(self) -> str:
         return LEADER_KEY(self.cluster_name, self.shard)
 
-    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Follow or lead until cancelled."""
+    async def run(self, on_lead: Callable[[trio.Nursery], Awaitable[None]],
+                  task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Follow or lead until cancelled. ``on_lead(nursery)`` is awaited each time this copy
+        becomes leader (the shard's 2PC recovery runs there); the nursery is cancelled when it
+        stops leading."""
         etcd = Etcd(self.endpoints, timeout=max(1.0, self.ttl / 2))
         task_status.started()
         try:
             while True:
                 try:
-                    await self._round(etcd)
+                    await self._round(etcd, on_lead)
                 except JPFSError as e:
                     log.warning("shard %d replica %d: etcd: %s", self.shard, self.replica,
                                 e.strerror)
@@ -184,7 +184,8 @@ class Replication:
             with trio.CancelScope(shield=True):
                 await etcd.aclose()
 
-    async def _round(self, etcd: Etcd) -> None:
+    async def _round(self, etcd: Etcd, on_lead: Callable[[trio.Nursery], Awaitable[None]]
+                     ) -> None:
         key = self._key()
         kv = await etcd.get(key)
         if kv is not None:
@@ -223,7 +224,7 @@ class Replication:
         if not await etcd.put_if(key, named, mod_revision=kv.mod_revision, lease=lease):
             return
         self.valid_until = t0 + self.ttl * 0.75
-        await self._lead(etcd, lease, term, t0)
+        await self._lead(etcd, lease, term, t0, on_lead)
 
     async def _may_campaign(self) -> bool:
         """Ask every other copy where it is: campaign only with a majority and nobody ahead."""
@@ -261,7 +262,8 @@ class Replication:
 
     # ---- leading --------------------------------------------------------------------------------
 
-    async def _lead(self, etcd: Etcd, lease: int, term: int, granted: float) -> None:
+    async def _lead(self, etcd: Etcd, lease: int, term: int, granted: float,
+                    on_lead: Callable[[trio.Nursery], Awaitable[None]]) -> None:
         self.elections += 1
         self._vacant_since = None
         log.info("shard %d replica %d leads (term %d, at seq %d)", self.shard, self.replica,
@@ -282,7 +284,7 @@ class Replication:
                 for j in range(self.n):
                     if j != self.replica:
                         nursery.start_soon(self._guard, self._ship, j)
-                nursery.start_soon(self._guard, self.on_lead, nursery)
+                nursery.start_soon(self._guard, on_lead, nursery)
         finally:
             self._stop_leading()
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):

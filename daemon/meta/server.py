@@ -34,7 +34,7 @@ from . import once
 from .coordinator import Coordinator
 from .crossshard import CrossShard, mine, parent_of
 from .keys import Inode
-from .leases import LEASE_INODES, LEASE_MAX_NAMES, Leases
+from .leases import LEASE_INODES, LEASE_MAX_NAMES
 from .ops import apply_local
 from .replica import Replication
 from .store import Store
@@ -90,7 +90,8 @@ def _alloc_range(t: Txn, n: int) -> int:
 class MetaShard:
     """One shard's handlers for the methods of ``jpfs.proto.meta`` (see ``handlers``)."""
 
-    def __init__(self, store: Store, peers: Pool | ShardPool, chunk_size: int):
+    def __init__(self, store: Store, peers: Pool | ShardPool, chunk_size: int,
+                 repl: Replication | None = None):
         self.store = store
         self.shard = store.shard
         self.n_shards = store.n_shards
@@ -99,9 +100,9 @@ class MetaShard:
         self.cross = CrossShard(store, peers, self.coord)
         """The changes that may span shards, and the rename lock."""
         self.chunk_size = chunk_size
-        self.repl: Replication | None = None
-        """This copy's replication (None: the shard has one copy)."""
-        self.leases = Leases(store)
+        self.repl = repl
+        """This copy's replication, the store's (None: the shard has one copy)."""
+        self.leases = store.leases
 
     def _mine(self, ino: int) -> int:
         return mine(self.shard, ino)

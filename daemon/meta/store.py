@@ -25,7 +25,8 @@ committed before it is. A killed shard process loses nothing committed (the page
 kernel); only a power failure in that window could. With ``ack_after_sync`` every write waits
 (the old, slower policy, for comparison).
 
-A replicated shard (``repl`` set, see ``replica.py``) records each group's changes as a log
+A replicated shard (``repl``, built by the store's constructor from the ``replication``
+factory it is given; see ``replica.py``) records each group's changes as a log
 entry while it commits (``replog.Recorder``), writes its position in the same transaction, and
 answers the group's writes once a majority of the copies holds it (``replicated``); on a
 follower ``write``/``write_later`` raise "not leader" and the leader's entries are applied
@@ -47,7 +48,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import lmdb
 import trio
@@ -58,6 +59,7 @@ from jpfs.rpc.service import Defer, Later
 from ..common import BlockingCalls, stall_point
 from . import keys as K
 from . import replog
+from .leases import Leases
 from .txn import Locked, Txn
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,22 @@ SYNC_DELAY = 0.005
 
 MAX_BATCH = 512
 LOCK_WAIT = 30.0
+
+
+class Replicator(Protocol):
+    """What the store asks of its shard's replication (``replica.Replication``)."""
+
+    def not_leader(self) -> JPFSError:
+        """The error a write on a copy that does not lead is answered with."""
+        ...
+
+    def append(self, entry: replog.Entry) -> None:
+        """A group commit of this leader, recorded as a log entry to ship."""
+        ...
+
+    def committed(self, seq: int) -> None:
+        """The leader's own group ``seq`` is committed: it counts towards the majority."""
+        ...
 
 
 @dataclass
@@ -82,11 +100,14 @@ class _Slot:
 
 
 class Store:
-    """The LMDB environment of shard ``shard`` of ``n_shards``."""
+    """The LMDB environment of shard ``shard`` of ``n_shards``, with its directory leases
+    (``leases``) and, for a shard with several copies, its replication: ``replication(store)``
+    builds it once the store is open (None: a single copy)."""
 
     def __init__(self, path: str | os.PathLike, shard: int, n_shards: int, *,
                  sync: bool = True, map_size: int = 1 << 40, ack_after_sync: bool = False,
-                 sync_delay: float = SYNC_DELAY):
+                 sync_delay: float = SYNC_DELAY,
+                 replication: Callable[[Store], Replicator] | None = None):
         Path(path).mkdir(parents=True, exist_ok=True)
         self.path = Path(path)
         self.shard = shard
@@ -110,14 +131,13 @@ class Store:
         self._check_identity()
         self._send, self._recv = trio.open_memory_channel(math.inf)
         self._tx_done: dict[bytes, trio.Event] = {}
-        self.leases: Any = None
-        """The shard's directory leases (``leases.Leases``; None: none are granted)."""
+        self.leases = Leases(self.tx_begun, self.tx_resolved)
+        """The shard's directory leases (``Txn.check_lease`` asks them inside operations)."""
         self.commits = 0
         self.ops = 0
-        # replication (None: a single copy, exactly the old path): see replica.py
-        self.repl: Any = None
-        self.leading = True
-        """False on a follower: writes raise "not leader" (``repl.not_leader()``)."""
+        self.leading = replication is None
+        """False on a follower: writes raise "not leader" (``repl.not_leader()``); a copy of
+        a replicated shard starts as one."""
         self.pos = self.read(lambda t: replog.unpack_pos(
             t.t.get(replog.REPL_KEY, db=t.db["state"])))
         """(term, seq) of the last group this copy committed or applied."""
@@ -126,6 +146,8 @@ class Store:
         self._names = {h: name for name, h in self.dbs.items()}
         self._repl_wait: deque[tuple[int, int, _Slot]] = deque()  # (seq, group, slot)
         self._acked = 0  # a majority holds every group up to this seq (while leading)
+        self.repl: Replicator | None = replication(self) if replication is not None else None
+        """This copy's replication (None: a single copy, exactly the old path): replica.py."""
 
     def _check_identity(self) -> None:
         """Refuse to serve another shard's data (a wrong --index would corrupt placement)."""
@@ -159,9 +181,13 @@ class Store:
                 await self.wait_resolved(held.txid)
 
     # ---- writes
+    def _not_leader(self) -> JPFSError:
+        assert self.repl is not None  # only a replicated copy ever stops leading
+        return self.repl.not_leader()
+
     def _check_leading(self) -> None:
         if not self.leading:
-            raise self.repl.not_leader()
+            raise self._not_leader()
 
     async def write(self, fn: Callable, *args, durable: bool = True):
         """Run ``fn(txn, *args)`` in the next group commit; returns its result once durable
@@ -203,7 +229,7 @@ class Store:
                     except trio.WouldBlock:
                         break
                 if not self.leading:  # queued before this copy stepped down
-                    self._fail_all(batch, self.repl.not_leader())
+                    self._fail_all(batch, self._not_leader())
                     for slot in batch:
                         self._answer(slot)
                     continue
@@ -284,7 +310,7 @@ class Store:
                 raise exc
             return result
         if not self.leading:  # stepped down meanwhile: nobody will confirm it here
-            raise self.repl.not_leader()
+            raise self._not_leader()
         later = Later()
         self._repl_wait.append((self.pos[1], self._committed, _Slot(
             self.hold, (), later=later, result=result, exc=exc, read=True)))
@@ -316,8 +342,7 @@ class Store:
         cross-shard transactions (the next leader finishes those)."""
         self.leading = False
         self._acked = 0
-        if self.leases is not None:
-            self.leases.clear()
+        self.leases.clear()
         self.fail_waiting(exc)
         done, self._tx_done = self._tx_done, {}
         for ev in done.values():
@@ -356,7 +381,8 @@ class Store:
 
     def _commit(self, batch: list[_Slot]) -> None:
         now = time.time_ns()
-        record = self.repl is not None
+        repl = self.repl
+        record = repl is not None
         group: list[replog.Mutation] = []
         try:
             with self.env.begin(write=True) as parent:
@@ -377,9 +403,9 @@ class Store:
                 if group:
                     pos = (self.term, self.pos[1] + 1)
                     parent.put(replog.REPL_KEY, replog.pack_pos(*pos), db=self.dbs["state"])
-            if group:
+            if group and repl is not None:
                 self.pos = pos
-                self.repl.append(replog.Entry(pos[0], pos[1], group, replog.entry_size(group)))
+                repl.append(replog.Entry(pos[0], pos[1], group, replog.entry_size(group)))
             self.commits += 1
             self.ops += len(batch)
         except lmdb.MapFullError:

@@ -58,7 +58,7 @@ class Txn:
         """Raise ``Leased`` (and recall the lease) if a change of ``parent``'s names must wait
         for a mount's lease on it (``leases.py``); ``holder``: the session making it."""
         leases = self.store.leases
-        if leases is not None and leases.held:
+        if leases.held:
             leases.check(parent, holder if holder is not None else self.holder)
 
     def check_dir_lock(self, parent: int) -> None:
