@@ -171,8 +171,8 @@ async def run_storage(cluster: config.Cluster, args, pids: tuple[int, int], base
         client.close()
         nursery.cancel_scope.cancel()
     res = {k: statistics.median(v) for k, v in out.items()}
-    res["segments_per_blob"] = stats["segments_sent"] / max(1, stats["blobs_sent"])
-    res["cold_warmups"] = stats["cold_warmups"]
+    res["segments_per_blob"] = stats.segments_sent / max(1, stats.blobs_sent)
+    res["cold_warmups"] = stats.cold_warmups
     return res
 
 
@@ -251,7 +251,7 @@ async def _cold_round(cluster: config.Cluster, cold: list[Chunk], hot: list[Chun
         "hot_p99_ms": 1000 * lat[int(len(lat) * 0.99)] if lat else float("nan"),
         "hot_max_ms": 1000 * lat[-1] if lat else float("nan"),
         "hot_reads": len(lat),
-        "warmups": stats["cold_warmups"],
+        "warmups": stats.cold_warmups,
     }
 
 

@@ -220,7 +220,7 @@ def test_readers_spread_over_the_copies(make_cluster):
         """Blobs each node served: sent, or located for this host's reader to read itself."""
         with jpfs.connect(d) as c:
             stats = [c.run(lambda ac, n=n: ac.storage.stats(n)) for n in (0, 1)]
-        return [st["blobs_sent"] + st["blobs_located"] for st in stats]
+        return [st.blobs_sent + st.blobs_located for st in stats]
 
     for copy in (0, 1):
         before = sent()
@@ -321,9 +321,9 @@ def test_gc_reclaims_space_and_keeps_live_files(make_cluster):
         for p in list(keep)[:10]:  # overwrites leave dead blobs too
             keep[p] = os.urandom(30_000)
             c.write_bytes(p, keep[p])
-        before = sum(c.run(lambda ac, n=n: ac.storage.stats(n))["bytes_used"] for n in range(2))
+        before = sum(c.run(lambda ac, n=n: ac.storage.stats(n)).bytes_used for n in range(2))
         report = c.run(lambda ac: collect(ac, grace=0, min_dead_ratio=0.1))
-        after = sum(c.run(lambda ac, n=n: ac.storage.stats(n))["bytes_used"] for n in range(2))
+        after = sum(c.run(lambda ac, n=n: ac.storage.stats(n)).bytes_used for n in range(2))
         assert sum(r["deleted"] for r in report["nodes"].values()) == 60
         assert after < before - 4_000_000
         for p, b in keep.items():
@@ -354,9 +354,9 @@ def test_gc_report_counts_what_the_grace_period_kept_and_each_nodes_dead_share(m
         assert sum(r["deleted"] for r in done["nodes"].values()) == 7
         for node, r in done["nodes"].items():
             st = c.run(lambda ac, n=node: ac.storage.stats(n))
-            assert (r["live_bytes"], r["dead_bytes"]) == (st["live_bytes"], st["dead_bytes"])
-            total = st["live_bytes"] + st["dead_bytes"]
-            assert r["dead_share"] == (st["dead_bytes"] / total if total else 0.0)
+            assert (r["live_bytes"], r["dead_bytes"]) == (st.live_bytes, st.dead_bytes)
+            total = st.live_bytes + st.dead_bytes
+            assert r["dead_share"] == (st.dead_bytes / total if total else 0.0)
             assert "compact" not in r
         assert sum(r["dead_bytes"] for r in done["nodes"].values()) >= 7 * 20_000
         # Compacted with a low threshold: what was dead is gone, and the report shows it.
@@ -387,7 +387,7 @@ def test_gc_killed_midway_then_rerun(make_cluster):
     with jpfs.connect(d) as c:
         for p, b in keep.items():
             assert c.read_bytes(p) == b
-        used = sum(c.run(lambda ac, n=n: ac.storage.stats(n))["live_bytes"] for n in range(2))
+        used = sum(c.run(lambda ac, n=n: ac.storage.stats(n)).live_bytes for n in range(2))
         assert used < 2 * 100 * 10_000
 
 

@@ -317,7 +317,7 @@ def test_grow_from_two_to_three_nodes_while_reading_and_writing(cluster_dir, cap
         # usage evens out within the healers' bound: max - min <= max(10% of mean, 2 chunks)
         give_up = time.monotonic() + DEADLINE
         while True:
-            used = [c.run(lambda ac, n=n: ac.storage.stats(n))["live_bytes"] for n in range(3)]
+            used = [c.run(lambda ac, n=n: ac.storage.stats(n)).live_bytes for n in range(3)]
             mean = sum(used) / 3
             if max(used) - min(used) <= max(0.1 * mean, 2 * CHUNK) + CHUNK:
                 break
@@ -346,7 +346,7 @@ def test_a_read_that_fails_its_checksum_is_reported_and_the_copy_healed(cluster_
         give_up = time.monotonic() + DEADLINE
 
         def reports() -> int:
-            return c.run(lambda ac: ac.storage.stats(first))["reports_bad"]
+            return c.run(lambda ac: ac.storage.stats(first)).reports_bad
 
         # A fresh client (nothing cached) reads the first recorded copy first, finds it bad and
         # reports it; on a loaded host it may instead give up on that node within its read

@@ -52,13 +52,13 @@ async def test_reads_come_from_the_volume_files_not_the_socket(
                                 "local_fallbacks": 0}
     for node in range(2):
         st = await client.stats(node)
-        assert st["gets"] == 0 and st["blobs_sent"] == 0  # nothing came over the socket
-        assert st["blobs_located"] == 2 * sum(n == (node,) for _, n, _ in blobs)
+        assert st.gets == 0 and st.blobs_sent == 0  # nothing came over the socket
+        assert st.blobs_located == 2 * sum(n == (node,) for _, n, _ in blobs)
     # the same reads with short-circuit off go over the socket
     remote = client_for(sc)
     assert [bytes(g) for g in await remote.get(chunks)] == [d for _, _, d in blobs]
     assert remote.as_dict()["local_blobs"] == 0
-    assert sum([(await remote.stats(n))["blobs_sent"] for n in range(2)]) == len(blobs)
+    assert sum([(await remote.stats(n)).blobs_sent for n in range(2)]) == len(blobs)
 
 
 async def test_a_corrupt_copy_read_locally_fails_over(storage_cluster, client_for):  # noqa: F811
@@ -75,7 +75,7 @@ async def test_a_corrupt_copy_read_locally_fails_over(storage_cluster, client_fo
     assert c["local_fallbacks"] == 1 and c["local_blobs"] == 1
     # the bad copy was reported as any socket read reports it
     with trio.fail_after(10):
-        while (await client.stats(0))["reports_bad"] == 0:
+        while (await client.stats(0)).reports_bad == 0:
             await trio.sleep(0.05)
 
 
@@ -94,7 +94,7 @@ async def test_compaction_under_a_local_reader(storage_cluster, client_for,  # n
     assert before and not any("(deleted)" in v for v in before)
     await client.delete([(bid, (0,)) for bid, _, _ in blobs[::2]])
     summary = await client.compact(0, 0.3)
-    assert summary["volumes_compacted"] >= 1
+    assert summary.volumes_compacted >= 1
     with trio.fail_after(10):  # idle: no read comes to notice the unlinked volumes
         while any("(deleted)" in v for v in held_volumes(sc.data_dir(0))):
             await trio.sleep(0.05)
@@ -113,13 +113,13 @@ async def test_compaction_under_a_local_reader(storage_cluster, client_for,  # n
 async def test_a_node_elsewhere_is_read_over_the_socket(storage_cluster, client_for):  # noqa: F811
     sc = storage_cluster(n=1, replicas=1)
     client = client_for(sc, short_circuit=True)
-    info = await client.pool.call(0, P.HOST_INFO, P.NoArgs())
+    info = P.HOST_INFO.decode(await client.pool.call(0, P.HOST_INFO, P.NoArgs()))
     assert same_host(info)
-    boot, netns = info["host"]
-    assert not same_host({**info, "host": [boot, netns + 1]})  # another network namespace
-    assert not same_host({**info, "host": ["another-boot", netns]})  # another machine
-    assert not same_host({**info, "volumes_id": [info["volumes_id"][0], 1]})  # a look-alike
-    assert not same_host({**info, "volumes": str(Path(info["volumes"]) / "missing")})
+    boot, netns = info.host
+    assert not same_host(info._replace(host=[boot, netns + 1]))  # another network namespace
+    assert not same_host(info._replace(host=["another-boot", netns]))  # another machine
+    assert not same_host(info._replace(volumes_id=[info.volumes_id[0], 1]))  # a look-alike
+    assert not same_host(info._replace(volumes=str(Path(info.volumes) / "missing")))
 
 
 @requires_fuse

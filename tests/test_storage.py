@@ -141,8 +141,8 @@ async def test_batch_of_500_small_blobs(storage_cluster, client_for):  # noqa: F
     # one put and one get request per node carried them all
     for node in range(3):
         st = await client.stats(node)
-        assert st["puts"] == 1 and st["gets"] == 1
-        assert st["blobs"] == sum(node in n for n, _ in results)
+        assert st.puts == 1 and st.gets == 1
+        assert st.blobs == sum(node in n for n, _ in results)
 
 
 async def test_put_is_idempotent_and_refuses_other_bytes(storage_cluster, client_for):  # noqa: F811
@@ -153,8 +153,8 @@ async def test_put_is_idempotent_and_refuses_other_bytes(storage_cluster, client
     (nodes2, xxh2), = await client.put([(bid, (0,), data)])  # a retry: no-op
     assert (nodes, xxh) == (nodes2, xxh2)
     st = await client.stats(0)
-    assert st["blobs"] == 1 and st["live_bytes"] == 1000
-    assert st["bytes_used"] == 1000 + record_size(1)  # the retry wrote nothing
+    assert st.blobs == 1 and st.live_bytes == 1000
+    assert st.bytes_used == 1000 + record_size(1)  # the retry wrote nothing
     with pytest.raises(JPFSError) as info:
         await client.put([(bid, (0,), os.urandom(1000))])
     assert info.value.errno == errno.EEXIST and bid.hex() in info.value.strerror
@@ -172,8 +172,8 @@ async def test_group_commit_shares_fsyncs(storage_cluster, client_for):  # noqa:
         for _ in range(100):
             n.start_soon(one)
     st = await client.stats(0)
-    assert st["puts"] == 100 and st["blobs"] == 100
-    assert st["commits"] < 100  # concurrent puts shared group commits
+    assert st.puts == 100 and st.blobs == 100
+    assert st.commits < 100  # concurrent puts shared group commits
 
 
 # ---------------------------------------------------------------------- coalescing, cold reads
@@ -188,12 +188,12 @@ async def test_neighbours_are_coalesced(storage_cluster, client_for):  # noqa: F
     got = await client.get(chunks)
     after = await client.stats(0)
     assert [bytes(g) for g in got] == [d for _, _, d in blobs]
-    assert after["blobs_sent"] - before["blobs_sent"] == 200
-    assert after["segments_sent"] - before["segments_sent"] == 1  # one sendfile for all
+    assert after.blobs_sent - before.blobs_sent == 200
+    assert after.segments_sent - before.segments_sent == 1  # one sendfile for all
     # asked for in reverse, nothing is adjacent in request order: one segment each
     await client.get(chunks[::-1])
     again = await client.stats(0)
-    assert again["segments_sent"] - after["segments_sent"] == 200
+    assert again.segments_sent - after.segments_sent == 200
 
 
 async def test_cold_pages_are_warmed_off_the_event_loop(storage_cluster, client_for):  # noqa: F811
@@ -207,16 +207,16 @@ async def test_cold_pages_are_warmed_off_the_event_loop(storage_cluster, client_
     for _ in range(5):
         if not evict(vol, pos, len(blobs[0][2])):
             pytest.skip("this kernel keeps the pages cached despite POSIX_FADV_DONTNEED")
-        before = (await client.stats(0))["cold_warmups"]
+        before = (await client.stats(0)).cold_warmups
         assert bytes((await client.get(chunks))[0]) == blobs[0][2]
-        after = (await client.stats(0))["cold_warmups"]
+        after = (await client.stats(0)).cold_warmups
         assert after - before in (0, 1)
         if after == before + 1:
             break
     else:
         pytest.fail("a read of evicted pages was never warmed in a thread")
     await client.get(chunks)  # now cached: sent straight away
-    assert (await client.stats(0))["cold_warmups"] == after
+    assert (await client.stats(0)).cold_warmups == after
 
 
 # ---------------------------------------------------------------------- failures and replicas
@@ -296,7 +296,7 @@ async def test_kill9_replica_failover_and_restart(storage_cluster, client_for): 
     only0 = [Chunk(c.index, c.blob, (0,), c.length, c.blob_len, c.xxh) for c in mine]
     got = await client.get(only0)
     assert [bytes(g) for g in got] == [blob_data_of(blobs, c.blob) for c in mine]
-    assert (await client.stats(0))["gets"] >= 1
+    assert (await client.stats(0)).gets >= 1
     assert [bytes(g) for g in await client.get(chunks_of(more, res))] == [d for _, _, d in more]
 
 
@@ -354,7 +354,7 @@ async def test_concurrent_processes_lose_and_mix_nothing(storage_cluster,  # noq
     for c, g in zip(chunks, got, strict=True):
         assert bytes(g) == blob_data(c.blob, c.blob_len)
     total = sum(len(c.nodes) for c in chunks)
-    assert sum([(await client.stats(i))["blobs"] for i in range(3)]) == total
+    assert sum([(await client.stats(i)).blobs for i in range(3)]) == total
 
 
 # ---------------------------------------------------------------------- delete, list, compact
@@ -382,7 +382,7 @@ async def test_delete_list_and_compact(storage_cluster, client_for):  # noqa: F8
     client = client_for(sc)
     blobs, chunks = await _fill(client)
     st0 = await client.stats(0)
-    assert st0["volumes"] >= 3 and st0["dead_bytes"] == 0
+    assert st0.volumes >= 3 and st0.dead_bytes == 0
     # list pages through every id in order
     listed, after = [], b""
     while page := await client.list_blobs(0, after, 64):
@@ -395,24 +395,24 @@ async def test_delete_list_and_compact(storage_cluster, client_for):  # noqa: F8
     await client.delete(gone)  # idempotent
     keep = [k for k in range(len(blobs)) if k % 3 == 0]
     st1 = await client.stats(0)
-    assert st1["blobs"] == len(keep) and st1["dead_bytes"] > 0
-    assert st1["bytes_used"] == st0["bytes_used"]
+    assert st1.blobs == len(keep) and st1.dead_bytes > 0
+    assert st1.bytes_used == st0.bytes_used
     summary = await client.compact(0, 0.3)
-    assert summary["volumes_compacted"] >= 3 and summary["bytes_reclaimed"] > 0
+    assert summary.volumes_compacted >= 3 and summary.bytes_reclaimed > 0
     st2 = await client.stats(0)
-    assert st2["live_bytes"] == st1["live_bytes"] == st2["bytes_used"]
-    assert st2["dead_bytes"] == 0 and st2["blobs"] == len(keep)
+    assert st2.live_bytes == st1.live_bytes == st2.bytes_used
+    assert st2.dead_bytes == 0 and st2.blobs == len(keep)
     files = list((sc.data_dir(0) / "volumes").iterdir())
-    assert len(files) == st2["volumes"]
-    assert sum(f.stat().st_size for f in files) == st2["bytes_used"]
+    assert len(files) == st2.volumes
+    assert sum(f.stat().st_size for f in files) == st2.bytes_used
     await _check_all(client, [blobs[k] for k in keep], [chunks[k] for k in keep])
     with pytest.raises(JPFSError) as info:
         await client.get([chunks[1]])
     assert "ENOENT" in str(info.value)
     # compaction keeps disk order: the kept blobs are still neighbours, one segment per volume
-    before = (await client.stats(0))["segments_sent"]
+    before = (await client.stats(0)).segments_sent
     await client.get([chunks[k] for k in keep])
-    assert (await client.stats(0))["segments_sent"] - before <= st2["volumes"]
+    assert (await client.stats(0)).segments_sent - before <= st2.volumes
     # the space of compacted volumes keeps being reclaimed after a restart, and new writes work
     sc.stop(0)
     sc.start(0)
@@ -448,12 +448,12 @@ async def test_reads_and_writes_during_compaction(storage_cluster, client_for): 
         n.start_soon(write_until_done)
         summary = await client.compact(0, 0.3)
         done.set()
-    assert summary["volumes_compacted"] >= 3 and rounds >= 1
+    assert summary.volumes_compacted >= 3 and rounds >= 1
     await _check_all(client, kept_blobs, kept_chunks)
     for more, more_chunks in extra:
         await _check_all(client, more, more_chunks)
     st = await client.stats(0)
-    assert st["blobs"] == len(keep) + 10 * len(extra)
+    assert st.blobs == len(keep) + 10 * len(extra)
 
 
 @pytest.mark.parametrize("step", ["compact_copying", "compact_copied", "compact_switched"])
@@ -473,12 +473,12 @@ async def test_kill9_during_compaction_loses_nothing(storage_cluster, client_for
     sc.start(0)
     await _check_all(client, kept_blobs, kept_chunks)
     st = await client.stats(0)
-    assert st["blobs"] == len(keep)
+    assert st.blobs == len(keep)
     files = list((sc.data_dir(0) / "volumes").iterdir())
-    assert len(files) == st["volumes"]  # orphans of the interrupted compaction are gone
+    assert len(files) == st.volumes  # orphans of the interrupted compaction are gone
     await client.compact(0, 0.3)  # rerun
     st = await client.stats(0)
-    assert st["dead_bytes"] == 0 and st["blobs"] == len(keep)
+    assert st.dead_bytes == 0 and st.blobs == len(keep)
     await _check_all(client, kept_blobs, kept_chunks)
 
 
@@ -490,7 +490,7 @@ async def test_kill9_between_data_and_index_loses_nothing(storage_cluster,  # no
     sc = storage_cluster(n=1, replicas=1)
     client = client_for(sc, retry_for=0.3, write_retry_for=0.3)
     blobs, chunks = await _fill(client, 20)
-    used = (await client.stats(0))["bytes_used"]
+    used = (await client.stats(0)).bytes_used
     sc.stop(0)
     sc.start(0, env={"JPFS_FAULTS": "storage.put_written"})
     lost = (new_id(), (0,), os.urandom(100_000))
@@ -511,7 +511,7 @@ async def test_kill9_between_data_and_index_loses_nothing(storage_cluster,  # no
     (nodes, _), = await client.put([lost])  # the retry a client would make: already there
     assert nodes == (0,)
     st = await client.stats(0)
-    assert st["bytes_used"] == end and st["dead_bytes"] == 0
+    assert st.bytes_used == end and st.dead_bytes == 0
 
 
 async def test_answered_puts_survive_kill9_before_the_index_has_them(storage_cluster,  # noqa: F811
@@ -523,18 +523,18 @@ async def test_answered_puts_survive_kill9_before_the_index_has_them(storage_clu
     client = client_for(sc, retry_for=5.0)
     blobs, chunks = await _fill(client, 40)
     st = await client.stats(0)
-    assert st["blobs"] == 40 and st["live_bytes"] == sum(len(d) for _, _, d in blobs)
+    assert st.blobs == 40 and st.live_bytes == sum(len(d) for _, _, d in blobs)
     await _check_all(client, blobs, chunks)
     assert sc.kill(0) in (-9, 137)  # at once: the index has none of them yet
     sc.start(0)
-    assert (await client.stats(0))["blobs"] == 40
+    assert (await client.stats(0)).blobs == 40
     await _check_all(client, blobs, chunks)
     await client.delete([(blobs[0][0], (0,))])
     more, more_chunks = await _fill(client, 10, seed=1)
     assert sc.kill(0) in (-9, 137)
     sc.start(0)
     st = await client.stats(0)
-    assert st["blobs"] == 49 and st["dead_bytes"] == len(blobs[0][2])
+    assert st.blobs == 49 and st.dead_bytes == len(blobs[0][2])
     await _check_all(client, blobs[1:] + more, chunks[1:] + more_chunks)
     with pytest.raises(JPFSError):
         await client.get(chunks[:1])

@@ -80,7 +80,7 @@ async def test_bad_arguments_get_clear_errors(node):
     # unknown method
     await expect(pool, Method(99, "format_disk", P.NoArgs), [], err=errno.ENOSYS)
     # still serving, and none of it stored anything
-    assert (await pool.call(0, P.STATS, []))["blobs"] == 0
+    assert P.STATS.decode(await pool.call(0, P.STATS, [])).blobs == 0
     assert await pool.call(0, put, [[[bid, 1000, xxh]]], [data]) == [1, 0]
     statuses, payload = await pool.call_payload(0, get, [[bid, os.urandom(16)]])
     assert statuses == [[1000, xxh], "ENOENT"] and bytes(payload) == data
@@ -128,5 +128,5 @@ async def test_oversize_put_is_refused_before_it_is_read(node):
 
     kind, err = await trio.to_thread.run_sync(abuse)
     assert kind == F.ERROR and err[1] == "EPROTO" and "exceeds the limit" in err[2]
-    assert (await pool.call(0, P.STATS, []))["blobs"] == 0
+    assert P.STATS.decode(await pool.call(0, P.STATS, [])).blobs == 0
     assert sc.procs[0].poll() is None

@@ -23,7 +23,7 @@ import trio
 import xxhash
 
 from jpfs.errors import JPFSError, error
-from jpfs.proto.storage import blob_name
+from jpfs.proto.storage import CompactSummary, blob_name
 
 from .formats import BYVOL_KEY, BYVOL_VAL, VOL_KEY
 from .ops import AllocOp, Op, SealOp, SwitchOp
@@ -57,14 +57,14 @@ class Compactor:
         self.counters = counters
         self._lock = trio.Lock()
 
-    async def compact(self, min_dead_ratio: float) -> dict:
-        """Rewrite volumes whose dead share is at least ``min_dead_ratio``; return a summary."""
+    async def compact(self, min_dead_ratio: float) -> CompactSummary:
+        """Rewrite volumes whose dead share is at least ``min_dead_ratio``; what was done."""
         if not 0.0 <= min_dead_ratio <= 1.0:
             raise error(errno.EINVAL, "compact: min_dead_ratio must be between 0 and 1")
         async with self._lock:
             return await self._compact(float(min_dead_ratio))
 
-    async def _compact(self, ratio: float) -> dict:
+    async def _compact(self, ratio: float) -> CompactSummary:
         store = self.store
         recs = await trio.to_thread.run_sync(store.volume_records)
         candidates = sorted(
@@ -74,7 +74,7 @@ class Compactor:
         summary = {"volumes_compacted": 0, "volumes_written": 0, "blobs_moved": 0,
                    "bytes_reclaimed": 0, "corrupt_blobs": 0}
         if not candidates:
-            return summary
+            return CompactSummary(**summary)
         for v in candidates:  # appends must stop before we take a volume's snapshot
             await self.submit(SealOp(v))
         recs = await trio.to_thread.run_sync(store.volume_records)  # as sealed
@@ -96,7 +96,7 @@ class Compactor:
                 summary[k] += done.get(k, 0)
             summary["bytes_reclaimed"] += sum(recs[v].end for v in group) - done["new_end"]
         log.info("compaction: %s", summary)
-        return summary
+        return CompactSummary(**summary)
 
     async def _compact_group(self, group: list[int]) -> dict:
         store = self.store

@@ -26,6 +26,8 @@ from typing import Any
 
 import trio
 
+from jpfs.proto.storage import ScrubStatus
+
 from .ops import ScrubOp
 from .store import Store
 
@@ -90,8 +92,8 @@ class Scrubber:
         self._kick.set()
         return True
 
-    def status(self) -> dict:
-        """The progress, as ``jpfs.proto.storage.SCRUB_KEYS`` describes it."""
+    def status(self, repaired: int) -> ScrubStatus:
+        """The progress, with ``repaired`` (the index's count of copies repaired, ever)."""
         s = self.s
         waiting = s["pos"] is None and not self.scrubbing
         pos = None
@@ -107,18 +109,18 @@ class Scrubber:
         else:
             progress = min(1.0, s["pass_bytes"] / total) if total else 0.0
         elapsed = self.pass_elapsed
-        return {
-            "enabled": self.enabled,
-            "state": "off" if not self.enabled else "waiting" if waiting else "scrubbing",
-            "rate_limit": self.rate, "pause": self.pause, "passes": s["passes"],
-            "pass_started": s["pass_started"], "pass_bytes": s["pass_bytes"],
-            "pass_blobs": s["pass_blobs"], "pass_total": total, "progress": progress,
-            "position": pos,
-            "bytes_per_s": s["pass_bytes"] / elapsed if elapsed > 0 else 0.0,
-            "last_finished": s["last_finished"], "next_pass": nxt,
-            "bytes_verified": s["bytes_verified"], "blobs_verified": s["blobs_verified"],
-            "bad_found": s["bad_found"], "bad_blobs": len(self.store.bad_ids),
-        }
+        return ScrubStatus(
+            enabled=self.enabled,
+            state="off" if not self.enabled else "waiting" if waiting else "scrubbing",
+            rate_limit=self.rate, pause=self.pause, passes=s["passes"],
+            pass_started=s["pass_started"], pass_bytes=s["pass_bytes"],
+            pass_blobs=s["pass_blobs"], pass_total=total, progress=progress,
+            position=pos,
+            bytes_per_s=s["pass_bytes"] / elapsed if elapsed > 0 else 0.0,
+            last_finished=s["last_finished"], next_pass=nxt,
+            bytes_verified=s["bytes_verified"], blobs_verified=s["blobs_verified"],
+            bad_found=s["bad_found"], bad_blobs=len(self.store.bad_ids), repaired=repaired,
+        )
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Scrub pass after pass until cancelled; returns at once when scrubbing is off."""

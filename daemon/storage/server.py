@@ -44,6 +44,7 @@ import functools
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 import xxhash
@@ -193,7 +194,7 @@ class StorageServer:
             P.GET_BLOBS: Handler(self.get_blobs),
             P.DELETE_BLOBS: Handler(self.delete_blobs),
             P.LIST_BLOBS: Handler(self.list_blobs),
-            P.COMPACT: Handler(self.compactor.compact),
+            P.COMPACT: Handler(self.compact),
             P.STATS: Handler(self.stats),
             P.SCRUB_STATUS: Handler(self.scrub_status),
             P.SCRUB_START: Handler(self.scrub_start),
@@ -300,11 +301,12 @@ class StorageServer:
     # ------------------------------------------------------------------ short-circuit reads
 
     async def host_info(self) -> dict:
-        """Where this node runs and keeps its volumes: a client on the same host (same boot,
-        same network namespace, the same directory at that path) reads them itself."""
+        """HOST_INFO: where this node runs and keeps its volumes (``P.HostInfo``): a client on
+        the same host (same boot, same network namespace, the same directory at that path)
+        reads them itself."""
         st = os.stat(self.store.vol_dir)
-        return {"host": P.host_identity(), "volumes": str(self.store.vol_dir.resolve()),
-                "volumes_id": [st.st_dev, st.st_ino]}
+        return P.HostInfo(host=P.host_identity(), volumes=str(self.store.vol_dir.resolve()),
+                          volumes_id=[st.st_dev, st.st_ino]).to_wire()
 
     async def locate_blobs(self, ids: list) -> list:
         """Where each blob's bytes lie, for a client that reads them itself; refused as
@@ -345,24 +347,31 @@ class StorageServer:
         return await trio.to_thread.run_sync(self.store.list_blobs, after,
                                              min(limit, P.MAX_LIST))
 
-    # ------------------------------------------------------------------ stats
+    # ------------------------------------------------------------------ stats, compaction
 
     async def stats(self) -> dict:
-        """STATS: the node's usage, counters and scrub totals, as one JSON-able object."""
+        """STATS: the node's usage, counters and scrub totals (``P.Stats``); also the metrics'
+        snapshot."""
         usage = await trio.to_thread.run_sync(self.store.usage)
         sc = self.scrubber.s
-        return {"node": self.node, **usage, **self.counters, **self.puller.counters,
-                "commits": self.writer.commits,
-                "scrub_passes": sc["passes"], "scrub_bytes": sc["bytes_verified"],
-                "scrub_bad_found": sc["bad_found"],
-                "scrub_repaired": await trio.to_thread.run_sync(self.store.repaired)}
+        figures: dict[str, Any] = {**usage, **self.counters, **self.puller.counters}
+        return P.Stats(node=self.node, **figures, commits=self.writer.commits,
+                       scrub_passes=sc["passes"], scrub_bytes=sc["bytes_verified"],
+                       scrub_bad_found=sc["bad_found"],
+                       scrub_repaired=await trio.to_thread.run_sync(self.store.repaired)
+                       ).to_wire()
+
+    async def compact(self, min_dead_ratio: float) -> dict:
+        """COMPACT: rewrite the volumes whose dead share is at least ``min_dead_ratio``; what
+        was done (``P.CompactSummary``)."""
+        return (await self.compactor.compact(min_dead_ratio)).to_wire()
 
     # ------------------------------------------------------------------ scrub
 
     async def scrub_status(self) -> dict:
-        """SCRUB_STATUS: the scrubber's progress and the copies repaired."""
-        return {**self.scrubber.status(),
-                "repaired": await trio.to_thread.run_sync(self.store.repaired)}
+        """SCRUB_STATUS: the scrubber's progress and the copies repaired (``P.ScrubStatus``)."""
+        repaired = await trio.to_thread.run_sync(self.store.repaired)
+        return self.scrubber.status(repaired).to_wire()
 
     async def scrub_start(self) -> dict:
         """SCRUB_START: start a scrub pass now; EINVAL when scrubbing is off (``--scrub-rate

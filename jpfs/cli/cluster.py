@@ -348,6 +348,6 @@ async def _storage_stats(aclient, index: int) -> dict:
         return {}
     from ..client.tools.scrub import node_status
 
-    stats = await storage.stats(index)
+    stats = (await storage.stats(index)).as_dict()
     stats["scrub"] = await node_status(aclient, index)
     return stats

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from typing import Any
 
 import trio
 
@@ -89,7 +90,7 @@ def _gather(client) -> dict:
     async def run(ac) -> dict:
         storage = getattr(ac, "storage", None)
         n_nodes = storage.n_nodes if storage is not None else 0
-        stats: list[dict] = [{} for _ in range(n_nodes)]
+        stats: list[Any] = [None] * n_nodes  # each node's Stats, or why it did not answer
 
         async def one(n: int) -> None:
             assert storage is not None
@@ -97,7 +98,7 @@ def _gather(client) -> dict:
                 with trio.fail_after(10.0):
                     stats[n] = await storage.stats(n)
             except (OSError, trio.TooSlowError) as e:
-                stats[n] = {"error": getattr(e, "strerror", None) or "did not answer in 10 s"}
+                stats[n] = getattr(e, "strerror", None) or "did not answer in 10 s"
 
         async with trio.open_nursery() as nursery:
             for n in range(n_nodes):
@@ -240,14 +241,15 @@ def cmd_list(args: argparse.Namespace) -> int:
     heal, stats = got["heal"], got["stats"]
     named = _summed([s for s in heal if not s.get("error")], "node_chunks")
     to_move = _summed([s for s in heal if not s.get("error")], "to_move")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i, s in enumerate(cluster.storage):
-        st = stats[i] if i < len(stats) else {}
-        rows.append({"node": i, "address": s.address, "state": s.state,
-                     "up": not st.get("error") and bool(st),
-                     "used_bytes": st.get("live_bytes"), "chunks": named.get(i, 0),
+        st: Any = stats[i] if i < len(stats) else None
+        err = st if isinstance(st, str) else None
+        up = st is not None and err is None
+        rows.append({"node": i, "address": s.address, "state": s.state, "up": up,
+                     "used_bytes": st.live_bytes if up else None, "chunks": named.get(i, 0),
                      "to_move": to_move.get(i, 0) if s.state == DRAINING else 0,
-                     **({"error": st["error"]} if st.get("error") else {})})
+                     **({"error": err} if err else {})})
     if args.json:
         print_json({"epoch": cluster.epoch, "replicas": cluster.replicas, "nodes": rows,
                     "shards": heal})

@@ -18,9 +18,13 @@ Wire shapes (msgpack; ids are 16-byte ``bytes``):
 ``delete_blobs([id, ...])`` -> number of blobs removed (unknown ids are ignored).
 ``list_blobs(after, limit)`` -> ``[[id, created], ...]``: ids greater than ``after`` in byte
     order, with their creation time (seconds since the epoch); an empty list at the end.
-``compact(min_dead_ratio)`` -> a summary map (volumes rewritten, bytes reclaimed, ...).
-``stats()`` -> a map of counters (see ``STATS_KEYS``).
-``scrub_status()`` -> the scrubber's progress (see ``SCRUB_KEYS``).
+``compact(min_dead_ratio)`` -> ``CompactSummary.to_wire()``: a map of what was done
+    (``{"volumes_compacted": n, "volumes_written": n, "blobs_moved": n, "bytes_reclaimed": n,
+    "corrupt_blobs": n}``).
+``stats()`` -> ``Stats.to_wire()``: a map of the node's counters, one key per field of
+    ``Stats`` (``STATS_KEYS``).
+``scrub_status()`` -> ``ScrubStatus.to_wire()``: a map of the scrubber's progress, one key per
+    field of ``ScrubStatus`` (``SCRUB_KEYS``).
 ``scrub_start()`` -> the same, after starting a pass now if none runs (EINVAL when scrubbing
     is off on the node, ``--scrub-rate 0``).
 ``bad_blobs(after, limit)`` -> ``[[id, length, xxh, found, reason], ...]``: blobs the scrubber
@@ -35,9 +39,13 @@ Wire shapes (msgpack; ids are 16-byte ``bytes``):
 ``report_bad([id, ...])`` -> the number of those blobs newly marked bad: a client whose read
     failed its checksum tells the node, which re-reads those blobs from its volumes at once and
     marks the ones that fail (as its scrubber would), so the healer repairs them.
-``host_info()`` -> ``{"host": host_identity(), "volumes": path, "volumes_id": [dev, ino]}``:
-    where the node runs and where its volume files are, for a client that may read them
-    itself (short-circuit reads, ``jpfs.client.wire.shortcircuit``).
+``host_info()`` -> ``HostInfo.to_wire()``: ``{"host": host_identity(), "volumes": path,
+    "volumes_id": [dev, ino]}``, where the node runs and where its volume files are, for a
+    client that may read them itself (short-circuit reads, ``jpfs.client.wire.shortcircuit``).
+
+The answers of ``compact``, ``stats``, ``scrub_status``, ``scrub_start`` and ``host_info`` are
+maps, not arrays: they are small and rare, operators read them as JSON, and a key added later
+leaves older readers working (a reader takes the keys its record names and ignores the rest).
 ``locate_blobs([id, ...])`` -> ``[place, ...]``: per id, in request order, ``[volume, offset,
     length, xxh]`` (the blob's bytes in file ``volume_file(volume)`` of the volumes directory)
     or an errno name as in ``get_blobs``. Volume ids are never reused, and a volume's bytes
@@ -49,7 +57,7 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import error
 from ..rpc import Method, method_table
@@ -204,6 +212,199 @@ class BlobPlaces:
             and min(place) >= 0
 
 
+def _from_map(cls: Any, w: object) -> Any:
+    """The record ``cls`` (a NamedTuple) from a map holding a key per field (more are
+    ignored); TypeError or KeyError when it is not one (``Method.decode`` says so)."""
+    if type(w) is not dict:
+        raise TypeError(f"{cls.__name__} must be a map, not {type(w).__name__}")
+    return cls._make([w[k] for k in cls._fields])
+
+
+class CompactSummary(NamedTuple):
+    """``compact``: what one compaction did. Wire: a map, one key per field."""
+
+    volumes_compacted: int
+    """Old volumes rewritten (and unlinked)."""
+    volumes_written: int
+    """New volumes their live blobs went into."""
+    blobs_moved: int
+    bytes_reclaimed: int
+    corrupt_blobs: int
+    """Blobs whose bytes failed their checksum while being moved (marked bad, not moved)."""
+
+    @classmethod
+    def from_wire(cls, w: dict) -> CompactSummary:
+        """The summary from its map."""
+        return _from_map(cls, w)
+
+    def to_wire(self) -> dict:
+        """The map the server sends."""
+        return self._asdict()
+
+    def as_dict(self) -> dict:
+        """The summary as JSON reports print it (the wire's map)."""
+        return self._asdict()
+
+
+class Stats(NamedTuple):
+    """``stats``: a node's usage and counters (counters count since the daemon started, except
+    the scrub totals). Wire: a map, one key per field, in this order."""
+
+    node: int
+    """This server's index in the cluster file."""
+    volumes: int
+    """Volume files."""
+    blobs: int
+    """Live blobs."""
+    bytes_used: int
+    """Bytes in volume files (live + dead)."""
+    live_bytes: int
+    """Bytes of live blobs."""
+    dead_bytes: int
+    """Bytes of deleted (or superseded) blobs not yet compacted away."""
+    disk_free: int
+    """Free bytes on the data directory's filesystem (for statfs)."""
+    disk_total: int
+    """Size of that filesystem."""
+    disk_id: str
+    """``host:device`` of that filesystem: nodes sharing a disk count it once."""
+    bad_blobs: int
+    """Blobs the scrubber found bad and no re-put has replaced yet."""
+    puts: int
+    """put_blobs requests stored."""
+    blobs_put: int
+    """Blobs newly stored."""
+    gets: int
+    """get_blobs requests answered."""
+    blobs_sent: int
+    """Blobs sent by get_blobs."""
+    segments_sent: int
+    """Sendfile segments those were sent as (coalescing: fewer than blobs)."""
+    bytes_sent: int
+    """Payload bytes sent by get_blobs."""
+    cold_warmups: int
+    """get_blobs answers whose pages were read in a worker thread first."""
+    compactions: int
+    """Volumes rewritten by compact."""
+    locates: int
+    """locate_blobs requests (clients on this host reading volumes themselves)."""
+    blobs_located: int
+    """Blobs those named."""
+    pulls: int
+    """pull_blobs requests served (copies fetched from another node)."""
+    blobs_pulled: int
+    """Blobs newly stored by them."""
+    bytes_pulled: int
+    """Bytes fetched by them."""
+    reports_bad: int
+    """report_bad requests (clients that saw a checksum mismatch)."""
+    commits: int
+    """Group commits (each one fsync of data + one index transaction)."""
+    scrub_passes: int
+    """Full scrub passes completed."""
+    scrub_bytes: int
+    """Bytes the scrubber verified, over all passes."""
+    scrub_bad_found: int
+    """Bad blobs the scrubber found, over all passes."""
+    scrub_repaired: int
+    """Bad copies replaced by a re-put (a repair), ever."""
+
+    @classmethod
+    def from_wire(cls, w: dict) -> Stats:
+        """The stats from their map."""
+        return _from_map(cls, w)
+
+    def to_wire(self) -> dict:
+        """The map the server sends (also the daemon's metrics snapshot)."""
+        return self._asdict()
+
+    def as_dict(self) -> dict:
+        """The stats as JSON reports print them (the wire's map)."""
+        return self._asdict()
+
+
+class ScrubStatus(NamedTuple):
+    """``scrub_status`` and ``scrub_start``: the scrubber's progress. Wire: a map, one key per
+    field, in this order."""
+
+    enabled: bool
+    """False with --scrub-rate 0."""
+    state: str
+    """``"scrubbing"``, ``"waiting"`` (for the next pass) or ``"off"``."""
+    rate_limit: float
+    """Bytes/s the scrubber reads at most."""
+    pause: float
+    """Seconds between the end of a pass and the start of the next."""
+    passes: int
+    """Full passes completed."""
+    pass_started: float | None
+    """When the current (or last) pass began (seconds since the epoch)."""
+    pass_bytes: int
+    """Bytes verified in the current pass."""
+    pass_blobs: int
+    """Blobs verified in the current pass."""
+    pass_total: int
+    """Live bytes when the current pass began (its length)."""
+    progress: float
+    """pass_bytes / pass_total, 0 to 1 (1 while waiting)."""
+    position: list | None
+    """``[volume, offset]`` the pass has reached, or None."""
+    bytes_per_s: float
+    """The current pass's read rate, pauses for pacing included."""
+    last_finished: float | None
+    """When the last full pass ended, or None."""
+    next_pass: float | None
+    """When the next pass starts (while waiting), or None."""
+    bytes_verified: int
+    """Over all passes."""
+    blobs_verified: int
+    """Over all passes."""
+    bad_found: int
+    """Bad blobs found, over all passes."""
+    bad_blobs: int
+    """Bad blobs not yet replaced."""
+    repaired: int
+    """Bad copies replaced by a re-put, ever."""
+
+    @classmethod
+    def from_wire(cls, w: dict) -> ScrubStatus:
+        """The status from its map."""
+        return _from_map(cls, w)
+
+    def to_wire(self) -> dict:
+        """The map the server sends."""
+        return self._asdict()
+
+    def as_dict(self) -> dict:
+        """The status as JSON reports print it (the wire's map)."""
+        return self._asdict()
+
+
+class HostInfo(NamedTuple):
+    """``host_info``: where a node runs and keeps its volume files (short-circuit reads).
+    Wire: ``{"host": [boot id, netns], "volumes": path, "volumes_id": [dev, ino]}``."""
+
+    host: list
+    """``host_identity()`` of the node's process."""
+    volumes: str
+    """The volumes directory's absolute path."""
+    volumes_id: list
+    """``[st_dev, st_ino]`` of that directory (the same directory, not a look-alike)."""
+
+    @classmethod
+    def from_wire(cls, w: dict) -> HostInfo:
+        """The answer from its map; TypeError unless each value has its shape."""
+        info = _from_map(cls, w)
+        if type(info.host) is not list or len(info.host) != 2 or type(info.volumes) is not str \
+                or type(info.volumes_id) is not list or len(info.volumes_id) != 2:
+            raise TypeError("host_info: host, volumes or volumes_id of the wrong shape")
+        return info
+
+    def to_wire(self) -> dict:
+        """The map the server sends."""
+        return self._asdict()
+
+
 def volume_file(vol: int) -> str:
     """The name of volume ``vol``'s file in a node's volumes directory."""
     return f"v{vol:08d}.vol"
@@ -228,14 +429,14 @@ PUT_BLOBS = Method(1, "put_blobs", PutBlobsReq, PutResult, idempotent=True, payl
 GET_BLOBS = Method(2, "get_blobs", IdsReq, BlobStatuses, idempotent=True)
 DELETE_BLOBS = Method(3, "delete_blobs", IdsReq, int, idempotent=True)
 LIST_BLOBS = Method(4, "list_blobs", ListBlobsReq, BlobPage, idempotent=True)
-COMPACT = Method(5, "compact", CompactReq, dict, idempotent=True)
-STATS = Method(6, "stats", NoArgs, dict, idempotent=True)
-SCRUB_STATUS = Method(7, "scrub_status", NoArgs, dict, idempotent=True)
-SCRUB_START = Method(8, "scrub_start", NoArgs, dict, idempotent=True)
+COMPACT = Method(5, "compact", CompactReq, CompactSummary, idempotent=True)
+STATS = Method(6, "stats", NoArgs, Stats, idempotent=True)
+SCRUB_STATUS = Method(7, "scrub_status", NoArgs, ScrubStatus, idempotent=True)
+SCRUB_START = Method(8, "scrub_start", NoArgs, ScrubStatus, idempotent=True)
 BAD_BLOBS = Method(9, "bad_blobs", BadBlobsReq, BadPage, idempotent=True)
 PULL_BLOBS = Method(10, "pull_blobs", PullBlobsReq, PullResult, idempotent=True)
 REPORT_BAD = Method(11, "report_bad", IdsReq, int, idempotent=True)
-HOST_INFO = Method(12, "host_info", NoArgs, dict, idempotent=True)
+HOST_INFO = Method(12, "host_info", NoArgs, HostInfo, idempotent=True)
 LOCATE_BLOBS = Method(13, "locate_blobs", IdsReq, BlobPlaces, idempotent=True)
 
 METHODS = method_table(PUT_BLOBS, GET_BLOBS, DELETE_BLOBS, LIST_BLOBS, COMPACT, STATS,
@@ -243,59 +444,11 @@ METHODS = method_table(PUT_BLOBS, GET_BLOBS, DELETE_BLOBS, LIST_BLOBS, COMPACT, 
                        LOCATE_BLOBS)
 """Every storage method by name."""
 
-STATS_KEYS = (
-    "node",             # this server's index in the cluster file
-    "volumes",          # volume files
-    "blobs",            # live blobs
-    "bytes_used",       # bytes in volume files (live + dead)
-    "live_bytes",       # bytes of live blobs
-    "dead_bytes",       # bytes of deleted (or superseded) blobs not yet compacted away
-    "disk_free",        # free bytes on the data directory's filesystem (for statfs)
-    "disk_total",       # size of that filesystem
-    "disk_id",          # "host:device" of that filesystem: nodes sharing a disk count it once
-    "puts",             # put_blobs requests stored
-    "blobs_put",        # blobs newly stored
-    "commits",          # group commits (each one fsync of data + one index transaction)
-    "gets",             # get_blobs requests answered
-    "blobs_sent",       # blobs sent by get_blobs
-    "segments_sent",    # sendfile segments those were sent as (coalescing: fewer than blobs)
-    "bytes_sent",       # payload bytes sent by get_blobs
-    "cold_warmups",     # get_blobs answers whose pages were read in a worker thread first
-    "compactions",      # volumes rewritten by compact
-    "bad_blobs",        # blobs the scrubber found bad and no re-put has replaced yet
-    "scrub_passes",     # full scrub passes completed
-    "scrub_bytes",      # bytes the scrubber verified, over all passes
-    "scrub_bad_found",  # bad blobs the scrubber found, over all passes
-    "scrub_repaired",   # bad copies replaced by a re-put (a repair), ever
-    "pulls",            # pull_blobs requests served (copies fetched from another node)
-    "blobs_pulled",     # blobs newly stored by them
-    "bytes_pulled",     # bytes fetched by them
-    "reports_bad",      # report_bad requests (clients that saw a checksum mismatch)
-    "locates",          # locate_blobs requests (clients on this host reading volumes themselves)
-    "blobs_located",    # blobs those named
-)
+STATS_KEYS = Stats._fields
+"""The keys of a ``stats`` answer, in order (``Stats`` says what each counts)."""
 
-SCRUB_KEYS = (
-    "enabled",          # False with --scrub-rate 0
-    "state",            # "scrubbing", "waiting" (for the next pass) or "off"
-    "rate_limit",       # bytes/s the scrubber reads at most
-    "pause",            # seconds between the end of a pass and the start of the next
-    "passes",           # full passes completed
-    "pass_started",     # when the current (or last) pass began (seconds since the epoch)
-    "pass_bytes",       # bytes verified in the current pass
-    "pass_blobs",       # blobs verified in the current pass
-    "pass_total",       # live bytes when the current pass began (its length)
-    "progress",         # pass_bytes / pass_total, 0 to 1 (1 while waiting)
-    "position",         # [volume, offset] the pass has reached, or None
-    "bytes_per_s",      # the current pass's read rate, pauses for pacing included
-    "last_finished",    # when the last full pass ended, or None
-    "next_pass",        # when the next pass starts (while waiting), or None
-    "bytes_verified",   # over all passes
-    "blobs_verified",   # over all passes
-    "bad_found",        # bad blobs found, over all passes
-    "bad_blobs",        # bad blobs not yet replaced
-    "repaired",         # bad copies replaced by a re-put, ever
-)
+SCRUB_KEYS = ScrubStatus._fields
+"""The keys of a ``scrub_status`` answer, in order (``ScrubStatus`` says what each means)."""
 
 
 def check_id(value: object) -> bytes:

@@ -92,9 +92,9 @@ async def collect(client: AsyncClient, *, grace: float = DEFAULT_GRACE,
                     await storage.delete([(bid, (node,)) for bid in dead[k:k + DELETE_BATCH]])
             r["deleted"] = len(dead)
             if compact and not dry_run:
-                r["compact"] = await storage.compact(node, min_dead_ratio)
+                r["compact"] = (await storage.compact(node, min_dead_ratio)).as_dict()
             st = await storage.stats(node)
-            live_b, dead_b = st.get("live_bytes", 0), st.get("dead_bytes", 0)
+            live_b, dead_b = st.live_bytes, st.dead_bytes
             r.update(live_bytes=live_b, dead_bytes=dead_b,
                      dead_share=dead_b / (live_b + dead_b) if live_b + dead_b else 0.0)
         except JPFSError as e:

@@ -74,17 +74,19 @@ class RepairReport:
 
 
 async def node_status(client: AsyncClient, node: int) -> dict:
-    """One storage node's scrub progress (``P.SCRUB_KEYS``), or ``{"error": reason}``."""
+    """One storage node's scrub progress (``P.ScrubStatus.as_dict()``), or ``{"error":
+    reason}``."""
     storage = client._data().storage
     try:
         return P.SCRUB_STATUS.decode(await storage.pool.call(
-            node, P.SCRUB_STATUS, P.NoArgs(), retry_for=1.0, timeout=10.0))
+            node, P.SCRUB_STATUS, P.NoArgs(), retry_for=1.0, timeout=10.0)).as_dict()
     except JPFSError as e:  # down, or a daemon from before scrubbing (ENOSYS or the like)
         return {"error": e.strerror}
 
 
 async def status(client: AsyncClient) -> list[dict]:
-    """Every storage node's scrub progress (``P.SCRUB_KEYS``), or ``{"error": reason}``."""
+    """Every storage node's scrub progress (``P.ScrubStatus.as_dict()``), or ``{"error":
+    reason}``."""
     storage = client._data().storage
     out: list[dict] = [{} for _ in range(storage.n_nodes)]
 
@@ -108,7 +110,7 @@ async def start(client: AsyncClient, nodes: list[int] | None = None) -> list[dic
     for node in chosen:
         try:
             out[node] = P.SCRUB_START.decode(await storage.pool.call(
-                node, P.SCRUB_START, P.NoArgs(), retry_for=1.0, timeout=10.0))
+                node, P.SCRUB_START, P.NoArgs(), retry_for=1.0, timeout=10.0)).as_dict()
         except JPFSError as e:
             out[node] = {"error": e.strerror}
     return [{"node": n, **s} for n, s in sorted(out.items())]

@@ -33,7 +33,7 @@ class Capacity:
         totals = await self.meta.statfs()
         storage = self.client.storage
         assert storage is not None
-        nodes: list[dict] = []
+        nodes: list = []  # each answering node's jpfs.proto.storage.Stats
 
         async def one(i: int) -> None:
             try:
@@ -47,10 +47,10 @@ class Capacity:
         r = max(1, self.client.cluster.replicas)
         disks: dict[object, int] = {}
         for n in nodes:
-            key = n.get("disk_id") or ("node", n.get("node"))
-            disks[key] = n.get("disk_free", 0)
+            key = n.disk_id or ("node", n.node)
+            disks[key] = n.disk_free
         bs = 4096
-        used = sum(n.get("bytes_used", 0) for n in nodes) // r
+        used = sum(n.bytes_used for n in nodes) // r
         free = sum(disks.values()) // r
         free_inodes = 1 << 40
         s = StatFS(block_size=bs, blocks=(used + free) // bs, blocks_free=free // bs,

@@ -58,19 +58,17 @@ INLINE_MAX = 256 << 10
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
-def same_host(info: dict) -> bool:
+def same_host(info: P.HostInfo) -> bool:
     """Whether a node's ``host_info`` answer describes this host and a volumes directory this
     process sees as the node does."""
-    host, path, ident = info.get("host"), info.get("volumes"), info.get("volumes_id")
-    if not isinstance(host, list) or not host or not host[0] or host != P.host_identity():
-        return False
-    if not isinstance(path, str) or not isinstance(ident, list) or len(ident) != 2:
+    if not info.host[0] or info.host != P.host_identity():
         return False
     try:
-        st = os.stat(path)
+        st = os.stat(info.volumes)
     except OSError:
         return False
-    return [st.st_dev, st.st_ino] == ident and os.access(path, os.R_OK | os.X_OK)
+    return [st.st_dev, st.st_ino] == info.volumes_id and os.access(info.volumes,
+                                                                   os.R_OK | os.X_OK)
 
 
 class LocalVolumes:
@@ -217,10 +215,9 @@ class LocalReads:
             return self.nodes[node]
         self._asking[node] = done = trio.Event()
         try:
-            info = await self.pool.call(node, P.HOST_INFO, P.NoArgs(),
-                                        retry_for=self.read_retry_for)
-            local = LocalVolumes(info["volumes"]) if isinstance(info, dict) \
-                and same_host(info) else None
+            info = P.HOST_INFO.decode(await self.pool.call(node, P.HOST_INFO, P.NoArgs(),
+                                                           retry_for=self.read_retry_for))
+            local = LocalVolumes(info.volumes) if same_host(info) else None
             if local is not None:
                 log.info("%s runs on this host: reading its volumes in %s directly",
                          self.pool.name(node), local.dir)
@@ -232,7 +229,7 @@ class LocalReads:
         except JPFSError as e:
             if isinstance(e, Unavailable | DeadlineError):
                 return None  # ask again once it is back
-            self.nodes[node] = None  # an older node without host_info
+            self.nodes[node] = None  # an older node without host_info, or a malformed answer
             return None
         finally:
             del self._asking[node]

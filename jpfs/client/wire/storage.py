@@ -525,13 +525,14 @@ class StorageClient:
                                                         P.ListBlobsReq(after, limit)))
 
     async def compact(self, node: int, min_dead_ratio: float = 0.3,
-                      timeout: float = 3600.0) -> dict:
-        """Rewrite ``node``'s volumes whose dead share is at least ``min_dead_ratio``."""
+                      timeout: float = 3600.0) -> P.CompactSummary:
+        """Rewrite ``node``'s volumes whose dead share is at least ``min_dead_ratio``; what was
+        done."""
         return P.COMPACT.decode(await self.pool.call(
             node, P.COMPACT, P.CompactReq(float(min_dead_ratio)), timeout=timeout))
 
-    async def stats(self, node: int) -> dict:
-        """``node``'s counters and space (see ``jpfs.proto.storage.STATS_KEYS``)."""
+    async def stats(self, node: int) -> P.Stats:
+        """``node``'s counters and space (``jpfs.proto.storage.Stats``)."""
         return P.STATS.decode(await self.pool.call(node, P.STATS, P.NoArgs()))
 
 
