@@ -1,9 +1,8 @@
 """The path-level async client: what ``jpfs.aconnect()`` yields.
 
-Paths are POSIX paths inside JPFS (``/a/b``; ``jpfs:/a/b`` and ``jpfs://a/b`` are accepted too).
-Resolution walks from the root one ``lookup`` per component, following symlinks as the kernel does
-(40 at most, then ELOOP). Directories resolved recently are remembered for ``dir_cache_ttl``
-seconds, so a loop over files of one directory costs one call per file.
+Paths are POSIX paths inside JPFS (``/a/b``; ``jpfs:/a/b`` and ``jpfs://a/b`` are accepted too),
+resolved by ``paths.Resolver`` (one ``lookup`` per component, recent directories remembered for
+``dir_cache_ttl`` seconds).
 """
 
 from __future__ import annotations
@@ -20,21 +19,20 @@ from dataclasses import dataclass
 
 import trio
 
-from .. import config, uri
+from .. import config
 from ..coord.clustermap import MapFollower
-from ..errors import ChecksumError, DeadlineError, JPFSError, Unavailable, error
-from ..types import ROOT_INO, Attr, Layout
+from ..errors import JPFSError, error
+from ..types import Attr, Layout
 from .data.cache import BlobCache
 from .data.prefetch import PrefetchConfig, Prefetcher
 from .data.reader import Reader
 from .data.store import DataPath
 from .files import AsyncFile, parse_mode
+from .paths import Resolver, at_path, jpfs_path, naming
 from .wire.meta import MetaClient
 from .wire.storage import StorageClient
 
 log = logging.getLogger(__name__)
-
-MAX_SYMLINKS = 40
 
 
 def _umask() -> int:
@@ -69,25 +67,6 @@ class Entry:
         return self.attr.is_link
 
 
-def at_path(e: OSError, path: str) -> OSError:
-    """``e`` naming ``path`` (a copy, so an error shared by several paths stays right for each;
-    one that names a path already is kept). Unavailable, DeadlineError and ChecksumError stay
-    what they are, so callers can still tell a daemon that is down from a missing file."""
-    if e.filename is not None:
-        return e
-    if isinstance(e, (Unavailable, DeadlineError, ChecksumError)):
-        named: OSError = type(e)(e.strerror or str(e))
-    else:
-        named = error(e.errno or errno.EIO, e.strerror or str(e))
-    named.filename = path
-    return named
-
-
-def _path(p: str | os.PathLike) -> str:
-    p = os.fspath(p)
-    return uri.to_path(p) if uri.is_jpfs(p) else uri.normalize(p)
-
-
 MEMORY_CACHE = 256 << 20
 """The native client's blob cache: read-ahead windows and prefetch hints wait here (it only
 grows as they use it; whole-file reads hand their blobs to the caller instead)."""
@@ -115,7 +94,8 @@ class AsyncClient:
 
     Attributes ``meta`` (a ``MetaClient``) and ``storage`` (a ``StorageClient``, None without
     storage nodes) are the wire clients beneath, public for tools and benchmarks that measure
-    the services themselves.
+    the services themselves; ``paths`` (a ``paths.Resolver``) resolves paths to inodes and keeps
+    the directory cache.
     """
 
     def __init__(self, nursery: trio.Nursery, cluster: config.Cluster, *,
@@ -138,8 +118,7 @@ class AsyncClient:
                                      ) if self.storage and own_prefetcher else None
         if self.prefetcher is not None:
             nursery.start_soon(self.prefetcher.run)
-        self.dir_cache_ttl = dir_cache_ttl
-        self._dirs: dict[str, tuple[int, float]] = {}
+        self.paths = Resolver(self.meta, dir_cache_ttl)
         self.umask = _umask()
         self.follower = MapFollower(cluster)
         self.follower.subscribe(self._follow)
@@ -174,89 +153,11 @@ class AsyncClient:
         assert self.reader is not None
         return self.reader
 
-    # ---- resolution ---------------------------------------------------------------------------
-
-    def _forget(self, path: str) -> None:
-        """Drop cached directories at or below ``path`` (after it moved or went away)."""
-        if self._dirs:
-            prefix = path.rstrip("/") + "/"
-            for k in [k for k in self._dirs if k == path or k.startswith(prefix)]:
-                del self._dirs[k]
-
-    async def _walk(self, path: str, follow: bool) -> tuple[Attr, str]:
-        """Resolve ``path``; returns its attributes and its symlink-free form."""
-        links = 0
-        comps = uri.split(path)
-        i, cur_path = 0, "/"
-        cur = None  # Attr of cur_path, fetched lazily
-        ino = ROOT_INO
-        while i < len(comps):
-            # longest cached directory prefix first: skips most lookups in a hot directory
-            if i == 0 and self._dirs:
-                for j in range(len(comps) - 1, 0, -1):
-                    prefix = "/" + "/".join(comps[:j])
-                    hit = self._dirs.get(prefix)
-                    if hit and hit[1] > time.monotonic():
-                        ino, cur_path, i, cur = hit[0], prefix, j, None
-                        break
-            name = comps[i]
-            try:
-                attr = await self.meta.lookup(ino, os.fsencode(name))
-            except JPFSError as e:
-                raise at_path(e, path) from None
-            last = i == len(comps) - 1
-            if attr.is_link and (follow or not last):
-                links += 1
-                if links > MAX_SYMLINKS:
-                    raise error(errno.ELOOP, "too many levels of symbolic links", path)
-                try:
-                    target = os.fsdecode(await self.meta.readlink(attr.ino))
-                except JPFSError as e:
-                    raise at_path(e, path) from None
-                base = "/" if target.startswith("/") else cur_path
-                comps = uri.split(base + "/" + target) + comps[i + 1:]
-                i, cur_path, ino, cur = 0, "/", ROOT_INO, None
-                continue
-            if not last and not attr.is_dir:
-                raise error(errno.ENOTDIR, "not a directory", path)
-            cur_path = cur_path.rstrip("/") + "/" + name
-            if attr.is_dir and self.dir_cache_ttl > 0:
-                self._dirs[cur_path] = (attr.ino, time.monotonic() + self.dir_cache_ttl)
-            ino, cur = attr.ino, attr
-            i += 1
-        if cur is None:
-            try:
-                cur = await self.meta.getattr(ino)
-            except JPFSError as e:
-                raise at_path(e, path) from None
-        return cur, cur_path
-
-    async def _dir_ino(self, path: str) -> int:
-        """The inode of a directory, from the directory cache when it is fresh there (no call
-        at all); what is needed to look up, create or list *in* it."""
-        if path == "/":
-            return ROOT_INO
-        hit = self._dirs.get(path)
-        if hit and hit[1] > time.monotonic():
-            return hit[0]
-        attr, _ = await self._walk(path, follow=True)
-        if not attr.is_dir:
-            raise error(errno.ENOTDIR, "not a directory", path)
-        return attr.ino
-
-    async def _parent(self, path: str) -> tuple[int, bytes, str]:
-        """(parent directory inode, last name, normalised path) for creating or removing."""
-        p = _path(path)
-        if p == "/":
-            raise error(errno.EBUSY, "the root cannot be changed this way", p)
-        head, name = p.rsplit("/", 1)
-        return await self._dir_ino(head or "/"), os.fsencode(name), p
-
     # ---- reads ----------------------------------------------------------------------------------
 
     async def stat(self, path: str, *, follow_symlinks: bool = True) -> Attr:
         """Attributes of ``path`` (following a final symlink unless told not to)."""
-        attr, _ = await self._walk(_path(path), follow_symlinks)
+        attr, _ = await self.paths.walk(jpfs_path(path), follow_symlinks)
         return attr
 
     async def lstat(self, path: str) -> Attr:
@@ -292,69 +193,34 @@ class AsyncClient:
     async def stat_many(self, paths: list[str]) -> list[Attr | OSError]:
         """Attributes of many paths, one batched lookup per directory (final symlinks are not
         followed)."""
-        return await self._by_directory(paths, self.meta.batch_lookup)
-
-    async def _by_directory(self, paths: list[str], lookup) -> list:
-        """``await lookup(parent_ino, names)`` once per directory of ``paths`` (directories in
-        parallel); its per-name answers in the order of ``paths``. An error reaching a
-        directory is the answer for each of its names."""
-        groups: dict[str, list[tuple[int, bytes]]] = {}
-        for i, p in enumerate(paths):
-            head, _, name = _path(p).rpartition("/")
-            groups.setdefault(head or "/", []).append((i, os.fsencode(name)))
-        out: list = [None] * len(paths)
-
-        async def one(head: str, items: list[tuple[int, bytes]]) -> None:
-            try:
-                got = await lookup(await self._dir_ino(head), [n for _, n in items])
-            except JPFSError as e:
-                got = [e] * len(items)
-            for (i, _), answer in zip(items, got, strict=True):
-                out[i] = answer
-
-        async with trio.open_nursery() as nursery:
-            for head, items in groups.items():
-                nursery.start_soon(one, head, items)
-        return out
+        return await self.paths.by_directory(paths, self.meta.batch_lookup)
 
     async def scandir(self, path: str = "/") -> list[Entry]:
         """Entries of a directory with their attributes (readdirplus), in name order."""
-        attr, real = await self._walk(_path(path), True)
-        if not attr.is_dir:
-            raise error(errno.ENOTDIR, "not a directory", path)
+        attr, real = await self.paths.directory(path)
         base = real.rstrip("/")
-        try:
+        with naming(jpfs_path(path)):
             return [Entry(os.fsdecode(e.name), f"{base}/{os.fsdecode(e.name)}", e.attr)
                     async for e in self.meta.readdir(attr.ino, plus=True) if e.attr is not None]
-        except JPFSError as e:
-            raise at_path(e, _path(path)) from None
 
     async def iterdir(self, path: str = "/", page: int = 1000) -> AsyncIterator[Entry]:
         """Like scandir, a page at a time: a million entries never sit in memory together."""
-        attr, real = await self._walk(_path(path), True)
-        if not attr.is_dir:
-            raise error(errno.ENOTDIR, "not a directory", path)
+        attr, real = await self.paths.directory(path)
         base = real.rstrip("/")
-        try:
+        with naming(jpfs_path(path)):
             async for e in self.meta.readdir(attr.ino, plus=True, page=page):
                 if e.attr is not None:
                     yield Entry(os.fsdecode(e.name), f"{base}/{os.fsdecode(e.name)}", e.attr)
-        except JPFSError as e:
-            raise at_path(e, _path(path)) from None
 
     async def listdir(self, path: str = "/") -> list[str]:
         """Names in a directory, in name order."""
-        attr, _ = await self._walk(_path(path), True)
-        if not attr.is_dir:
-            raise error(errno.ENOTDIR, "not a directory", path)
-        try:
+        attr, _ = await self.paths.directory(path)
+        with naming(jpfs_path(path)):
             return [os.fsdecode(e.name) async for e in self.meta.readdir(attr.ino, plus=False)]
-        except JPFSError as e:
-            raise at_path(e, _path(path)) from None
 
     async def walk(self, top: str = "/") -> AsyncIterator[tuple[str, list[str], list[str]]]:
         """Like ``os.walk`` (top-down, symlinks to directories not followed)."""
-        stack = [_path(top)]
+        stack = [jpfs_path(top)]
         while stack:
             d = stack.pop()
             try:
@@ -394,15 +260,13 @@ class AsyncClient:
 
     async def mkdir(self, path: str, mode: int = 0o777) -> Attr:
         """Make a directory (``mode`` less the umask); EEXIST if the name is taken."""
-        parent, name, p = await self._parent(path)
-        try:
+        parent, name, p = await self.paths.parent(path)
+        with naming(p, change=True):
             return (await self.meta.mkdir(parent, name, mode & ~self.umask)).attr
-        except JPFSError as e:
-            raise error(e.errno, e.strerror, p) from None
 
     async def makedirs(self, path: str, mode: int = 0o777, exist_ok: bool = True) -> None:
         """Make a directory and any missing parents, as ``os.makedirs``."""
-        p = _path(path)
+        p = jpfs_path(path)
         try:
             attr = await self.stat(p)
         except JPFSError as e:
@@ -425,26 +289,22 @@ class AsyncClient:
 
     async def remove(self, path: str) -> None:
         """Remove a file, symlink or other non-directory."""
-        parent, name, p = await self._parent(path)
-        try:
+        parent, name, p = await self.paths.parent(path)
+        with naming(p, change=True):
             await self.meta.unlink(parent, name)
-        except JPFSError as e:
-            raise error(e.errno, e.strerror, p) from None
 
     unlink = remove
 
     async def rmdir(self, path: str) -> None:
         """Remove an empty directory."""
-        parent, name, p = await self._parent(path)
-        try:
+        parent, name, p = await self.paths.parent(path)
+        with naming(p, change=True):
             await self.meta.rmdir(parent, name)
-        except JPFSError as e:
-            raise error(e.errno, e.strerror, p) from None
-        self._forget(p)
+        self.paths.forget(p)
 
     async def rmtree(self, path: str) -> int:
         """Remove a tree; returns the number of entries removed."""
-        p = _path(path)
+        p = jpfs_path(path)
         attr = await self.lstat(p)
         if not attr.is_dir:
             await self.remove(p)
@@ -465,33 +325,27 @@ class AsyncClient:
 
     async def rename(self, src: str, dst: str, *, flags: int = 0) -> None:
         """Move ``src`` to ``dst``, replacing it as POSIX ``rename(2)`` does."""
-        sp, sn, s = await self._parent(src)
-        dp, dn, d = await self._parent(dst)
-        try:
+        sp, sn, s = await self.paths.parent(src)
+        dp, dn, d = await self.paths.parent(dst)
+        with naming(s, change=True):
             await self.meta.rename(sp, sn, dp, dn, flags)
-        except JPFSError as e:
-            raise error(e.errno, e.strerror, s) from None
-        self._forget(s)
-        self._forget(d)
+        self.paths.forget(s)
+        self.paths.forget(d)
 
     replace = rename
 
     async def symlink(self, target: str, path: str) -> Attr:
         """Make ``path`` a symbolic link to ``target``."""
-        parent, name, p = await self._parent(path)
-        try:
+        parent, name, p = await self.paths.parent(path)
+        with naming(p, change=True):
             return await self.meta.symlink(parent, name, os.fsencode(target))
-        except JPFSError as e:
-            raise error(e.errno, e.strerror, p) from None
 
     async def link(self, src: str, dst: str) -> Attr:
         """Make ``dst`` a hard link to the file ``src``."""
         attr = await self.lstat(src)
-        parent, name, p = await self._parent(dst)
-        try:
+        parent, name, p = await self.paths.parent(dst)
+        with naming(p, change=True):
             return await self.meta.link(attr.ino, parent, name)
-        except JPFSError as e:
-            raise error(e.errno, e.strerror, p) from None
 
     async def chmod(self, path: str, mode: int) -> Attr:
         """Set the permission bits (``mode & 0o7777``)."""
@@ -523,14 +377,11 @@ class AsyncClient:
 
     async def create(self, path: str, mode: int = 0o666, *, exclusive: bool = True) -> Attr:
         """Create an empty regular file (EEXIST if it exists and ``exclusive``)."""
-        parent, name, p = await self._parent(path)
-        try:
+        parent, name, p = await self.paths.parent(path)
+        with naming(p, change=True):
             attr, _ = await self.meta.create(parent, name, _stat.S_IFREG | (mode & ~self.umask),
                                              exclusive=exclusive)
-        except JPFSError as e:
-            raise error(e.errno, e.strerror, p) from None
         return attr
-
 
     # ---- file contents ---------------------------------------------------------------------
 
@@ -543,34 +394,28 @@ class AsyncClient:
             attr = await self.stat(path)
             parent = 0
             if writable:
-                parent, _, _ = await self._parent(path)
+                parent, _, _ = await self.paths.parent(path)
         else:
-            parent, name, p = await self._parent(path)
-            try:
+            parent, name, p = await self.paths.parent(path)
+            with naming(p, change=True):
                 attr, created = await self.meta.create(parent, name, _stat.S_IFREG |
                                                        (perm & ~self.umask),
                                                        exclusive=kind == "x")
-            except JPFSError as e:
-                raise error(e.errno, e.strerror, p) from None
             if attr.is_link:  # open() follows a final symlink
                 attr = await self.stat(path)
             if kind == "w" and attr.size:
                 attr = await self.meta.setattr(attr.ino, size=0)
         if attr.is_dir:
             raise error(errno.EISDIR, "is a directory", path)
-        try:
+        with naming(jpfs_path(path)):
             layout = await self.meta.get_layout(attr.ino)
-        except JPFSError as e:
-            raise at_path(e, _path(path)) from None
-        return AsyncFile(reader, data, self.prefetcher, _path(path), mode, layout, parent)
+        return AsyncFile(reader, data, self.prefetcher, jpfs_path(path), mode, layout, parent)
 
     async def layout(self, path: str) -> Layout:
         """The file's attributes and chunk records (where its bytes are stored)."""
         ino = (await self.stat(path)).ino
-        try:
+        with naming(jpfs_path(path)):
             return await self.meta.get_layout(ino)
-        except JPFSError as e:
-            raise at_path(e, _path(path)) from None
 
     async def read_bytes(self, path: str) -> bytes:
         """The whole content of a file."""
@@ -578,10 +423,8 @@ class AsyncClient:
         layout = await self.layout(path)
         if layout.attr.is_dir:
             raise error(errno.EISDIR, "is a directory", path)
-        try:
+        with naming(jpfs_path(path)):
             (view,) = await reader.whole([layout])
-        except JPFSError as e:
-            raise at_path(e, _path(path)) from None
         return bytes(view)
 
     async def read_many(self, paths: list[str]) -> list[memoryview]:
@@ -589,26 +432,15 @@ class AsyncClient:
         that looks the names up and returns their layouts (directories in parallel), then one
         batched blob read per storage node. Returns read-only views (bytes-like)."""
         reader = self._reader()
-        layouts = await self._by_directory(paths, self.meta.lookup_layouts)
-
-        async def the_long_way(i: int) -> None:  # a symlink, or an inode on another shard
-            try:
-                layouts[i] = await self.layout(paths[i])
-            except JPFSError as e:
-                layouts[i] = e
-
-        async with trio.open_nursery() as nursery:
-            for i, lay in enumerate(layouts):
-                if isinstance(lay, tuple):
-                    nursery.start_soon(the_long_way, i)
+        layouts = await self.paths.layouts(paths)
         for p, lay in zip(paths, layouts, strict=True):
             if isinstance(lay, OSError):
-                raise at_path(lay, _path(p))
+                raise at_path(lay, jpfs_path(p))
         try:
             return await reader.whole(layouts)
         except JPFSError as e:
             if len(paths) == 1:
-                raise at_path(e, _path(paths[0])) from None
+                raise at_path(e, jpfs_path(paths[0])) from None
             raise
 
     async def prefetch(self, paths: list[str]) -> int:
@@ -621,7 +453,7 @@ class AsyncClient:
 
         async def fetch() -> None:
             try:
-                got = await self._by_directory(paths, self.meta.lookup_layouts)
+                got = await self.paths.by_directory(paths, self.meta.lookup_layouts)
                 chunks = [c for lay in got if isinstance(lay, Layout) for c in lay.chunks]
                 await self.cache.prefetch(chunks, reader.fetch)
             except JPFSError as e:
@@ -659,8 +491,8 @@ class AsyncClient:
         """Make ``content`` the whole content of ``path`` (created if missing). Atomic for
         readers: they see the old content or the new, never an empty or partial file."""
         data = self._data()
-        parent, name, p = await self._parent(path)
-        try:
+        parent, name, p = await self.paths.parent(path)
+        with naming(p, change=True):
             try:
                 attr = await self.meta.lookup(parent, name)
             except FileNotFoundError:
@@ -677,15 +509,13 @@ class AsyncClient:
             if attr.is_dir:
                 raise error(errno.EISDIR, "is a directory", p)
             return await data.write_whole(attr, parent, content)
-        except JPFSError as e:
-            raise error(e.errno, e.strerror, p) from None
 
     async def put(self, local: str | os.PathLike, remote: str, *, window: int = 4) -> Attr:
         """Copy a local file into JPFS, streaming ``window`` chunks at a time; the new content
         appears at once when every chunk is stored. Keeps the local mtime and permissions."""
         data = self._data()
         st = os.stat(local)
-        parent, name, p = await self._parent(remote)
+        parent, name, p = await self.paths.parent(remote)
         attr, _ = await self.meta.create(parent, name, _stat.S_IFREG | (st.st_mode & 0o7777),
                                          exclusive=False)
         cs = data.chunk_size
@@ -716,7 +546,7 @@ class AsyncClient:
         except JPFSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            raise at_path(e, _path(remote)) from None
+            raise at_path(e, jpfs_path(remote)) from None
         finally:
             await f.close()
         os.utime(tmp, ns=(attr.atime_ns, attr.mtime_ns))

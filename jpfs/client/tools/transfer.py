@@ -36,8 +36,9 @@ import trio
 from ... import uri
 from ...errors import JPFSError, error
 from ...types import Chunk
-from ..client import AsyncClient, Entry, _path
+from ..client import AsyncClient, Entry
 from ..data.store import new_blob_id
+from ..paths import jpfs_path
 
 log = logging.getLogger(__name__)
 
@@ -423,7 +424,7 @@ async def _put_stream(client: AsyncClient, source: RemoteSource, f: SourceFile, 
     """Stream one large remote file into JPFS, ``window`` chunks at a time (as ``put`` does for
     local files); the content appears at once when every chunk is stored."""
     data = client._data()
-    parent, name, _ = await client._parent(target)
+    parent, name, _ = await client.paths.parent(target)
     attr, _ = await client.meta.create(parent, name, stat.S_IFREG | f.mode, exclusive=False)
     cs = data.chunk_size
     handle = await trio.to_thread.run_sync(source.open, f)
@@ -477,7 +478,7 @@ async def export_tree(client: AsyncClient, src: str, dst: str | os.PathLike, *,
     why) and the rest is copied; a rerun copies what is missing and skips the rest."""
     client._data()
     dst = Path(dst)
-    src = _path(src)
+    src = jpfs_path(src)
     stats = TransferStats()
     tick = progress or (lambda files, nbytes: None)
     if not (await client.stat(src)).is_dir:
