@@ -218,8 +218,8 @@ def test_a_prepared_record_its_coordinator_forgot_is_aborted_without_a_restart(m
         waited = time.monotonic() - t0
         assert waited < 25.0, waited
         assert client.listdir(f"/{name}") == ["held"]
-        pending = client.run(lambda ac: ac.meta.call(1, "pending"))
-        assert pending["prepared"] == []
+        pending = client.run(lambda ac: ac.meta.pending(1))
+        assert pending.prepared == []
         _check_clean(client)
     finally:
         client.close()
@@ -262,8 +262,8 @@ def test_fsck_finds_nothing_pending_after_a_burst_of_cross_shard_changes(make_cl
             client.rmdir(f"/q/m{i}")
         deadline = time.monotonic() + 10
         while True:
-            pend = [client.run(lambda ac, s=s: ac.meta.call(s, "pending")) for s in range(2)]
-            if not any(p["intents"] or p["prepared"] for p in pend):
+            pend = [client.run(lambda ac, s=s: ac.meta.pending(s)) for s in range(2)]
+            if not any(p.intents or p.prepared for p in pend):
                 break
             assert time.monotonic() < deadline, pend
             time.sleep(0.05)

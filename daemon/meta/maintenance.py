@@ -8,7 +8,7 @@ import errno
 import stat
 
 from jpfs.errors import error
-from jpfs.proto.meta import check_name
+from jpfs.proto.meta import Pending, ScanPage, check_name
 
 from . import keys as K
 from . import ops
@@ -18,8 +18,8 @@ from .txn import Txn
 MAX_SCAN = 5000
 
 
-def scan(t: Txn, kind: str, after: bytes, limit: int) -> list:
-    """[[record, ...], next cursor or None] for kind "dentry", "inode" or "chunk"."""
+def scan(t: Txn, kind: str, after: bytes, limit: int) -> ScanPage:
+    """A page of records of kind "dentry", "inode" or "chunk", and the next cursor."""
     limit = max(1, min(limit, MAX_SCAN))
     if kind not in ("dentry", "inode", "chunk"):
         raise error(errno.EINVAL, f"cannot scan {kind!r}")
@@ -44,16 +44,16 @@ def scan(t: Txn, kind: str, after: bytes, limit: int) -> list:
                 out.append([ino, index, c.blob, list(c.nodes)])
             last = key
             ok = cur.next()
-    return [out, last if ok else None]
+    return ScanPage(out, last if ok else None)
 
 
-def pending(t: Txn) -> dict:
+def pending(t: Txn) -> Pending:
     """Cross-shard transactions in flight here: intents we coordinate, records we prepared."""
     with t.t.cursor(db=t.db["intent"]) as cur:
         intents = [[bytes(k), K.unpack(v)["state"]] for k, v in cur]
     with t.t.cursor(db=t.db["prepared"]) as cur:
         prepared = [[bytes(k), K.unpack(v)["coordinator"]] for k, v in cur]
-    return {"intents": intents, "prepared": prepared}
+    return Pending(intents, prepared)
 
 
 def repair(t: Txn, kind: str, args: list) -> bool | int:

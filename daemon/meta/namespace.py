@@ -12,7 +12,8 @@ import stat
 
 from jpfs.errors import errno_name, error
 from jpfs.placement import shard_of
-from jpfs.proto.meta import XATTR_CREATE, XATTR_REPLACE, check_name
+from jpfs.proto.meta import XATTR_CREATE, XATTR_REPLACE, Counts, Created, Entry, check_name
+from jpfs.types import Attr
 
 from . import keys as K
 from .keys import Inode
@@ -35,16 +36,23 @@ def _local_attr(t: Txn, ino: int) -> list | None:
     return node.attr().to_wire() if node else None
 
 
+def _local_attr_record(t: Txn, ino: int) -> Attr | None:
+    if shard_of(ino) != t.store.shard:
+        return None
+    node = t.inode(ino)
+    return node.attr() if node else None
+
+
 # ---- reads -------------------------------------------------------------------------------------
 
 def lookup(t: Txn, parent: int, name: bytes) -> list:
-    """[ino, kind, attr or None]; attr is None when the inode lives on another shard."""
+    """``Entry.to_wire()``: attr is None when the inode lives on another shard."""
     check_name(name)
     t.need_dir(parent)
     d = t.dentry(parent, name)
     if d is None:
         raise error(errno.ENOENT, f"no entry {name.decode(errors='replace')!r}")
-    return [d[0], d[1], _local_attr(t, d[0])]
+    return Entry(d[0], d[1], _local_attr_record(t, d[0])).to_wire()
 
 
 def lookup_absent(t: Txn, parent: int, name: bytes) -> None:
@@ -131,7 +139,7 @@ def getxattr(t: Txn, ino: int, name: bytes) -> bytes:
     return bytes(v)
 
 
-def listxattr(t: Txn, ino: int) -> list:
+def listxattr(t: Txn, ino: int) -> list[bytes]:
     """LISTXATTR's answer: the names of the inode's attributes, in name order."""
     t.need_inode(ino)
     prefix = K.ino_key(ino)
@@ -144,11 +152,10 @@ def listxattr(t: Txn, ino: int) -> list:
     return names
 
 
-def statfs(t: Txn) -> dict:
+def statfs(t: Txn) -> Counts:
     """This shard's record counts: ``inodes``, ``dentries`` and ``chunks``."""
-    return {"inodes": t.t.stat(t.db["inode"])["entries"],
-            "dentries": t.t.stat(t.db["dentry"])["entries"],
-            "chunks": t.t.stat(t.db["chunk"])["entries"]}
+    return Counts(t.t.stat(t.db["inode"])["entries"], t.t.stat(t.db["dentry"])["entries"],
+                  t.t.stat(t.db["chunk"])["entries"])
 
 
 # ---- writes that never leave this shard ---------------------------------------------------------
@@ -170,7 +177,7 @@ def touch(t: Txn, node: Inode) -> None:
 
 def create(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int,
            exclusive: bool, rdev: int = 0) -> list:
-    """[ino, kind, attr or None, created]: a new file, or the existing one unless exclusive."""
+    """``Created.to_wire()``: a new file, or the existing one unless exclusive."""
     check_name(name)
     if stat.S_IFMT(mode) == 0:
         mode |= stat.S_IFREG
@@ -203,14 +210,14 @@ def _make(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int, exclu
             raise error(errno.EEXIST, f"{name.decode(errors='replace')!r} exists")
         if d[1] == stat.S_IFDIR:
             raise error(errno.EISDIR, f"{name.decode(errors='replace')!r} is a directory")
-        return [d[0], d[1], _local_attr(t, d[0]), False]
+        return Created(d[0], d[1], _local_attr_record(t, d[0]), False).to_wire()
     t.check_lease(parent)
     ino = t.alloc_ino()
     node = Inode(ino, mode, 1, uid, gid, 0, t.now, t.now, t.now, rdev=rdev, parent=parent)
     t.put_inode(node)
     t.put_dentry(parent, name, ino, stat.S_IFMT(mode))
     touch(t, pdir)
-    return [ino, stat.S_IFMT(mode), node.attr().to_wire(), True]
+    return Created(ino, stat.S_IFMT(mode), node.attr(), True).to_wire()
 
 
 def mkdir_local(t: Txn, parent: int, name: bytes, mode: int, uid: int, gid: int) -> list:

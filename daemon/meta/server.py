@@ -252,7 +252,7 @@ class MetaShard:
         it."""
         return self.leases.give_back(session, self._mine(parent))
 
-    async def lease_wait(self, session: bytes, held: list, seconds: float) -> list:
+    async def lease_wait(self, session: bytes, held: list, seconds: float) -> list[int]:
         """LEASE_WAIT: the directories recalled from ``session`` (a long call, up to
         ``seconds``)."""
         return await self.leases.wait(session, held, seconds)
@@ -275,7 +275,7 @@ class MetaShard:
         """GETPARENT: the directory the inode was created in (for a directory: its ``..``)."""
         return await self.store.view(parent_of, self._mine(ino))
 
-    async def statfs(self) -> dict:
+    async def statfs(self) -> P.Counts:
         """STATFS: this shard's record counts (the client sums them over shards)."""
         return await self.store.view(ns.statfs)
 
@@ -283,7 +283,7 @@ class MetaShard:
         """GETXATTR: the attribute's value; ENODATA where it is not set."""
         return await self.store.view(ns.getxattr, self._mine(ino), name)
 
-    async def listxattr(self, ino: int) -> list:
+    async def listxattr(self, ino: int) -> list[bytes]:
         """LISTXATTR: the names of the inode's attributes."""
         return await self.store.view(ns.listxattr, self._mine(ino))
 
@@ -291,16 +291,16 @@ class MetaShard:
 
     # ---- maintenance ----------------------------------------------------------------------------
 
-    async def scan(self, kind: str, after: bytes, limit: int) -> list:
+    async def scan(self, kind: str, after: bytes, limit: int) -> P.ScanPage:
         """SCAN (fsck, gc): a page of ``dentry``, ``inode`` or ``chunk`` records after ``after``,
         and the cursor to go on from."""
         return self.store.read(M.scan, kind, after, limit)
 
-    async def pending(self) -> dict:
+    async def pending(self) -> P.Pending:
         """PENDING (fsck): the cross-shard transactions in flight here, coordinated and prepared."""
         return self.store.read(M.pending)
 
-    async def repair(self, kind: str, args: list) -> object:
+    async def repair(self, kind: str, args: list) -> bool | int:
         """REPAIR (fsck): apply one fix of ``kind``; False when the state is no longer what fsck
         saw."""
         result = await self.store.write(M.repair, kind, args)
@@ -317,7 +317,7 @@ class MetaShard:
                 "syncs": self.store.syncs,
                 "syncs_inline": self.store.fsyncs.inline,
                 "transactions_committed": self.coord.committed,
-                "transactions_aborted": self.coord.aborted, **counts,
+                "transactions_aborted": self.coord.aborted, **counts.as_dict(),
                 "db_bytes": os.path.getsize(self.store.path / "data.mdb"), "pid": os.getpid(),
                 **self.leases.info(),
                 **(C.replication_info(self.repl) if self.repl is not None else {})}

@@ -16,6 +16,7 @@ that failed, so one bad name does not fail the batch.
 from __future__ import annotations
 
 import errno
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..errors import error, from_name
@@ -46,6 +47,10 @@ class Entry(NamedTuple):
         ino, kind, attr = w
         return cls(ino, kind, Attr.from_wire(attr) if attr is not None else None)
 
+    def to_wire(self) -> list:
+        """``[ino, kind, attr or None]``: what ``from_wire`` reads (the shard's answer)."""
+        return [self.ino, self.kind, self.attr.to_wire() if self.attr is not None else None]
+
 
 class Created(NamedTuple):
     """``create``/``mknod``: the entry and whether this call made it (False: it existed and
@@ -61,6 +66,12 @@ class Created(NamedTuple):
         """The answer from its ``[ino, kind, attr or None, created]`` wire form."""
         ino, kind, attr, created = w
         return cls(ino, kind, Attr.from_wire(attr) if attr is not None else None, created)
+
+    def to_wire(self) -> list:
+        """``[ino, kind, attr or None, created]``: what ``from_wire`` reads (the shard's
+        answer)."""
+        return [self.ino, self.kind, self.attr.to_wire() if self.attr is not None else None,
+                self.created]
 
 
 class Made(NamedTuple):
@@ -177,6 +188,63 @@ class NamedLayouts:
             else:
                 out.append(Layout.from_wire(r))
         return out
+
+
+class Counts(NamedTuple):
+    """``statfs``: one shard's record counts; the client sums them over shards (``total``).
+    Wire: ``[inodes, dentries, chunks]``."""
+
+    inodes: int
+    dentries: int
+    chunks: int
+
+    @classmethod
+    def from_wire(cls, w: list) -> Counts:
+        """The counts from ``[inodes, dentries, chunks]``."""
+        inodes, dentries, chunks = w
+        return cls(inodes, dentries, chunks)
+
+    @classmethod
+    def total(cls, each: Sequence[Counts]) -> Counts:
+        """The counts of several shards added up."""
+        return cls(*(sum(c[i] for c in each) for i in range(len(cls._fields))))
+
+    def as_dict(self) -> dict[str, int]:
+        """``{"inodes", "dentries", "chunks"}`` (what ``Client.statfs`` answers)."""
+        return self._asdict()
+
+
+class ScanPage(NamedTuple):
+    """``scan`` (fsck, gc): a page of one database's records and the cursor to go on from
+    (None: the last page). Wire: ``[[item, ...], next or None]``; an item is ``[parent, name,
+    ino, kind]`` (dentry), ``[ino, mode, nlink, parent, size]`` (inode) or ``[ino, index,
+    blob, [node, ...]]`` (chunk)."""
+
+    items: list[list]
+    next: bytes | None
+
+    @classmethod
+    def from_wire(cls, w: list) -> ScanPage:
+        """The page from ``[[item, ...], next or None]``."""
+        items, nxt = w
+        if type(items) is not list or (nxt is not None and type(nxt) is not bytes):
+            raise TypeError("a scan page is [[item, ...], bytes or None]")
+        return cls(items, nxt)
+
+
+class Pending(NamedTuple):
+    """``pending`` (fsck): the cross-shard transactions in flight on a shard: ``intents`` it
+    coordinates, ``[txid, state]`` each, and ``prepared`` records, ``[txid, coordinator]``
+    each. Wire: ``[intents, prepared]``."""
+
+    intents: list[list]
+    prepared: list[list]
+
+    @classmethod
+    def from_wire(cls, w: list) -> Pending:
+        """The transactions from ``[intents, prepared]``."""
+        intents, prepared = w
+        return cls(intents, prepared)
 
 
 # ---- request records -------------------------------------------------------------------------
@@ -483,10 +551,11 @@ BATCH_GETATTR = _read(4, "batch_getattr", InosReq, Attrs)
 READDIR = _read(5, "readdir", ReaddirReq, DirPage)
 READLINK = _read(6, "readlink", InoReq, bytes)
 GETPARENT = Method(7, "getparent", InoReq, int, idempotent=True)
-STATFS = Method(8, "statfs", NoArgs, dict, idempotent=True)
-"""Counts of this shard (``inodes``, ...); the client sums them over shards."""
+STATFS = Method(8, "statfs", NoArgs, Counts, idempotent=True)
+"""Counts of this shard; the client sums them over shards."""
 GETXATTR = Method(9, "getxattr", XattrReq, bytes, idempotent=True)
-LISTXATTR = Method(10, "listxattr", InoReq, list, idempotent=True)
+LISTXATTR = Method(10, "listxattr", InoReq, list[bytes], idempotent=True)
+"""The names, in name order (a list of names: no record needed; every one checked bytes)."""
 # namespace changes (coordinated by the parent directory's shard); the inline ones are one
 # local transaction, queued to the next group commit and answered once it is committed
 # (durable within one fsync of the shard's; SYNC waits for that)
@@ -509,27 +578,30 @@ LOOKUP_LAYOUTS = _read(24, "lookup_layouts", NamesReq, NamedLayouts)
 WRITE_CHUNKS = Method(25, "write_chunks", WriteChunksReq, Attr, inline=True)
 BULK_CREATE = Method(26, "bulk_create", BulkCreateReq, AttrsOrErrors, inline=True)
 # cross-shard transactions (shard to shard)
-TX_PREPARE = Method(27, "tx_prepare", TxPrepareReq, list, idempotent=True)
-"""Answers the attributes (wire form) of the inodes the commit will make, their times the
-prepare's."""
+TX_PREPARE = Method(27, "tx_prepare", TxPrepareReq, list[list], idempotent=True)
+"""Answers the attributes (``Attr.to_wire()`` each) of the inodes the commit will make, their
+times the prepare's: shard to shard only, kept in wire form because the coordinator passes
+them on as they are (a cross-shard mkdir's answer)."""
 TX_COMMIT = Method(28, "tx_commit", TxCommitReq, bool, idempotent=True)
 TX_ABORT = Method(29, "tx_abort", TxReq, bool, idempotent=True)
 TX_STATUS = Method(30, "tx_status", TxReq, str, idempotent=True)
 RENAME_LOCK = Method(31, "rename_lock", RenameLockReq, bool, idempotent=True)
 RENAME_UNLOCK = Method(32, "rename_unlock", OwnerReq, bool, idempotent=True)
 # maintenance: fsck, gc, status
-SCAN = Method(33, "scan", ScanReq, list, idempotent=True)
-"""``[[item, ...], next cursor or None]``."""
-PENDING = Method(34, "pending", NoArgs, dict, idempotent=True)
-REPAIR = Method(35, "repair", RepairReq, object)
+SCAN = Method(33, "scan", ScanReq, ScanPage, idempotent=True)
+PENDING = Method(34, "pending", NoArgs, Pending, idempotent=True)
+REPAIR = Method(35, "repair", RepairReq, bool | int)
+"""False when the state is no longer what fsck saw; ``make_dir`` answers the directory's ino
+(a bool or an int: no record needed)."""
 SHARD_INFO = Method(36, "shard_info", NoArgs, dict, idempotent=True)
 SYNC = Method(37, "sync", NoArgs, int, idempotent=True)
 """Answered once every change this shard answered before is durable (fsync(2), unmount)."""
 # directory write leases (daemon/meta/leases.py)
 LEASE = Method(38, "lease", LeaseReq, Lease)
 LEASE_RETURN = Method(39, "lease_return", LeaseReq, bool, idempotent=True)
-LEASE_WAIT = Method(40, "lease_wait", LeaseWaitReq, list, idempotent=True)
-"""The directories recalled from the session (empty after ``seconds`` with none)."""
+LEASE_WAIT = Method(40, "lease_wait", LeaseWaitReq, list[int], idempotent=True)
+"""The directories recalled from the session (empty after ``seconds`` with none): a list of
+inodes, every one checked an int (a record would add nothing)."""
 CREATE_BATCH = Method(41, "create_batch", CreateBatchReq, AttrsOrErrors, idempotent=True,
                       inline=True)
 """Idempotent: an entry already made answers its attributes."""

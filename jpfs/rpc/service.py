@@ -63,9 +63,10 @@ class Method:
     never taken for an int; ``float`` accepts ints; ``X | None`` accepts None; ``list[int]`` and
     ``list[bytes]`` check every element), and fields with defaults may be left out.
     ``response`` is what the answer decodes to: a class with ``from_wire`` (a record), or a plain
-    type the answer already is. ``idempotent`` methods are retried by the client after a lost
-    connection; ``payload`` methods receive the request payload as a keyword argument;
-    ``inline`` methods have a handler that answers on the request loop itself (see ``Handler``).
+    type the answer already is (``list[bytes]`` and the like: every element checked too).
+    ``idempotent`` methods are retried by the client after a lost connection; ``payload``
+    methods receive the request payload as a keyword argument; ``inline`` methods have a
+    handler that answers on the request loop itself (see ``Handler``).
     """
 
     id: int
@@ -141,10 +142,15 @@ class Method:
                 raise ProtocolError(f"malformed answer to {self.name}: {e}") from None
         plain = self._plain
         if plain is not None:
-            kinds, none, _ = plain
+            kinds, none, elems = plain
             if kinds is not None and type(raw) not in kinds and not (raw is None and none):
                 raise ProtocolError(f"malformed answer to {self.name}: "
                                     f"{type(raw).__name__}")
+            if elems is not None and type(raw) is list:  # list[bytes], list[int], ...
+                for v in raw:
+                    if type(v) not in elems:
+                        raise ProtocolError(f"malformed answer to {self.name}: a "
+                                            f"{type(v).__name__} in the list")
         return raw
 
     def __repr__(self) -> str:

@@ -73,7 +73,8 @@ class Report:
 async def _scan(meta: MetaClient, shard: int, kind: str) -> list:
     out, after = [], b""
     while True:
-        items, nxt = await meta.call(shard, "scan", kind, after, 5000)
+        page = await meta.scan(shard, kind, after)
+        items, nxt = page.items, page.next
         out.extend(items)
         if nxt is None:
             return out
@@ -84,22 +85,22 @@ async def settle(meta: MetaClient, report: Report, repair: bool) -> None:
     """Wait for cross-shard transactions to finish; abort orphaned prepared records."""
     deadline = trio.current_time() + SETTLE_TIME
     while True:
-        pend = [await meta.call(s, "pending") for s in range(meta.n_shards)]
-        if not any(p["intents"] or p["prepared"] for p in pend):
+        pend = [await meta.pending(s) for s in range(meta.n_shards)]
+        if not any(p.intents or p.prepared for p in pend):
             return
         if trio.current_time() > deadline:
             break
         await trio.sleep(0.2)
     for shard, p in enumerate(pend):
-        for txid, state in p["intents"]:
+        for txid, state in p.intents:
             report.add("unfinished_transaction",
                        f"shard {shard}: transaction {txid.hex()} still {state}")
-        for txid, coordinator in p["prepared"]:
+        for txid, coordinator in p.prepared:
             state = await meta.call(coordinator, "tx_status", txid)
             if state == "unknown":
                 report.add("orphan_prepared", f"shard {shard}: prepared transaction "
                            f"{txid.hex()} has no coordinator record")
-                if repair and await meta.call(shard, "repair", "abort_tx", [txid]):
+                if repair and await meta.repair(shard, "abort_tx", [txid]):
                     report.repaired += 1
 
 
@@ -175,7 +176,7 @@ async def fsck(meta: MetaClient, *, repair: bool = False) -> Report:
         if not repair:
             return None
         try:
-            done = await meta.call(shard, "repair", kind, args)
+            done = await meta.repair(shard, kind, args)
         except JPFSError as e:
             log.warning("repair %s %r failed: %s", kind, args, e.strerror)
             return None

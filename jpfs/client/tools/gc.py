@@ -32,7 +32,8 @@ async def live_copies(client: AsyncClient) -> dict[bytes, frozenset[int]]:
     for shard in range(client.meta.n_shards):
         after = b""
         while True:
-            items, nxt = await client.meta.call(shard, "scan", "chunk", after, 5000)
+            page = await client.meta.scan(shard, "chunk", after)
+            items, nxt = page.items, page.next
             for rec in items:
                 have = live.get(rec[2])
                 nodes = frozenset(rec[3])

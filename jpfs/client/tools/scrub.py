@@ -165,7 +165,8 @@ async def _chunk_records(client: AsyncClient, wanted: set[bytes]) -> dict[bytes,
     for shard in range(client.meta.n_shards):
         after = b""
         while True:
-            items, nxt = await client.meta.call(shard, "scan", "chunk", after, 5000)
+            page = await client.meta.scan(shard, "chunk", after)
+            items, nxt = page.items, page.next
             for ino, index, blob, nodes in items:
                 if blob in wanted:
                     found[blob] = (ino, index, tuple(nodes))
@@ -184,7 +185,8 @@ async def paths_of(client: AsyncClient, inos: set[int]) -> dict[int, str]:
     for shard in range(client.meta.n_shards):
         after = b""
         while True:
-            items, nxt = await client.meta.call(shard, "scan", "dentry", after, 5000)
+            page = await client.meta.scan(shard, "dentry", after)
+            items, nxt = page.items, page.next
             for parent, name, ino, _kind in items:
                 up.setdefault(ino, (parent, name))
             if nxt is None:

@@ -30,7 +30,7 @@ class Capacity:
         at, cached = self._statfs
         if cached is not None and time.monotonic() - at < 1.0:
             return cached
-        totals = await self.meta.statfs()
+        counts = await self.meta.counts()
         storage = self.client.storage
         assert storage is not None
         nodes: list = []  # each answering node's jpfs.proto.storage.Stats
@@ -54,7 +54,7 @@ class Capacity:
         free = sum(disks.values()) // r
         free_inodes = 1 << 40
         s = StatFS(block_size=bs, blocks=(used + free) // bs, blocks_free=free // bs,
-                   files=totals.get("inodes", 0) + free_inodes, files_free=free_inodes)
+                   files=counts.inodes + free_inodes, files_free=free_inodes)
         self._statfs = (time.monotonic(), s)
         return s
 

@@ -166,13 +166,14 @@ class MetaClient:
         """The target of symlink ``ino``."""
         return await self._ask(shard_of(ino), P.READLINK, P.InoReq(ino))
 
+    async def counts(self) -> P.Counts:
+        """The record counts summed over every shard."""
+        return P.Counts.total([await self._ask(shard, P.STATFS, P.NoArgs())
+                               for shard in range(self.n_shards)])
+
     async def statfs(self) -> dict:
-        """Filesystem counts summed over every shard (``statfs``'s keys: inodes, ...)."""
-        totals: dict[str, int] = {}
-        for shard in range(self.n_shards):
-            for k, v in (await self._ask(shard, P.STATFS, P.NoArgs())).items():
-                totals[k] = totals.get(k, 0) + v
-        return totals
+        """Filesystem counts summed over every shard (``Counts.as_dict()``: inodes, ...)."""
+        return (await self.counts()).as_dict()
 
     async def sync(self, shards=None) -> None:
         """Return once every change these shards (all by default) answered is durable: what
@@ -210,6 +211,21 @@ class MetaClient:
         (ino, kind) where another call is needed (a symlink, an inode on another shard)."""
         return await self._ask(shard_of(parent), P.LOOKUP_LAYOUTS,
                                P.NamesReq(parent, list(names)))
+
+    # ---- maintenance (fsck, gc, scrub)
+    async def scan(self, shard: int, kind: str, after: bytes = b"", limit: int = 5000
+                   ) -> P.ScanPage:
+        """A page of ``shard``'s ``dentry``, ``inode`` or ``chunk`` records after ``after``."""
+        return await self._ask(shard, P.SCAN, P.ScanReq(kind, after, limit))
+
+    async def pending(self, shard: int) -> P.Pending:
+        """The cross-shard transactions in flight on ``shard``."""
+        return await self._ask(shard, P.PENDING, P.NoArgs())
+
+    async def repair(self, shard: int, kind: str, args: list) -> bool | int:
+        """Apply one fsck fix of ``kind`` on ``shard``; False when the state is no longer what
+        fsck saw (``make_dir``: the directory's ino)."""
+        return await self._ask(shard, P.REPAIR, P.RepairReq(kind, args))
 
     # ---- changes
     async def create(self, parent: int, name: bytes, mode: int, uid: int | None = None,
