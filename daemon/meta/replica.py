@@ -358,10 +358,11 @@ class Replication:
                     why)
         self._stop_leading()
 
-    async def _append_call(self, j: int, prev: tuple[int, int], entries: list) -> Any:
-        return await self.peers.call(j, R.REPL_APPEND, [
+    async def _append_call(self, j: int, prev: tuple[int, int], entries: list
+                           ) -> R.Appended:
+        return R.REPL_APPEND.decode(await self.peers.call(j, R.REPL_APPEND, [
             self.shard, self.store.term, self.replica, self.addresses[self.replica],
-            prev[0], prev[1], [e.to_wire() for e in entries]])
+            prev[0], prev[1], [e.to_wire() for e in entries]]))
 
     async def _ship(self, j: int) -> None:
         """Keep follower ``j`` up to date: find where it is (an empty append from the ring's
@@ -373,8 +374,8 @@ class Replication:
                 return
             try:
                 ans = await self._append_call(j, ring.last, [])
-                known = (ans["term"], ans["seq"])
-                if ans.get("resyncing") or not ring.holds(known):
+                known = (ans.term, ans.seq)
+                if ans.resyncing or not ring.holds(known):
                     await self._snapshot(j)
                     continue  # where is it now? (the ring moved on meanwhile)
                 self.match[j] = known[1]
@@ -413,8 +414,8 @@ class Replication:
                     return
                 finally:
                     window.release()
-                if ans["ok"]:
-                    self.match[j] = max(self.match.get(j, 0), ans["seq"])
+                if ans.ok:
+                    self.match[j] = max(self.match.get(j, 0), ans.seq)
                     self._advance()
                 else:
                     nursery.cancel_scope.cancel()
@@ -487,7 +488,7 @@ class Replication:
         return self.status()
 
     def _append(self, shard: int, term: int, leader: int, address: str, prev_term: int,
-                prev_seq: int, entries: list) -> dict:
+                prev_seq: int, entries: list) -> R.Appended:
         self._hear(shard, term, leader, address)
         store = self.store
         if self.role == "leader":
@@ -500,9 +501,9 @@ class Replication:
                 self.log.append(replog.Entry(term, seq, mutations,
                                              replog.entry_size(mutations)))
         term_now, seq_now = store.pos
-        return {"ok": ok, "term": term_now, "seq": seq_now, "resyncing": resyncing}
+        return R.Appended(ok, term_now, seq_now, resyncing)
 
-    def repl_append(self, *args: Any) -> dict | Later:
+    def repl_append(self, *args: Any) -> R.Appended | Later:
         """Appends are applied on the request loop, in the order they arrive (no task per
         append); under ``--ack-after-sync`` the answer waits for the follower's fsync."""
         answer = self._append(*args)

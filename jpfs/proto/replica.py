@@ -97,11 +97,25 @@ class SnapshotReq(NamedTuple):
     """``[term, seq]`` the snapshot is at (``end``)."""
 
 
+class Appended(NamedTuple):
+    """``repl_append``: whether the follower applied the entries (False: it is not at the
+    position they follow) and where it is now. Wire: ``[ok, term, seq, resyncing]``."""
+
+    ok: bool
+    term: int
+    seq: int
+    resyncing: bool
+
+    @classmethod
+    def from_wire(cls, w: list) -> Appended:
+        """The answer from ``[ok, term, seq, resyncing]``."""
+        ok, term, seq, resyncing = w
+        return cls(ok, term, seq, resyncing)
+
+
 REPL_STATUS = Method(60, "repl_status", StatusReq, dict, idempotent=True)
 """``{"replica", "term", "seq", "known_term", "role", "leader", "resyncing"}``."""
-REPL_APPEND = Method(61, "repl_append", AppendReq, dict, inline=True)
-"""``{"ok": bool, "term": t, "seq": s, "resyncing": bool}``: ``ok`` False when the follower
-is not at ``prev`` (``term``/``seq`` say where it is)."""
+REPL_APPEND = Method(61, "repl_append", AppendReq, Appended, inline=True)
 REPL_SNAPSHOT = Method(62, "repl_snapshot", SnapshotReq, bool)
 REPL_DIGEST = Method(63, "repl_digest", StatusReq, dict, idempotent=True)
 """``{"term", "seq", "digest", "records", "dbs"}``: a hash of every record of this copy, and
