@@ -58,7 +58,7 @@ HELP = "FUSE mount files/s and FUSE requests per file, cold and warm, prefetch o
 DESCRIPTION = __doc__
 VIAS = ("local", "fuse", "fuse-noprefetch", "fuse-socket", "fuse-hinted", "fuse-open",
         "fuse-rw")
-PHASES = ("read", "namespace", "large")
+PHASES = ("read", "namespace", "large", "checkpoint")
 
 
 def _list(kind, choices=None):
@@ -106,7 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "raw-protocol threaded one), "
                    "large (a large file in 1 MiB reads, small files in 4 KiB reads and whole "
                    "by 4 threads, cold, through read-write and read-only mounts, the naive "
-                   "passthrough and a raw-protocol threaded one); "
+                   "passthrough and a raw-protocol threaded one), "
+                   "checkpoint (torch.save of a state dict and fsync, then torch.load cold, "
+                   "locally and through read-write mounts; needs torch); "
                    "comma-separated (default read)")
     p.add_argument("--write-procs", type=int, default=2,
                    help="processes in the namespace phase (default 2)")
@@ -125,6 +127,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small-read-files", type=int, default=1000,
                    help="100 KB files read in 4 KiB reads, then whole by 4 threads, in the "
                    "large phase (default 1000)")
+    p.add_argument("--checkpoint-bytes", type=parse_size, default="1G",
+                   help="the checkpoint phase's state dict (default 1G)")
+    p.add_argument("--checkpoint-replicas", type=int, default=2,
+                   help="copies of each chunk in the checkpoint phase's cluster, all on this "
+                   "machine's disk (default 2)")
     p.add_argument("--raw-threads", type=int, default=4,
                    help="namespace and large phases: threads of the raw-protocol passthrough "
                    "they also run through (default 4; 0 leaves it out)")
@@ -283,6 +290,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if any(v.startswith("fuse") for v in args.via) and (os.geteuid() != 0 or
                                                         not os.path.exists("/dev/fuse")):
         raise SystemExit("jpfs bench mount: FUSE mounts need root and /dev/fuse")
+    if "checkpoint" in args.phases:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise SystemExit("jpfs bench mount: the checkpoint phase needs torch "
+                             "(pip install 'jpfs[torch]')") from None
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="jpfs-bench-mount-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -290,9 +303,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if set(args.phases) - {"read"}:
             from .mount_write import ratios, run_phases
 
-            print("namespace/large phases ...", flush=True)
-            result["phases"] = run_phases(args, work)
+            print("namespace/large/checkpoint phases ...", flush=True)
+            result["phases"] = run_phases(args, work) if {"namespace", "large"} & set(
+                args.phases) else {}
             result["phase_ratios"] = ratios(result["phases"])
+            if "checkpoint" in args.phases:
+                from .harness import drop_caches
+                from .mount_checkpoint import checkpoint_phase, checkpoint_rows
+
+                result["phases"]["checkpoint"] = checkpoint_phase(
+                    work, args.checkpoint_bytes, args.checkpoint_replicas, drop_caches)
+                result["phase_ratios"] += checkpoint_rows(result["phases"]["checkpoint"])
             if "read" not in args.phases:
                 report_phases(result)
                 return result
@@ -349,6 +370,10 @@ def report_phases(result: dict) -> None:
     from .harness import fmt_ratio, print_table
 
     def cpu(r: dict) -> str:
+        if "cpu_s_per_gb" in r:
+            c = r["cpu_s_per_gb"]
+            return " / ".join(f"{c[who]:.2f}" for who in ("mount", "shards", "storage")) + \
+                " s/GB"
         c = r.get("cpu_ms_per_op")
         if c is None:
             return "-"
@@ -361,18 +386,21 @@ def report_phases(result: dict) -> None:
             return "-"
         return f"{r['raw_passthrough']:,.0f} ({fmt_ratio(r['raw_passthrough'] / r['local'])})"
 
-    rows = [[r["phase"], r["what"], r["unit"], f"{r['local']:,.0f}",
-             f"{r['passthrough']:,.0f}" if "passthrough" in r else "-", raw(r),
-             f"{r['fuse']:,.0f}", fmt_ratio(r["ratio"]), fmt_ratio(r.get("ratio_passthrough")),
+    def num(r: dict, x: float) -> str:
+        return f"{x:.2f}" if r["unit"] == "GB/s" else f"{x:,.0f}"
+
+    rows = [[r["phase"], r["what"], r["unit"], num(r, r["local"]),
+             num(r, r["passthrough"]) if "passthrough" in r else "-", raw(r),
+             num(r, r["fuse"]), fmt_ratio(r["ratio"]), fmt_ratio(r.get("ratio_passthrough")),
              cpu(r)]
             for r in result["phase_ratios"]]
     threads = result.get("phases", {}).get("raw-passthrough", {}).get("threads")
     print_table(["phase", "what", "unit", "local", "passthrough",
                  f"raw x{threads} (vs local)" if threads else "raw", "mount", "vs local",
                  "vs passthrough", "CPU ms/op: mount / shards / storage (passthrough)"], rows,
-                title="writes, namespace changes and large files (passthrough: a naive pyfuse3 "
-                "mount of a local directory; raw: one speaking the FUSE protocol on threads; "
-                "CPU: each daemon's per operation)")
+                title="writes, namespace changes, large files and checkpoints (passthrough: a "
+                "naive pyfuse3 mount of a local directory; raw: one speaking the FUSE protocol "
+                "on threads; CPU: each daemon's per operation, or per GB)")
 
 
 def _median(reps: list[list[dict]]) -> list[dict]:

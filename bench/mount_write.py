@@ -266,7 +266,7 @@ def passthrough_mount(source: Path, mountpoint: Path, threads: int | None = None
             subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
 
 
-def _daemons(cluster_dir: Path, mount_pid: int) -> dict[str, list[int]]:
+def serving_daemons(cluster_dir: Path, mount_pid: int) -> dict[str, list[int]]:
     """The processes that serve a mount of the local cluster in ``cluster_dir``, by role."""
     from jpfs import localcluster
 
@@ -343,7 +343,7 @@ def run_phases(args, work: Path) -> dict[str, Any]:
                     res["namespace"] = namespace_phase(
                         ns_root, args.write_procs, args.namespace_ops, 100 << 10,
                         args.small_write_files, args.layout_files,
-                        _daemons(cdir, mount.pid) if mount else None)
+                        serving_daemons(cdir, mount.pid) if mount else None)
                 if "large" in phases and via != "fuse-rw-write-behind":
                     res["large"] = large_phase(mount.mp / "large" if mount else src,
                                                args.large_bytes, args.small_read_files,
@@ -399,4 +399,5 @@ def ratios(phases: dict[str, Any]) -> list[dict]:
     return rows
 
 
-__all__ = ["NAMESPACE_OPS", "large_phase", "namespace_phase", "ratios", "run_phases"]
+__all__ = ["NAMESPACE_OPS", "large_phase", "namespace_phase", "ratios", "run_phases",
+           "serving_daemons"]

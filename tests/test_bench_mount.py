@@ -1,7 +1,8 @@
 """``jpfs bench mount`` end to end, at a tiny size. The namespace phase: the workload runs on the
 local filesystem, through a naive pyfuse3 passthrough and through a JPFS mount in one run, every
 figure comes with its ratios and each daemon's CPU per operation, nothing is left mounted, and a
-worker that fails stops the phase at once. The read phase with the order announced: every path
+worker that fails stops the phase at once. The checkpoint phase: torch.save and torch.load of a
+state dict locally and through mounts, checked and compared. The read phase with the order announced: every path
 reaches the mount through its hint socket before its epoch, and each epoch reports how its time
 was spread over its files."""
 
@@ -79,6 +80,36 @@ def test_large_phase_against_local_and_a_passthrough(tmp_path):
         assert r["ratio_passthrough"] == pytest.approx(r["fuse"] / r["passthrough"])
         assert r["raw_passthrough"] > 0
     assert "raw x4 (vs local)" in proc.stdout
+    with open("/proc/mounts") as f:
+        assert str(work) not in f.read()
+
+
+@requires_fuse
+def test_checkpoint_phase_saves_and_loads_back_through_mounts(tmp_path):
+    """The checkpoint phase saves a state dict with torch.save and fsync and loads it back cold
+    (checked equal), locally and through mounts of a cluster keeping 2 copies, and reports each
+    against the local disk with each daemon's CPU per GB."""
+    pytest.importorskip("torch", reason="the checkpoint phase needs the torch extra")
+    work = tmp_path / "w"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", "--phases", "checkpoint",
+         "--checkpoint-bytes", "20M", "--dir", str(work), "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    ck = res["phases"]["checkpoint"]
+    assert ck["replicas"] == 2 and ck["tensor_bytes"] == 20 << 20
+    for via in ("local", "fuse-rw"):
+        for step in ("save", "load"):
+            r = ck[via][step]
+            assert r["bytes"] > 20 << 20 and r["GBps"] > 0  # the tensors and torch's archive
+    rows = {r["what"]: r for r in res["phase_ratios"]}
+    assert set(rows) == {"save (replicas 2)", "load (replicas 2)"}
+    for r in rows.values():
+        assert r["ratio"] == pytest.approx(r["fuse"] / r["local"])
+        assert set(r["cpu_s_per_gb"]) == {"mount", "shards", "storage"}
+    assert rows["save (replicas 2)"]["cpu_s_per_gb"]["storage"] > 0  # two copies stored
+    assert "s/GB" in proc.stdout
     with open("/proc/mounts") as f:
         assert str(work) not in f.read()
 
