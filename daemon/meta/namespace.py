@@ -12,8 +12,8 @@ import stat
 
 from jpfs.errors import errno_name, error
 from jpfs.placement import shard_of
-from jpfs.proto.meta import XATTR_CREATE, XATTR_REPLACE, Counts, Created, Entry, check_name
-from jpfs.types import Attr
+from jpfs.proto.meta import XATTR_CREATE, XATTR_REPLACE, Counts, Created, DirPage, Entry, check_name
+from jpfs.types import Attr, DirEntry
 
 from . import keys as K
 from .keys import Inode
@@ -27,13 +27,6 @@ FILE_TYPES = (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK)
 NODE_TYPES = (*FILE_TYPES, stat.S_IFBLK, stat.S_IFCHR)
 """What ``mknod`` makes: every non-directory, non-symlink type (device nodes are metadata only:
 type, mode and rdev; their I/O is the kernel's, never ours)."""
-
-
-def _local_attr(t: Txn, ino: int) -> list | None:
-    if shard_of(ino) != t.store.shard:
-        return None
-    node = t.inode(ino)
-    return node.attr().to_wire() if node else None
 
 
 def _local_attr_record(t: Txn, ino: int) -> Attr | None:
@@ -76,8 +69,9 @@ def each_name(t: Txn, parent: int, names: list, answer) -> list:
 
 
 def batch_lookup(t: Txn, parent: int, names: list) -> list:
-    """One answer per name: [ino, kind, attr or None], or an errno name."""
-    return each_name(t, parent, names, lambda ino, kind: [ino, kind, _local_attr(t, ino)])
+    """One answer per name: ``Entry.to_wire()``, or an errno name (``Entries``)."""
+    return each_name(t, parent, names,
+                     lambda ino, kind: Entry(ino, kind, _local_attr_record(t, ino)).to_wire())
 
 
 def getattr_(t: Txn, ino: int) -> list:
@@ -95,13 +89,13 @@ def batch_getattr(t: Txn, inos: list) -> list:
 
 
 def readdir(t: Txn, parent: int, after: bytes, limit: int, plus: bool) -> list:
-    """[entries, more]: entries after name ``after`` in name order, with attrs when ``plus``
-    (for inodes of this shard; the client fetches the rest in one batch per shard)."""
+    """``DirPage.to_wire()``: entries after name ``after`` in name order, with attrs when
+    ``plus`` (for inodes of this shard; the client fetches the rest in one batch per shard)."""
     t.need_dir(parent)
     t.check_dir_lock(parent)
     limit = max(1, min(limit, MAX_READDIR))
     prefix = K.dentry_prefix(parent)
-    entries: list = []
+    entries: list[DirEntry] = []
     more = False
     with t.t.cursor(db=t.db["dentry"]) as cur:
         ok = cur.set_range(K.dentry_key(parent, after))
@@ -117,9 +111,9 @@ def readdir(t: Txn, parent: int, after: bytes, limit: int, plus: bool) -> list:
                 more = True
                 break
             ino, kind = K.split_dentry_value(cur.value())
-            entries.append([name, ino, kind, _local_attr(t, ino) if plus else None])
+            entries.append(DirEntry(name, ino, kind, _local_attr_record(t, ino) if plus else None))
             ok = cur.next()
-    return [entries, more]
+    return DirPage(entries, more).to_wire()
 
 
 def readlink(t: Txn, ino: int) -> bytes:

@@ -133,6 +133,11 @@ class DirPage(NamedTuple):
         entries, more = w
         return cls([DirEntry.from_wire(e) for e in entries], more)
 
+    def to_wire(self) -> list:
+        """``[[DirEntry.to_wire(), ...], more]``: what ``from_wire`` reads (the shard's
+        answer)."""
+        return [[e.to_wire() for e in self.entries], self.more]
+
 
 class Entries:
     """``batch_lookup``: per name an ``Entry``, or the OSError its errno name stands for."""
