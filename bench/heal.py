@@ -153,7 +153,7 @@ def run_repair(args: argparse.Namespace) -> dict:
     node's chunks, and the time it takes."""
     import jpfs
     from jpfs import localcluster
-    from jpfs.client.tools import heal_status
+    from jpfs.client.tools import answered, heal_status
     from jpfs.coord.clustermap import update_map_sync
 
     size = getattr(args, "size", 192 * MiB)
@@ -193,14 +193,15 @@ def run_repair(args: argparse.Namespace) -> dict:
                 state["at"] = time.monotonic()
                 s = c.run(heal_status)
                 state["s"] = s
-                return all(not x.get("error") and x["round_epoch"] >= new.epoch
-                           and x["under_replicated"] == 0 and x["pending"] == 0 for x in s)
+                return all(not x.error and x.round_epoch >= new.epoch
+                           and x.under_replicated == 0 and x.pending == 0
+                           for x in answered(s)) and len(answered(s)) == len(s)
 
             during, _ = reader.window(healed)
             took = time.monotonic() - t0
             reader.stop.set()
             reader.join(30)
-            repaired = sum(x.get("repaired_bytes", 0) for x in state["s"])
+            repaired = sum(x.repaired_bytes for x in answered(state["s"]))
         finally:
             c.close()
     out = {"files": len(paths), "bytes": len(paths) * MiB, "heal_rate": rate,

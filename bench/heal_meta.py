@@ -61,10 +61,11 @@ def _leader(d: Path, shard: int = 0, timeout: float = 30.0) -> int:
             try:
                 for j in range(len(pool)):
                     try:
-                        s = await pool.call(j, R.REPL_STATUS, [shard], timeout=1.0)
+                        s = R.REPL_STATUS.decode(await pool.call(
+                            j, R.REPL_STATUS, R.StatusReq(shard), timeout=1.0))
                     except JPFSError:
                         continue
-                    if isinstance(s, dict) and s.get("role") == "leader":
+                    if s.role == "leader":
                         return j
                 return None
             finally:

@@ -23,20 +23,31 @@ WAIT = 60.0
 """Deadline of every wait on the cluster's state (seconds)."""
 
 
-def statuses(c: config.Cluster, shard: int) -> list[dict | None]:
+async def repl_status(pool: Pool, j: int, shard: int, **kw) -> R.ReplStatus:
+    """Copy ``j``'s replication status (``pool`` calls shard ``shard``'s copies by index),
+    decoded once."""
+    return R.REPL_STATUS.decode(await pool.call(j, R.REPL_STATUS, R.StatusReq(shard), **kw))
+
+
+async def repl_digest(pool: Pool, j: int, shard: int, **kw) -> R.ReplDigest:
+    """Copy ``j``'s digest of its records (``repl_status``'s ``pool``), decoded once."""
+    return R.REPL_DIGEST.decode(await pool.call(j, R.REPL_DIGEST, R.StatusReq(shard), **kw))
+
+
+def statuses(c: config.Cluster, shard: int) -> list[R.ReplStatus | None]:
     """Every copy's replication status; None for one that does not answer within a second
     (killed, or stopped)."""
     addresses = [s.address for s in c.meta_replicas[shard]]
 
-    async def ask() -> list[dict | None]:
-        out: list[dict | None] = [None] * len(addresses)
+    async def ask() -> list[R.ReplStatus | None]:
+        out: list[R.ReplStatus | None] = [None] * len(addresses)
         async with trio.open_nursery() as nursery:
             pool = Pool(nursery, addresses, c.secret, role="meta", retry_for=0.0,
                         peer_timeout=0.5, timeout=1.0)
 
             async def one(j: int) -> None:
                 with contextlib.suppress(JPFSError):
-                    out[j] = await pool.call(j, R.REPL_STATUS, [shard])
+                    out[j] = await repl_status(pool, j, shard)
 
             async with trio.open_nursery() as calls:
                 for j in range(len(addresses)):
@@ -66,8 +77,8 @@ def leader(c: config.Cluster, shard: int, other_than: int | None = None) -> tupl
 
     def check():
         seen[:] = statuses(c, shard)
-        leaders = [(s["replica"], s["term"]) for s in seen
-                   if s is not None and s["role"] == "leader" and s["replica"] != other_than]
+        leaders = [(s.replica, s.term) for s in seen
+                   if s is not None and s.role == "leader" and s.replica != other_than]
         return leaders[0] if len(leaders) == 1 else None
 
     return wait(f"a leader of shard {shard} other than {other_than}", check, lambda: seen)
@@ -81,10 +92,10 @@ def steady(c: config.Cluster) -> None:
 
         def check(shard=shard, seen=seen):
             seen[:] = statuses(c, shard)
-            if any(s is None or s["resyncing"] for s in seen):
+            if any(s is None or s.resyncing for s in seen):
                 return False
-            leaders = [s["replica"] for s in seen if s["role"] == "leader"]
-            return len(leaders) == 1 and all(s["leader"] == leaders[0] for s in seen)
+            leaders = [s.replica for s in seen if s.role == "leader"]
+            return len(leaders) == 1 and all(s.leader == leaders[0] for s in seen)
 
         wait(f"every copy of shard {shard} following one leader", check, lambda seen=seen: seen)
 

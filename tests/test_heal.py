@@ -23,6 +23,7 @@ import jpfs
 from jpfs import config, localcluster
 from jpfs.cli.main import main as cli
 from jpfs.client.tools import scrub
+from jpfs.proto.heal import HealStatus
 
 pytestmark = [pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
               pytest.mark.slow]
@@ -78,39 +79,42 @@ def chunk_records(c: jpfs.Client) -> list[tuple[int, int, bytes, list[int]]]:
     return c.run(all_shards)
 
 
-def heal(c: jpfs.Client) -> list[dict]:
+def heal(c: jpfs.Client) -> list[HealStatus | scrub.NoAnswer]:
     return c.run(scrub.heal_status)
 
 
 def wait_healed(c: jpfs.Client, epoch: int, *, gone: int | None = None,
-                timeout: float = DEADLINE) -> list[dict]:
+                timeout: float = DEADLINE) -> list[HealStatus]:
     """Until every shard finished a round that began at map ``epoch`` or later with nothing
     under-replicated (and no chunk naming node ``gone``)."""
     give_up = time.monotonic() + timeout
     while True:
         s = heal(c)
-        if all(not x.get("error") and x["round_epoch"] >= epoch and x["under_replicated"] == 0
-               and x["unrepairable"] == 0 and x["pending"] == 0
-               and (gone is None or not x["node_chunks"].get(gone)) for x in s):
-            return s
+        ok = [x for x in scrub.answered(s) if not x.error]
+        if len(ok) == len(s) and all(
+                x.round_epoch >= epoch and x.under_replicated == 0 and x.unrepairable == 0
+                and x.pending == 0 and (gone is None or not x.node_chunks.get(gone))
+                for x in ok):
+            return ok
         if time.monotonic() > give_up:
             raise AssertionError(f"not healed within {timeout:.0f} s: {s}")
         time.sleep(0.25)
 
 
-def copies_status(cl: config.Cluster) -> list[list[dict]]:
+def copies_status(cl: config.Cluster) -> list[list[HealStatus]]:
     """``heal_status`` of every copy of every shard, asked of each copy itself."""
     import trio
 
     from jpfs.proto import heal as H
     from jpfs.rpc import Pool
 
-    async def ask() -> list[list[dict]]:
+    async def ask() -> list[list[HealStatus]]:
         out = []
         async with trio.open_nursery() as nursery:
             for copies in cl.meta_replicas:
                 pool = Pool(nursery, [s.address for s in copies], cl.secret, role="meta")
-                out.append([await pool.call(j, H.HEAL_STATUS, H.HealNoArgs())
+                out.append([H.HEAL_STATUS.decode(await pool.call(j, H.HEAL_STATUS,
+                                                                 H.HealNoArgs()))
                             for j in range(len(copies))])
                 pool.close()
         return out
@@ -171,15 +175,15 @@ def test_remove_a_lost_node_restores_copies_then_another_loss_loses_nothing(clus
         assert cli(["--cluster", path, "node", "remove", "1"]) == 0
         assert config.load(path).storage[1].state == "removed"
         status = wait_healed(c, epoch_of(d), gone=1)
-        assert all(x["leader"] for x in status)
+        assert all(x.leader for x in status)
         copies = copies_status(config.load(path))
         for shard, answers in enumerate(copies):  # one copy heals, the others only follow
-            leaders = [a for a in answers if a["leader"]]
+            leaders = [a for a in answers if a.leader]
             assert len(answers) == 3 and len(leaders) == 1, (shard, answers)
-            assert all(a["state"] == "follower" and a["repaired_chunks"] == 0
-                       for a in answers if not a["leader"]), answers
+            assert all(a.state == "follower" and a.repaired_chunks == 0
+                       for a in answers if not a.leader), answers
         # a move of node 1's copy that was under way when it died ends as a move, not a repair
-        assert sum(x["repaired_chunks"] + x["moved_chunks"] for x in status) >= lost
+        assert sum(x.repaired_chunks + x.moved_chunks for x in status) >= lost
         after = chunk_records(c)
         assert all(1 not in r[3] and len(set(r[3])) == 2 for r in after)
         assert localcluster.kill(d, "storage", 0)  # a second loss: every chunk has a copy on 2
@@ -258,7 +262,7 @@ def test_a_corrupt_byte_is_found_by_the_scrubber_and_healed_without_a_command(cl
             needle in v.read_bytes() for v in (d / f"storage-{node}" / "volumes").iterdir())
         localcluster.kill(d, "storage", nodes[1])  # the repaired copy alone serves the file
         assert c.read_bytes("/x/victim") == needle
-        assert sum(x["repaired_chunks"] for x in heal(c)) >= 1
+        assert sum(x.repaired_chunks for x in scrub.answered(heal(c))) >= 1
     finally:
         c.close()
 

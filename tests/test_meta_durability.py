@@ -12,10 +12,11 @@ import trio
 
 import jpfs
 from jpfs import localcluster
+from jpfs.proto.meta import ShardInfo
 
 
-def _info(c) -> dict:
-    return c.run(lambda ac: ac.meta.call(0, "shard_info"))
+def _info(c) -> ShardInfo:
+    return c.run(lambda ac: ac.meta.shard_info(0))
 
 
 def test_answered_changes_survive_a_kill_and_share_fsyncs(tmp_path):
@@ -37,7 +38,7 @@ def test_answered_changes_survive_a_kill_and_share_fsyncs(tmp_path):
             c.run(create_many)
             c.sync()  # returns once all 400 are durable
             after = _info(c)
-            syncs = after["syncs"] - before["syncs"]
+            syncs = after.syncs - before.syncs
             assert 1 <= syncs < 400 / 4, syncs  # fsyncs are shared by many changes
         localcluster.stop(d, "meta", 0, sig=signal.SIGKILL)
         localcluster.start(d, "meta", 0, sync=True)
@@ -76,7 +77,7 @@ def test_a_long_sync_delay_holds_back_no_waiter(tmp_path):
                 return before
 
         async def syncs(ac) -> int:
-            return sum([(await ac.meta.call(i, "shard_info"))["syncs"] for i in (0, 1)])
+            return sum([(await ac.meta.shard_info(i)).syncs for i in (0, 1)])
 
         before = c.run(waiters)
         assert c.run(syncs) > before
@@ -85,9 +86,9 @@ def test_a_long_sync_delay_holds_back_no_waiter(tmp_path):
 def test_changes_nobody_waits_for_are_fsynced_within_the_delay(tmp_path):
     with _with_sync_delay(tmp_path, 1, 0.2) as c:
         c.sync()
-        before = _info(c)["syncs"]
+        before = _info(c).syncs
         c.create("/d/f")  # answered once committed; nobody calls sync
         deadline = time.monotonic() + 10
-        while _info(c)["syncs"] == before and time.monotonic() < deadline:
+        while _info(c).syncs == before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _info(c)["syncs"] > before
+        assert _info(c).syncs > before

@@ -306,8 +306,8 @@ def test_lease_traffic_under_concurrency_and_dropped_connections_leaves_the_shar
             names = [e.name for e in await _listing(meta, d)]
             assert len(names) == len(set(names))
             assert {n for dd, n in made if dd == d} <= set(names)
-        info = await meta.call(0, "shard_info")
-        assert info["leases_granted"] >= 1 and (await meta.getattr(1)).ino == 1
+        info = await meta.shard_info(0)
+        assert info.leases_granted >= 1 and (await meta.getattr(1)).ino == 1
 
     _run(cluster, scenario)
     for log in (meta_cluster / "logs").glob("meta-*.log"):

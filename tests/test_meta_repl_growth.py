@@ -9,6 +9,7 @@ import shutil
 import time
 
 import pytest
+import repl_support as rs
 from jpfs_bench.harness import free_port
 from jpfs_daemon.meta.replica import POLL, TTL
 
@@ -17,7 +18,6 @@ from jpfs import config, localcluster
 from jpfs.client.tools.fsck import fsck
 from jpfs.coord import clustermap
 from jpfs.placement import shard_of
-from jpfs.proto import replica as R
 
 pytestmark = [pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
               pytest.mark.slow]
@@ -32,8 +32,8 @@ def test_a_new_shard_takes_new_directories(tmp_path):
         localcluster.up(tmp_path, meta_shards=2)  # grows the map and starts shard 1's copies
 
         def shards_seen() -> set[int]:
-            infos = client.run(lambda ac: ac.meta.call(0, "shard_info"))
-            return {infos["shards"]}
+            info = client.run(lambda ac: ac.meta.shard_info(0))
+            return {info.shards}
 
         deadline = time.monotonic() + 30
         while shards_seen() != {2}:
@@ -82,19 +82,19 @@ def test_copies_added_to_a_shard_with_data_fill_from_it(tmp_path):
         # nothing must happen: wait past a lease, the copies' looks at the key and an election
         time.sleep(TTL + 2 * POLL + 1.0)
         for j in (1, 2):
-            st = client.run(lambda ac, j=j: ac.meta.pool.pools[0].call(j, R.REPL_STATUS, [0]))
-            assert st["role"] == "follower" and st["resyncing"], st
+            st = client.run(lambda ac, j=j: rs.repl_status(ac.meta.pool.pools[0], j, 0))
+            assert st.role == "follower" and st.resyncing, st
         localcluster.up(tmp_path)  # copy 0 (and the rest) back
         assert client.read_bytes("/kept/f") == b"data"
         deadline = time.monotonic() + 30
         while True:
-            got = [client.run(lambda ac, j=j: ac.meta.pool.pools[0].call(
-                j, R.REPL_DIGEST, [0])) for j in range(3)]
-            if len({(g["seq"], g["digest"]) for g in got}) == 1:
+            got = [client.run(lambda ac, j=j: rs.repl_digest(ac.meta.pool.pools[0], j, 0))
+                   for j in range(3)]
+            if len({(g.seq, g.digest) for g in got}) == 1:
                 break
             assert time.monotonic() < deadline, got
             time.sleep(0.2)
-        assert got[0]["records"] > 5
+        assert got[0].records > 5
     finally:
         client.close()
         localcluster.down(tmp_path)

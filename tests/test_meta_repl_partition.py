@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import repl_support as rs
 import trio
 from jpfs_bench import netns
 from jpfs_bench.harness import free_port
@@ -51,7 +52,8 @@ async def main():
             out["create"] = "acknowledged"
         except JPFSError as e:
             out["create"] = e.strerror
-        out["status"] = await pool.call(0, R.REPL_STATUS, [0], timeout=2.0)
+        out["status"] = R.REPL_STATUS.decode(await pool.call(
+            0, R.REPL_STATUS, R.StatusReq(0), timeout=2.0)).as_dict()
         pool.close()
         n.cancel_scope.cancel()
     print(json.dumps(out))
@@ -110,12 +112,12 @@ def _start_copies(d: Path, hosts: netns.SimHosts) -> list[subprocess.Popen]:
     return procs
 
 
-async def _statuses(meta: MetaClient) -> list[dict | None]:
+async def _statuses(meta: MetaClient) -> list[R.ReplStatus | None]:
     pool = meta.pool.pools[0]  # type: ignore[union-attr]
-    out: list[dict | None] = []
+    out: list[R.ReplStatus | None] = []
     for j in range(COPIES):
         try:
-            out.append(await pool.call(j, R.REPL_STATUS, [0], timeout=1.0))
+            out.append(await rs.repl_status(pool, j, 0, timeout=1.0))
         except JPFSError:
             out.append(None)
     return out
@@ -125,8 +127,8 @@ async def _leader(meta: MetaClient, exclude: int | None = None) -> int:
     with trio.fail_after(30):
         while True:
             for s in await _statuses(meta):
-                if s and s["role"] == "leader" and s["replica"] != exclude:
-                    return s["replica"]
+                if s and s.role == "leader" and s.replica != exclude:
+                    return s.replica
             await trio.sleep(0.1)
 
 
@@ -186,7 +188,7 @@ async def _scenario(d: Path, hosts: netns.SimHosts, cluster: config.Cluster) -> 
         with trio.fail_after(60):
             while True:
                 got = await _statuses(meta)
-                if all(got) and len({(s["term"], s["seq"]) for s in got if s}) == 1:
+                if all(got) and len({(s.term, s.seq) for s in got if s}) == 1:
                     break
                 await trio.sleep(0.2)
         assert new != old

@@ -13,6 +13,7 @@ import time
 
 import lmdb
 import pytest
+import repl_support as rs
 import trio
 from jpfs_daemon.meta import replog
 from jpfs_daemon.meta.store import Store
@@ -141,11 +142,11 @@ def _leaders(c) -> list[tuple[int, int]]:
     that did not answer."""
     addresses = [s.address for s in c.meta_replicas[0]]
 
-    async def ask() -> list[dict] | JPFSError:
+    async def ask() -> list[R.ReplStatus] | JPFSError:
         async with trio.open_nursery() as nursery:
             pool = Pool(nursery, addresses, c.secret, role="meta")
             try:
-                return [await pool.call(j, R.REPL_STATUS, [0]) for j in range(3)]
+                return [await rs.repl_status(pool, j, 0) for j in range(3)]
             except JPFSError as e:  # (raised out of the nursery it would come in a group)
                 return e
             finally:
@@ -154,7 +155,7 @@ def _leaders(c) -> list[tuple[int, int]]:
     st = trio.run(ask)
     if isinstance(st, JPFSError):
         raise st
-    return [(x["replica"], x["term"]) for x in st if x["role"] == "leader"]
+    return [(x.replica, x.term) for x in st if x.role == "leader"]
 
 
 def _one_leader(c, deadline: float) -> tuple[int, int]:
@@ -246,15 +247,15 @@ def test_a_follower_refuses_clients_and_names_its_leader(tmp_path):
 
         give_up = time.monotonic() + 60
 
-        async def copies(pool) -> list[dict]:
-            return [await pool.call(j, R.REPL_STATUS, [0]) for j in range(3)]
+        async def copies(pool) -> list[R.ReplStatus]:
+            return [await rs.repl_status(pool, j, 0) for j in range(3)]
 
         async def agreed(pool) -> tuple[int, int]:
             """(leader, term) once every copy names the same leader."""
             while True:
                 st = await copies(pool)
-                leaders = [(s["replica"], s["term"]) for s in st if s["role"] == "leader"]
-                if len(leaders) == 1 and all(s["leader"] == leaders[0][0] for s in st):
+                leaders = [(s.replica, s.term) for s in st if s.role == "leader"]
+                if len(leaders) == 1 and all(s.leader == leaders[0][0] for s in st):
                     return leaders[0]
                 if time.monotonic() > give_up:
                     raise AssertionError(f"the copies never agreed on a leader: {st}")
@@ -319,10 +320,10 @@ def test_ack_after_sync_copies_fsync_before_acknowledging(tmp_path):
             async with trio.open_nursery() as nursery:
                 for i in range(40):
                     nursery.start_soon(ac.meta.create, d, f"f{i}".encode(), 0o644)
-            return [await ac.meta.call(0, "repl_status", 0)]
+            return [await ac.meta.repl_status(0)]
 
         (status,) = client.run(creates)
-        leader = status["leader"]
+        leader = status.leader
         localcluster.stop(tmp_path, "meta", 0, sig=signal.SIGKILL, replica=leader)
         assert sorted(client.listdir("/d")) == sorted(f"f{i}" for i in range(40))
         client.close()
@@ -347,12 +348,12 @@ def test_a_copy_installing_a_snapshot_is_at_no_position_until_it_ends(tmp_path):
                                       in t.cursor(db=leader.dbs[name])])
         rest = [[bytes(k), bytes(v)] for k, v in t.cursor(db=leader.dbs["request"])]
     half = replog.digest(copy.env, copy.dbs)
-    assert half["resyncing"] and (half["term"], half["seq"]) == (0, 0)
+    assert half.resyncing and (half.term, half.seq) == (0, 0)
     copy.snapshot_data("request", rest)
     copy.snapshot_end((3, 7))
     done, theirs = replog.digest(copy.env, copy.dbs), replog.digest(leader.env, leader.dbs)
-    assert not done["resyncing"] and (done["term"], done["seq"]) == (3, 7)
-    assert done["digest"] == theirs["digest"], (done["dbs"], theirs["dbs"])
+    assert not done.resyncing and (done.term, done.seq) == (3, 7)
+    assert done.digest == theirs.digest, (done.dbs, theirs.dbs)
     leader.close()
     copy.close()
 
@@ -385,7 +386,7 @@ def test_fsck_compares_the_copies_of_a_shard(tmp_path):
         report = client.run(lambda ac: fsck(ac.meta))
         assert report.clean and not report.notes, (report.problems, report.notes,
                                                    _records_that_differ(c, 0, 3))
-        leader = client.run(lambda ac: ac.meta.call(0, "repl_status", 0))["leader"]
+        leader = client.run(lambda ac: ac.meta.repl_status(0)).leader
         odd = (leader + 1) % 3
         localcluster.stop(tmp_path, "meta", 0, replica=odd)
         env = lmdb.open(str(c.data_dir("meta", 0, odd)), max_dbs=16)

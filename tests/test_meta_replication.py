@@ -14,6 +14,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
+import repl_support as rs
 import trio
 
 import jpfs
@@ -34,14 +35,14 @@ def _up(d: Path, shards: int = 2, extra: list[str] | None = None):
                            meta_replicas=COPIES, extra_args={"meta": extra or []})
 
 
-def _statuses(client, shard: int) -> list[dict | None]:
+def _statuses(client, shard: int) -> list[R.ReplStatus | None]:
     """Every copy's replication status (None for a copy that does not answer)."""
     async def ask(ac):
         pool = ac.meta.pool.pools[shard]
-        out: list[dict | None] = []
+        out: list[R.ReplStatus | None] = []
         for j in range(len(pool)):
             try:
-                out.append(await pool.call(j, R.REPL_STATUS, [shard], timeout=2.0))
+                out.append(await rs.repl_status(pool, j, shard, timeout=2.0))
             except JPFSError:
                 out.append(None)
         return out
@@ -53,20 +54,20 @@ def _leader(client, shard: int, timeout: float = 30.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for s in _statuses(client, shard):
-            if s is not None and s["role"] == "leader":
-                return s["replica"]
+            if s is not None and s.role == "leader":
+                return s.replica
         time.sleep(0.1)
     raise AssertionError(f"shard {shard} elected no leader within {timeout} s")
 
 
-def _wait_agree(client, shard: int, timeout: float = 30.0) -> list[dict]:
+def _wait_agree(client, shard: int, timeout: float = 30.0) -> list[R.ReplStatus]:
     """Wait until every copy of ``shard`` is at the leader's position."""
     deadline = time.monotonic() + timeout
     while True:
         got = _statuses(client, shard)
         live = [s for s in got if s is not None]
-        if (len(live) == COPIES and len({(s["term"], s["seq"]) for s in live}) == 1
-                and not any(s["resyncing"] for s in live)):
+        if (len(live) == COPIES and len({(s.term, s.seq) for s in live}) == 1
+                and not any(s.resyncing for s in live)):
             return live
         if time.monotonic() > deadline:
             raise AssertionError(f"copies of shard {shard} disagree: {got}")

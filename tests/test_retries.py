@@ -157,7 +157,7 @@ def test_elections_again_and_again_fail_no_call(tmp_path):
 
                 def check():
                     seen[:] = [s for shard in range(SHARDS) for s in rs.statuses(c, shard)]
-                    return all(s is not None and s["role"] != "leader" for s in seen)
+                    return all(s is not None and s.role != "leader" for s in seen)
 
                 rs.wait("every leader stepping down with etcd stopped", check, lambda: seen)
                 # and no election for a while longer: the loops' calls wait it out

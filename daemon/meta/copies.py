@@ -85,7 +85,8 @@ def replica_handlers(shard: MetaShard) -> dict:
     repl, store = shard.repl, shard.store
 
     async def digest(index: int) -> dict:
-        return await trio.to_thread.run_sync(replog.digest, store.env, store.dbs)
+        d = await trio.to_thread.run_sync(replog.digest, store.env, store.dbs)
+        return d.to_wire()
 
     if repl is not None:
         return {R.REPL_STATUS: Handler(repl.repl_status),
@@ -95,8 +96,7 @@ def replica_handlers(shard: MetaShard) -> dict:
 
     async def single(index: int) -> dict:
         term, seq = store.pos
-        return {"shard": shard.shard, "replica": 0, "term": term, "seq": seq,
-                "role": "single", "leader": 0, "resyncing": False}
+        return R.ReplStatus.single(shard.shard, term, seq).to_wire()
 
     def refused() -> Exception:
         return error(errno.EINVAL, f"metadata shard {shard.shard} has one copy: nothing "
@@ -112,16 +112,17 @@ def replica_handlers(shard: MetaShard) -> dict:
             R.REPL_SNAPSHOT: Handler(refuse), R.REPL_DIGEST: Handler(digest)}
 
 
-def replication_info(repl: Replication) -> dict:
-    """The copies as `jpfs cluster status` shows them (a line), and in full."""
+def replication_info(repl: Replication) -> tuple[str, R.ReplStatus]:
+    """The copies as `jpfs cluster status` shows them: a line, and the status in full
+    (``ShardInfo.replication`` and ``replication_status``)."""
     st = repl.status()
-    behind = [f"copy {j} {'at' if seq == st['seq'] else 'behind, at'} seq {seq:,}"
-              for j, seq in sorted(st["followers"].items())]
+    behind = [f"copy {j} {'at' if seq == st.seq else 'behind, at'} seq {seq:,}"
+              for j, seq in sorted(st.followers.items())]
     missing = [f"copy {j} not in contact" for j in range(repl.n)
-               if j != st["replica"] and j not in st["followers"]]
-    line = (f"copy {st['replica']} of {repl.n} leads (term {st['term']:,}, seq "
-            f"{st['seq']:,}): " + ", ".join(behind + missing))
-    return {"replication": line, "replication_status": st}
+               if j != st.replica and j not in st.followers]
+    line = (f"copy {st.replica} of {repl.n} leads (term {st.term:,}, seq "
+            f"{st.seq:,}): " + ", ".join(behind + missing))
+    return line, st
 
 
 def shard_peers(nursery: trio.Nursery, cluster: config.Cluster) -> Pool | ShardPool:

@@ -142,38 +142,41 @@ class Healer:
         """Whether this copy leads its shard (only the leader heals)."""
         return self.store.leading
 
-    async def heal_status(self) -> dict:
-        """HEAL_STATUS: the healer's state and the counts of its last round (those of the round
-        under way where it has found more), as one JSON-able object."""
+    def status(self) -> H.HealStatus:
+        """The healer's state and the counts of its last round (those of the round under way
+        where it has found more): HEAL_STATUS's record."""
         last = self.last
         under, under_bytes = last.get("under", 0), last.get("under_bytes", 0)
         cur = self._current
         if cur is not None and cur.under > 0:  # found so far in this round, less those fixed
             under, under_bytes = max(0, cur.under), max(0, cur.under_bytes)
-        return {
-            "shard": self.shard, "leader": self.leading, "enabled": self.rate > 0,
-            "state": self.state if self.leading or self.rate <= 0 else "follower",
-            "rounds": self.totals["rounds"], "round_started": self.round_started,
-            "round_epoch": last.get("epoch", -1), "last_round": last.get("finished"),
-            "scanned": self.scanned, "chunks": last.get("chunks", 0),
-            "bytes": last.get("bytes", 0), "under_replicated": under,
-            "under_bytes": under_bytes,
-            "unrepairable": last.get("unrepairable", 0),
-            "bad_copies": last.get("bad_copies", 0),
-            "node_chunks": dict(last.get("node_chunks", {})),
-            "to_move": dict(last.get("to_move", {})),
-            "clean_rounds": dict(self._drain_seen),
-            **{k: v for k, v in self.totals.items() if k != "rounds"},
-            "pending": self.pending, "rate_limit": self.rate, "bytes_per_s": self.bytes_per_s,
-            "rebalance": self.rebalance, "error": self.error,
-        }
+        totals = self.totals
+        return H.HealStatus(
+            shard=self.shard, leader=self.leading, enabled=self.rate > 0,
+            state=self.state if self.leading or self.rate <= 0 else "follower",
+            rounds=totals["rounds"], round_started=self.round_started,
+            round_epoch=last.get("epoch", -1), last_round=last.get("finished"),
+            scanned=self.scanned, chunks=last.get("chunks", 0), bytes=last.get("bytes", 0),
+            under_replicated=under, under_bytes=under_bytes,
+            unrepairable=last.get("unrepairable", 0), bad_copies=last.get("bad_copies", 0),
+            node_chunks=dict(last.get("node_chunks", {})),
+            to_move=dict(last.get("to_move", {})), clean_rounds=dict(self._drain_seen),
+            repaired_chunks=totals["repaired_chunks"], repaired_bytes=totals["repaired_bytes"],
+            moved_chunks=totals["moved_chunks"], moved_bytes=totals["moved_bytes"],
+            copy_failures=totals["copy_failures"], pending=self.pending,
+            rate_limit=self.rate, bytes_per_s=self.bytes_per_s, rebalance=self.rebalance,
+            error=self.error)
+
+    async def heal_status(self) -> dict:
+        """HEAL_STATUS: :meth:`status` in wire form."""
+        return self.status().to_wire()
 
     def with_metrics(self, snapshot: Callable[[], Awaitable[dict]]
                      ) -> Callable[[], Awaitable[dict]]:
         """``snapshot`` (the shard's ``shard_info``) plus the healer's figures as ``heal_*``
         keys, for the Prometheus export (``COUNTERS`` are the ones that only grow)."""
         async def both() -> dict:
-            s = heal_status_numbers(await self.heal_status())
+            s = heal_status_numbers(self.status())
             return {**await snapshot(), **s}
 
         return both
@@ -182,7 +185,7 @@ class Healer:
         """HEAL_KICK: start a round now instead of after the pause; the status as
         ``heal_status``."""
         self._kick.set()
-        return await self.heal_status()
+        return self.status().to_wire()
 
     # ---- following the map
 
@@ -516,11 +519,10 @@ class Healer:
         draining = [n for n, s in enumerate(states_of(cluster)) if s == DRAINING]
         if self.shard != 0 or not draining or self._etcd is None:
             return []
-        statuses = [await self.heal_status()] + [await self._leader_status(cluster, i)
-                                                 for i in range(1, cluster.n_shards)]
+        statuses = [self.status()] + [await self._leader_status(cluster, i)
+                                      for i in range(1, cluster.n_shards)]
         done = [n for n in draining if all(
-            s is not None and s.get("clean_rounds", {}).get(n, 0) >= CLEAN_ROUNDS
-            for s in statuses)]
+            s is not None and s.clean_rounds.get(n, 0) >= CLEAN_ROUNDS for s in statuses)]
         if not done:
             return []
         from jpfs.coord.clustermap import update_map
@@ -538,7 +540,7 @@ class Healer:
         self.follow(new)
         return done
 
-    async def _leader_status(self, cluster: Cluster, shard: int) -> dict | None:
+    async def _leader_status(self, cluster: Cluster, shard: int) -> H.HealStatus | None:
         """Shard ``shard``'s leader's heal_status, asking each of its copies; None if none
         answers as the leader."""
         pool = self._shards
@@ -546,10 +548,11 @@ class Healer:
         base = sum(len(_replicas(cluster, i)) for i in range(shard))
         for j in range(len(_replicas(cluster, shard))):
             try:
-                s = await pool.call(base + j, H.HEAL_STATUS, H.HealNoArgs(), retry_for=0.5)
+                s = H.HEAL_STATUS.decode(await pool.call(base + j, H.HEAL_STATUS,
+                                                         H.HealNoArgs(), retry_for=0.5))
             except JPFSError:
                 continue
-            if isinstance(s, dict) and s.get("leader"):
+            if s.leader:
                 return s
         return None
 
@@ -559,11 +562,11 @@ COUNTERS = frozenset({"heal_rounds", "heal_repaired_chunks", "heal_repaired_byte
 """Prometheus counters among the ``heal_*`` figures (the rest are gauges)."""
 
 
-def heal_status_numbers(status: dict) -> dict:
+def heal_status_numbers(status: H.HealStatus) -> dict:
     """The numeric figures of a ``heal_status`` answer, as ``heal_<key>``."""
-    out = {f"heal_{k}": v for k, v in status.items()
+    out = {f"heal_{k}": v for k, v in status.to_wire().items()
            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "shard"}
-    out["heal_leader"] = int(bool(status.get("leader")))
+    out["heal_leader"] = int(bool(status.leader))
     return out
 
 

@@ -144,17 +144,18 @@ class Replication:
         if len(marks) >= self.majority and self.may_ack():
             self.store.replicated(marks[self.majority - 1])
 
-    def status(self) -> dict:
+    def status(self) -> R.ReplStatus:
         """This copy's replication state, for ``jpfs cluster status`` and the tests: position,
         role, the leader it knows, elections, and each follower's position when it leads."""
         term, seq = self.store.pos
         floor = self.store.resync_floor
-        return {"shard": self.shard, "replica": self.replica, "term": term, "seq": seq,
-                "known_term": self.known_term, "role": self.role, "leader": self.leader,
-                "leader_address": self.leader_address, "resyncing": floor is not None,
-                "floor": list(floor) if floor is not None else None,
-                "elections": self.elections, "snapshots_sent": self.snapshots_sent,
-                "followers": dict(self.match) if self.role == "leader" else {}}
+        return R.ReplStatus(
+            shard=self.shard, replica=self.replica, term=term, seq=seq,
+            known_term=self.known_term, role=self.role, leader=self.leader,
+            leader_address=self.leader_address, resyncing=floor is not None,
+            floor=list(floor) if floor is not None else None, elections=self.elections,
+            snapshots_sent=self.snapshots_sent,
+            followers=dict(self.match) if self.role == "leader" else {})
 
     # ---- election -------------------------------------------------------------------------------
 
@@ -231,12 +232,12 @@ class Replication:
         mine = self.store.pos
         if self.store.resyncing:
             return False
-        answers: list[Any] = []
+        answers: list[R.ReplStatus] = []
 
         async def ask(j: int) -> None:
             try:
-                answers.append(await self.peers.call(j, R.REPL_STATUS, [self.shard],
-                                                     timeout=self.ttl / 2))
+                answers.append(R.REPL_STATUS.decode(await self.peers.call(
+                    j, R.REPL_STATUS, [self.shard], timeout=self.ttl / 2)))
             except JPFSError:
                 pass
 
@@ -250,13 +251,13 @@ class Replication:
         # may be unable to reach etcd)
         ties_count = trio.current_time() - (self._vacant_since or 0.0) < 3 * self.ttl
         for a in answers:
-            if a.get("resyncing"):  # it cannot lead, but what it held still counts
-                floor = tuple(a.get("floor") or (0, 0))
+            if a.resyncing:  # it cannot lead, but what it held still counts
+                floor = tuple(a.floor or (0, 0))
                 if floor > mine:
                     return False
                 continue
-            theirs = (a["term"], a["seq"])
-            if theirs > mine or (ties_count and theirs == mine and a["replica"] < self.replica):
+            theirs = (a.term, a.seq)
+            if theirs > mine or (ties_count and theirs == mine and a.replica < self.replica):
                 return False
         return True
 
@@ -484,8 +485,8 @@ class Replication:
         self.leader, self.leader_address = leader, address
 
     async def repl_status(self, shard: int) -> dict:
-        """REPL_STATUS: this copy's :meth:`status`."""
-        return self.status()
+        """REPL_STATUS: this copy's :meth:`status` (``ReplStatus.to_wire()``)."""
+        return self.status().to_wire()
 
     def _append(self, shard: int, term: int, leader: int, address: str, prev_term: int,
                 prev_seq: int, entries: list) -> R.Appended:

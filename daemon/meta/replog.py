@@ -18,6 +18,8 @@ from typing import Any
 import lmdb
 import xxhash
 
+from jpfs.proto.replica import ReplDigest
+
 REPL_KEY = b"repl"
 """``state`` key of the last applied ``(term, seq)`` (16 bytes, big-endian)."""
 RESYNC_KEY = b"resyncing"
@@ -237,7 +239,7 @@ class Ring:
         return out
 
 
-def digest(env: lmdb.Environment, dbs: dict[str, Any]) -> dict:
+def digest(env: lmdb.Environment, dbs: dict[str, Any]) -> ReplDigest:
     """A hash of every record of one copy and the position it is at, from one read
     transaction (run it in a worker thread: it reads the whole shard). Copies at the same
     position must have the same digest (``jpfs fsck`` compares them); ``dbs`` holds each
@@ -261,6 +263,6 @@ def digest(env: lmdb.Environment, dbs: dict[str, Any]) -> dict:
             per_db[name] = [n, h.hexdigest()]
             whole.update(b"%s:%s;" % (name.encode(), per_db[name][1].encode()))
             records += n
-    return {"term": pos[0], "seq": pos[1], "digest": whole.hexdigest(), "records": records,
-            "dbs": per_db, "resyncing": resyncing}
+    return ReplDigest(term=pos[0], seq=pos[1], digest=whole.hexdigest(), records=records,
+                      dbs=per_db, resyncing=resyncing)
 

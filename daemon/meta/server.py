@@ -308,16 +308,21 @@ class MetaShard:
             self.store.tx_resolved(args[0])
         return result
 
-    async def shard_info(self) -> dict:
-        """SHARD_INFO (``jpfs cluster status``): the shard's counters, sizes and replication
-        state."""
+    def info(self) -> P.ShardInfo:
+        """The shard's counters, sizes and replication state (SHARD_INFO's record, also the
+        daemon's metrics)."""
         counts = self.store.read(ns.statfs)
-        return {"shard": self.shard, "shards": self.n_shards, "chunk_size": self.chunk_size,
-                "commits": self.store.commits, "ops": self.store.ops,
-                "syncs": self.store.syncs,
-                "syncs_inline": self.store.fsyncs.inline,
-                "transactions_committed": self.coord.committed,
-                "transactions_aborted": self.coord.aborted, **counts.as_dict(),
-                "db_bytes": os.path.getsize(self.store.path / "data.mdb"), "pid": os.getpid(),
-                **self.leases.info(),
-                **(C.replication_info(self.repl) if self.repl is not None else {})}
+        line, st = C.replication_info(self.repl) if self.repl is not None else (None, None)
+        return P.ShardInfo(
+            shard=self.shard, shards=self.n_shards, chunk_size=self.chunk_size,
+            commits=self.store.commits, ops=self.store.ops, syncs=self.store.syncs,
+            syncs_inline=self.store.fsyncs.inline,
+            transactions_committed=self.coord.committed,
+            transactions_aborted=self.coord.aborted, inodes=counts.inodes,
+            dentries=counts.dentries, chunks=counts.chunks,
+            db_bytes=os.path.getsize(self.store.path / "data.mdb"), pid=os.getpid(),
+            **self.leases.info(), replication=line, replication_status=st)
+
+    async def shard_info(self) -> dict:
+        """SHARD_INFO (``jpfs cluster status``): ``info()`` in wire form."""
+        return self.info().to_wire()

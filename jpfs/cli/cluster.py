@@ -308,14 +308,14 @@ def _place_shard_info(client, shard: int, copies: list[dict]) -> None:
             if r["alive"]:
                 r["error"] = e.strerror or str(e)
         return
-    repl = info.get("replication_status") or {}
-    leader = repl.get("leader", 0) if repl else 0
-    followers = {int(k): v for k, v in (repl.get("followers") or {}).items()}
+    repl = info.replication_status
+    leader = repl.leader if repl is not None else 0
+    followers = {int(k): v for k, v in repl.followers.items()} if repl is not None else {}
     for r in copies:
         if r["replica"] == leader:
-            r.update(info)
-            if repl:
-                r["copy_state"] = f"leader (term {repl.get('term')}, seq {repl.get('seq')})"
+            r.update(info.as_dict())
+            if repl is not None:
+                r["copy_state"] = f"leader (term {repl.term}, seq {repl.seq})"
         elif r["alive"]:
             at = followers.get(r["replica"])
             r["copy_state"] = (f"follower at seq {at}" if at is not None
@@ -338,8 +338,8 @@ def _heal_lines(info: list[dict]) -> list[str]:
     return lines
 
 
-async def _shard_info(aclient, index: int) -> dict:
-    return await aclient.meta.call(index, "shard_info", retry_for=1.0, timeout=5.0)
+async def _shard_info(aclient, index: int):
+    return await aclient.meta.shard_info(index, retry_for=1.0, timeout=5.0)
 
 
 async def _storage_stats(aclient, index: int) -> dict:

@@ -108,10 +108,11 @@ def _gather(client) -> dict:
     return client.run(run)
 
 
-def _summed(heal: list[dict], key: str) -> dict[int, int]:
+def _summed(per_shard: list[dict[int, int]]) -> dict[int, int]:
+    """``{node: count}`` maps of the shards added up."""
     out: dict[int, int] = {}
-    for s in heal:
-        for node, count in (s.get(key) or {}).items():
+    for counts in per_shard:
+        for node, count in (counts or {}).items():
             out[int(node)] = out.get(int(node), 0) + int(count)
     return out
 
@@ -120,45 +121,46 @@ def heal_status_lines(client) -> list[str]:
     """Under-replicated chunks and bytes, repair and rebalance progress, drains and scrub
     progress, in a few lines (``jpfs cluster status`` prints them). ``client``: a blocking
     ``jpfs.Client``."""
+    from ..client.tools.scrub import answered
     from ..client.tools.scrub import status as scrub_status
 
     got = _gather(client)
     heal = got["heal"]
     lines: list[str] = []
-    broken = [s for s in heal if s.get("error")]
-    ok = [s for s in heal if not s.get("error")]
+    broken = [s for s in heal if s.error]
+    ok = [s for s in answered(heal) if not s.error]
     if not ok:
-        return [f"healing: no shard answered ({broken[0]['error']})" if broken else
+        return [f"healing: no shard answered ({broken[0].error})" if broken else
                 "healing: no shards"]
-    under = sum(s.get("under_replicated", 0) for s in ok)
-    under_b = sum(s.get("under_bytes", 0) for s in ok)
-    lost = sum(s.get("unrepairable", 0) for s in ok)
-    rate = sum(s.get("bytes_per_s", 0.0) for s in ok if s.get("state") == "copying")
-    busy = [s["shard"] for s in ok if s.get("state") in ("scanning", "copying")]
-    off = [s["shard"] for s in ok if not s.get("enabled", True)]
+    under = sum(s.under_replicated for s in ok)
+    under_b = sum(s.under_bytes for s in ok)
+    lost = sum(s.unrepairable for s in ok)
+    rate = sum(s.bytes_per_s for s in ok if s.state == "copying")
+    busy = [s.shard for s in ok if s.state in ("scanning", "copying")]
+    off = [s.shard for s in ok if not s.enabled]
     head = (f"healing: under-replicated {under:,} chunks ({format_size(under_b)})"
             + (f", {lost:,} with no copy left to copy from" if lost else "")
-            + f"; repaired {sum(s.get('repaired_chunks', 0) for s in ok):,} chunks "
-            f"({format_size(sum(s.get('repaired_bytes', 0) for s in ok))}), moved "
-            f"{sum(s.get('moved_chunks', 0) for s in ok):,} "
-            f"({format_size(sum(s.get('moved_bytes', 0) for s in ok))})")
+            + f"; repaired {sum(s.repaired_chunks for s in ok):,} chunks "
+            f"({format_size(sum(s.repaired_bytes for s in ok))}), moved "
+            f"{sum(s.moved_chunks for s in ok):,} "
+            f"({format_size(sum(s.moved_bytes for s in ok))})")
     if busy:
         head += f"; shards {', '.join(map(str, busy))} at work"
         if rate:
             head += f", {format_size(rate)}/s"
     lines.append(head)
-    never = [s["shard"] for s in ok if not s.get("rounds")]
+    never = [s.shard for s in ok if not s.rounds]
     if never:
         lines.append(f"  shards {', '.join(map(str, never))}: first healing round not finished "
                      "yet (the figures above leave them out)")
     if off:
         lines.append(f"  healing is off on shards {', '.join(map(str, off))} (--heal-rate 0)")
     for s in broken:
-        lines.append(f"  shard {s.get('shard')}: healing status unavailable: {s['error']}")
-    to_move = _summed(ok, "to_move")
+        lines.append(f"  shard {s.shard}: healing status unavailable: {s.error}")
+    to_move = _summed([s.to_move for s in ok])
     for node, count in sorted(to_move.items()):
         lines.append(f"  storage-{node} draining: {count:,} chunks still to move")
-    reb = [s.get("rebalance") or {} for s in ok]
+    reb = [s.rebalance or {} for s in ok]
     moves = [m for r in reb for m in r.get("moves", [])]
     if moves:
         r0 = next(r for r in reb if r.get("moves"))
@@ -238,9 +240,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         got = _gather(client)
     finally:
         client.close()
+    from ..client.tools.scrub import answered
+
     heal, stats = got["heal"], got["stats"]
-    named = _summed([s for s in heal if not s.get("error")], "node_chunks")
-    to_move = _summed([s for s in heal if not s.get("error")], "to_move")
+    ok = [s for s in answered(heal) if not s.error]
+    named = _summed([s.node_chunks for s in ok])
+    to_move = _summed([s.to_move for s in ok])
     rows: list[dict[str, Any]] = []
     for i, s in enumerate(cluster.storage):
         st: Any = stats[i] if i < len(stats) else None
@@ -252,7 +257,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                      **({"error": err} if err else {})})
     if args.json:
         print_json({"epoch": cluster.epoch, "replicas": cluster.replicas, "nodes": rows,
-                    "shards": heal})
+                    "shards": [s.as_dict() for s in heal]})
         return 0
     table = [["node", "address", "state", "up", "used", "chunks", "to move"]]
     for r in rows:
@@ -263,10 +268,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     width = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
     for row in table:
         print("  ".join(c.ljust(width[k]) for k, c in enumerate(row)).rstrip())
-    missing = [s for s in heal if s.get("error")]
+    missing = [s for s in heal if s.error]
     if missing:
         print(f"chunk counts leave out {plural(len(missing), 'shard')} that did not answer: "
-              + "; ".join(f"shard {s['shard']}: {s['error']}" for s in missing))
+              + "; ".join(f"shard {s.shard}: {s.error}" for s in missing))
     return 0
 
 
@@ -297,10 +302,12 @@ def cmd_add(args: argparse.Namespace) -> int:
     return 0
 
 
-def _clean_everywhere(heal: list[dict], node: int) -> bool:
-    return bool(heal) and all(not s.get("error") and
-                              int((s.get("clean_rounds") or {}).get(node, 0)) >= CLEAN_ROUNDS
-                              for s in heal)
+def _clean_everywhere(heal: list, node: int) -> bool:
+    from ..client.tools.scrub import answered
+
+    ok = [s for s in answered(heal) if not s.error]
+    return bool(heal) and len(ok) == len(heal) and all(
+        int((s.clean_rounds or {}).get(node, 0)) >= CLEAN_ROUNDS for s in ok)
 
 
 def _drained(current: config.Cluster, node: int) -> config.Cluster:
@@ -313,6 +320,8 @@ def _drained(current: config.Cluster, node: int) -> config.Cluster:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
+    from ..client.tools.scrub import answered
+
     cluster = _cluster(args)
     new = _set_state(cluster, args.node, DRAINING, args.force)
     state = new.storage[args.node].state
@@ -336,7 +345,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
             if state != DRAINING:
                 break
             if time.monotonic() > give_up:
-                left = sum(int((s.get("to_move") or {}).get(args.node, 0)) for s in heal)
+                left = sum(int((s.to_move or {}).get(args.node, 0)) for s in answered(heal))
                 print(f"jpfs node drain: storage-{args.node}: still draining after "
                       f"{args.timeout:.0f} s ({left:,} chunks to move); `jpfs cluster status` "
                       "shows the healers' progress", file=sys.stderr)

@@ -23,7 +23,9 @@ from ..errors import error, from_name
 from ..rpc import Method, method_table
 from ..types import NAME_MAX, Attr, DirEntry, Layout
 from .heal import HEAL_METHODS
+from .records import from_map
 from .replica import METHODS as _REPLICA_METHODS
+from .replica import ReplStatus
 
 # ---- response records ------------------------------------------------------------------------
 
@@ -250,6 +252,71 @@ class Pending(NamedTuple):
         """The transactions from ``[intents, prepared]``."""
         intents, prepared = w
         return cls(intents, prepared)
+
+
+class ShardInfo(NamedTuple):
+    """``shard_info`` (``jpfs cluster status``, the daemon's metrics): one shard's counters,
+    sizes and replication state. Wire: a map, one key per field, in this order; the last two
+    only from a shard with several copies."""
+
+    shard: int
+    shards: int
+    """Metadata shards in the cluster, as this one knows."""
+    chunk_size: int
+    commits: int
+    """Group commits."""
+    ops: int
+    """Operations those committed."""
+    syncs: int
+    """fsyncs of the shard's environment."""
+    syncs_inline: int
+    """Of those, the ones run on the request loop (not in a worker thread)."""
+    transactions_committed: int
+    """Cross-shard transactions this shard coordinated to a commit."""
+    transactions_aborted: int
+    inodes: int
+    dentries: int
+    chunks: int
+    db_bytes: int
+    """Size of the LMDB data file."""
+    pid: int
+    leases: int
+    """Directory write leases held."""
+    lease_sessions: int
+    """Sessions (mounts) holding them or waiting on recalls."""
+    leases_granted: int
+    leases_recalled: int
+    leases_given_back: int
+    leases_revoked: int
+    replication: str | None = None
+    """The copies in a line: who leads, and each other copy's position."""
+    replication_status: ReplStatus | None = None
+    """The leading copy's ``ReplStatus`` (None with one copy)."""
+
+    @classmethod
+    def from_wire(cls, w: dict) -> ShardInfo:
+        """The figures from their map."""
+        info = from_map(cls, w, _INFO_OPTIONAL)
+        st = info.replication_status
+        return info if st is None else info._replace(replication_status=ReplStatus.from_wire(st))
+
+    def to_wire(self) -> dict:
+        """The map the shard sends: without ``replication`` and ``replication_status`` when
+        the shard has one copy."""
+        d = self._asdict()
+        st = d.pop("replication_status")
+        if d["replication"] is None:
+            del d["replication"]
+        else:
+            d["replication_status"] = st.to_wire() if st is not None else None
+        return d
+
+    def as_dict(self) -> dict:
+        """The figures as JSON reports print them (the wire's map)."""
+        return self.to_wire()
+
+
+_INFO_OPTIONAL: dict[str, object] = {"replication": None, "replication_status": None}
 
 
 # ---- request records -------------------------------------------------------------------------
@@ -598,7 +665,7 @@ PENDING = Method(34, "pending", NoArgs, Pending, idempotent=True)
 REPAIR = Method(35, "repair", RepairReq, bool | int)
 """False when the state is no longer what fsck saw; ``make_dir`` answers the directory's ino
 (a bool or an int: no record needed)."""
-SHARD_INFO = Method(36, "shard_info", NoArgs, dict, idempotent=True)
+SHARD_INFO = Method(36, "shard_info", NoArgs, ShardInfo, idempotent=True)
 SYNC = Method(37, "sync", NoArgs, int, idempotent=True)
 """Answered once every change this shard answered before is durable (fsync(2), unmount)."""
 # directory write leases (daemon/meta/leases.py)

@@ -22,6 +22,7 @@ import trio
 from ..errors import DeadlineError, JPFSError, Unavailable, error
 from ..rpc import Method, Pool, method_table
 from ..rpc.client import Refused
+from .records import from_map
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +114,102 @@ class Appended(NamedTuple):
         return cls(ok, term, seq, resyncing)
 
 
-REPL_STATUS = Method(60, "repl_status", StatusReq, dict, idempotent=True)
-"""``{"replica", "term", "seq", "known_term", "role", "leader", "resyncing"}``."""
+class ReplStatus(NamedTuple):
+    """``repl_status``: one copy's replication state (``jpfs cluster status``, elections, the
+    tests). Wire: a map, one key per field, in this order (operators read it as JSON)."""
+
+    shard: int
+    replica: int
+    """This copy's index among the shard's copies."""
+    term: int
+    seq: int
+    """The position of the last entry this copy holds."""
+    known_term: int
+    """The newest term this copy has heard of (a leader's etcd key revision)."""
+    role: str
+    """``"leader"``, ``"follower"``, or ``"single"`` for a shard of one copy."""
+    leader: int | None
+    """The copy it knows leads, or None (an election is under way)."""
+    leader_address: str | None
+    resyncing: bool
+    """Installing a snapshot: it holds part of the shard and cannot lead."""
+    floor: list | None
+    """``[term, seq]`` it held before the snapshot began (what it acknowledged still counts in
+    an election), while ``resyncing``; None otherwise."""
+    elections: int
+    """Elections this copy won since it started."""
+    snapshots_sent: int
+    """Snapshots it sent to followers (as leader)."""
+    followers: dict[int, int]
+    """``{copy: seq}`` of each follower in contact, when it leads; empty otherwise."""
+
+    @classmethod
+    def single(cls, shard: int, term: int, seq: int) -> ReplStatus:
+        """The status of a shard with one copy: it alone holds the shard and answers."""
+        return cls(shard, 0, term, seq, term, "single", 0, None, False, None, 0, 0, {})
+
+    @classmethod
+    def from_wire(cls, w: dict) -> ReplStatus:
+        """The status from its map (a single copy's lacks the election figures)."""
+        if type(w) is dict and "known_term" not in w:
+            w = {**w, "known_term": w.get("term", 0)}
+        return from_map(cls, w, _STATUS_OPTIONAL)
+
+    def to_wire(self) -> dict:
+        """The map a copy sends; a shard of one copy (``"single"``) sends only its position
+        and role, having no elections or followers to tell of."""
+        d = self._asdict()
+        if self.role == "single":
+            return {k: d[k] for k in _SINGLE_KEYS}
+        return d
+
+    def as_dict(self) -> dict:
+        """The status as JSON reports print it (the wire's map)."""
+        return self.to_wire()
+
+
+_SINGLE_KEYS = ("shard", "replica", "term", "seq", "role", "leader", "resyncing")
+_STATUS_OPTIONAL: dict[str, object] = {"leader_address": None, "floor": None, "elections": 0,
+                    "snapshots_sent": 0, "followers": {}}
+
+
+class ReplDigest(NamedTuple):
+    """``repl_digest`` (fsck): a hash of every record of one copy and the position it is at,
+    from one read transaction. Copies at the same position must have the same digest. Wire: a
+    map, one key per field, in this order."""
+
+    term: int
+    seq: int
+    digest: str
+    """xxh3-128 (hex) over every database's hash, in name order."""
+    records: int
+    dbs: dict[str, list] | None
+    """``{database: [records, hash]}``, so a report names the database where copies part;
+    None from a daemon that predates them."""
+    resyncing: bool
+    """In the middle of a snapshot: it holds part of the shard, not comparable."""
+
+    @classmethod
+    def from_wire(cls, w: dict) -> ReplDigest:
+        """The digest from its map."""
+        return from_map(cls, w, _DIGEST_OPTIONAL)
+
+    def to_wire(self) -> dict:
+        """The map a copy sends."""
+        return self._asdict()
+
+    def as_dict(self) -> dict:
+        """The digest as JSON reports print it (the wire's map)."""
+        return self._asdict()
+
+
+_DIGEST_OPTIONAL: dict[str, object] = {"dbs": None, "resyncing": False}
+
+
+REPL_STATUS = Method(60, "repl_status", StatusReq, ReplStatus, idempotent=True)
 REPL_APPEND = Method(61, "repl_append", AppendReq, Appended, inline=True)
 REPL_SNAPSHOT = Method(62, "repl_snapshot", SnapshotReq, bool)
-REPL_DIGEST = Method(63, "repl_digest", StatusReq, dict, idempotent=True)
-"""``{"term", "seq", "digest", "records", "dbs"}``: a hash of every record of this copy, and
-of each database (``dbs``: name -> [records, hash]), for fsck."""
+REPL_DIGEST = Method(63, "repl_digest", StatusReq, ReplDigest, idempotent=True)
 
 METHODS = method_table(REPL_STATUS, REPL_APPEND, REPL_SNAPSHOT, REPL_DIGEST)
 

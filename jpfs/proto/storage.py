@@ -57,10 +57,11 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ..errors import error
 from ..rpc import Method, method_table
+from .records import from_map as _from_map
 
 BLOB_ID_BYTES = 16
 
@@ -210,14 +211,6 @@ class BlobPlaces:
         name."""
         return type(place) is list and len(place) == 4 and all(type(x) is int for x in place) \
             and min(place) >= 0
-
-
-def _from_map(cls: Any, w: object) -> Any:
-    """The record ``cls`` (a NamedTuple) from a map holding a key per field (more are
-    ignored); TypeError or KeyError when it is not one (``Method.decode`` says so)."""
-    if type(w) is not dict:
-        raise TypeError(f"{cls.__name__} must be a map, not {type(w).__name__}")
-    return cls._make([w[k] for k in cls._fields])
 
 
 class CompactSummary(NamedTuple):

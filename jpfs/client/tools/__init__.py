@@ -2,7 +2,8 @@
 
 from .fsck import fsck
 from .gc import collect
-from .scrub import heal_status
+from .scrub import NoAnswer, answered, heal_status
 from .transfer import export_tree, import_tree
 
-__all__ = ["collect", "export_tree", "fsck", "heal_status", "import_tree"]
+__all__ = ["NoAnswer", "answered", "collect", "export_tree", "fsck", "heal_status",
+           "import_tree"]

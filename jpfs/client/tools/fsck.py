@@ -22,13 +22,12 @@ import logging
 import stat
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
 from ...errors import JPFSError
 from ...placement import shard_of
-from ...proto.replica import REPL_DIGEST, ShardPool
+from ...proto.replica import REPL_DIGEST, ReplDigest, ShardPool, StatusReq
 from ...types import ROOT_INO
 from ..wire.meta import MetaClient
 
@@ -115,17 +114,18 @@ async def check_copies(meta: MetaClient, report: Report, wait: float = 10.0) -> 
         deadline = trio.current_time() + wait
         down = ""
         while True:
-            got: list[Any] = []
+            got: list[ReplDigest | None] = []
             for j in range(len(copies)):
                 try:
-                    got.append(await copies.call(j, REPL_DIGEST, [shard], timeout=60.0))
+                    got.append(REPL_DIGEST.decode(await copies.call(
+                        j, REPL_DIGEST, StatusReq(shard), timeout=60.0)))
                 except JPFSError as e:
                     got.append(None)
                     down = e.strerror or str(e)
             live = [(j, g) for j, g in enumerate(got) if g is not None]
-            positions = {(g["term"], g["seq"]) for _, g in live}
+            positions = {(g.term, g.seq) for _, g in live}
             # a copy installing a snapshot holds part of the shard: wait for it too
-            catching_up = len(positions) > 1 or any(g.get("resyncing") for _, g in live)
+            catching_up = len(positions) > 1 or any(g.resyncing for _, g in live)
             if not catching_up or trio.current_time() > deadline:
                 break
             await trio.sleep(0.2)
@@ -133,26 +133,28 @@ async def check_copies(meta: MetaClient, report: Report, wait: float = 10.0) -> 
             if g is None:
                 report.notes.append(f"shard {shard} copy {j} not checked: {down}")
         if catching_up:
-            where = ", ".join(f"copy {j} " + ("installing a snapshot" if g.get("resyncing")
-                                               else f"at seq {g['seq']}") for j, g in live)
+            where = ", ".join(f"copy {j} " + ("installing a snapshot" if g.resyncing
+                                               else f"at seq {g.seq}") for j, g in live)
             report.notes.append(f"shard {shard}: copies still catching up, not compared "
                                 f"({where})")
             continue
-        if len({g["digest"] for _, g in live}) > 1:
+        if len({g.digest for _, g in live}) > 1:
             report.add("copies_differ", f"shard {shard}: copies at the same position hold "
                        f"different records{_where_they_differ(live)} (" + ", ".join(
-                           f"copy {j}: {g['records']} records, {g['digest'][:12]}"
+                           f"copy {j}: {g.records} records, {g.digest[:12]}"
                            for j, g in live) + "); stop the odd copy, move its data "
                        "directory away and start it again: it resyncs from the leader")
 
 
-def _where_they_differ(live: list[tuple[int, dict]]) -> str:
+def _where_they_differ(live: list[tuple[int, ReplDigest]]) -> str:
     """`` in databases a, b`` where the copies' per-database hashes disagree (empty when a
     copy's daemon predates them)."""
-    if not all("dbs" in g for _, g in live):
+    dbs = [g.dbs for _, g in live]
+    if any(d is None for d in dbs):
         return ""
-    names = sorted({name for _, g in live for name in g["dbs"]})
-    differ = [name for name in names if len({tuple(g["dbs"].get(name, ())) for _, g in live}) > 1]
+    names = sorted({name for d in dbs if d is not None for name in d})
+    differ = [name for name in names
+              if len({tuple(d.get(name, ())) for d in dbs if d is not None}) > 1]
     return f" in database{'s' if len(differ) > 1 else ''} {', '.join(differ)}" if differ else ""
 
 

@@ -17,13 +17,16 @@ it owns (``jpfs_daemon.meta.heal``), and ``heal_status`` here gathers what the h
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import trio
 import xxhash
 
 from ...errors import JPFSError
 from ...proto import storage as P
+from ...proto.heal import HealStatus
 from ...types import ROOT_INO
 from ..client import AsyncClient
 
@@ -116,17 +119,34 @@ async def start(client: AsyncClient, nodes: list[int] | None = None) -> list[dic
     return [{"node": n, **s} for n, s in sorted(out.items())]
 
 
-async def heal_status(client: AsyncClient) -> list[dict]:
-    """Every shard leader's healer progress (``jpfs.proto.heal.HEAL_KEYS``), or ``{"shard": i,
-    "error": reason}`` for a shard that does not answer (or predates healing)."""
-    out: list[dict] = [{} for _ in range(client.meta.n_shards)]
+class NoAnswer(NamedTuple):
+    """A shard whose healer did not answer (or predates healing), in ``heal_status``'s list:
+    ``shard`` and ``error`` as a ``HealStatus`` has them."""
+
+    shard: int
+    error: str | None
+
+    def as_dict(self) -> dict:
+        """``{"shard": i, "error": reason}``, as JSON reports print it."""
+        return self._asdict()
+
+
+def answered(statuses: Sequence[HealStatus | NoAnswer]) -> list[HealStatus]:
+    """The shards' statuses that came back (their last round may have failed: ``error``)."""
+    return [s for s in statuses if isinstance(s, HealStatus)]
+
+
+async def heal_status(client: AsyncClient) -> list[HealStatus | NoAnswer]:
+    """Every shard leader's healer progress (``jpfs.proto.heal.HealStatus``), or a
+    ``NoAnswer`` for a shard that does not answer (or predates healing)."""
+    out: list[HealStatus | NoAnswer] = [NoAnswer(shard, "") for shard in
+                                        range(client.meta.n_shards)]
 
     async def one(shard: int) -> None:
         try:
-            out[shard] = await client.meta.call(shard, "heal_status", retry_for=1.0,
-                                                timeout=10.0)
+            out[shard] = await client.meta.heal_status(shard, retry_for=1.0, timeout=10.0)
         except JPFSError as e:
-            out[shard] = {"shard": shard, "error": e.strerror}
+            out[shard] = NoAnswer(shard, e.strerror)
 
     async with trio.open_nursery() as nursery:
         for shard in range(client.meta.n_shards):
@@ -134,14 +154,14 @@ async def heal_status(client: AsyncClient) -> list[dict]:
     return out
 
 
-async def heal_kick(client: AsyncClient) -> list[dict]:
+async def heal_kick(client: AsyncClient) -> list[HealStatus | NoAnswer]:
     """Ask every shard's healer for a round now; their status or errors."""
-    out: list[dict] = []
+    out: list[HealStatus | NoAnswer] = []
     for shard in range(client.meta.n_shards):
         try:
-            out.append(await client.meta.call(shard, "heal_kick", retry_for=1.0, timeout=10.0))
+            out.append(await client.meta.heal_kick(shard, retry_for=1.0, timeout=10.0))
         except JPFSError as e:
-            out.append({"shard": shard, "error": e.strerror})
+            out.append(NoAnswer(shard, e.strerror))
     return out
 
 

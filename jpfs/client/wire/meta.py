@@ -17,7 +17,8 @@ from ...config import Cluster
 from ...errors import ProtocolError, from_name
 from ...placement import shard_of
 from ...proto import meta as P
-from ...proto.replica import ShardPool
+from ...proto.heal import HEAL_KICK, HEAL_STATUS, HealNoArgs, HealStatus
+from ...proto.replica import REPL_STATUS, ReplStatus, ShardPool, StatusReq
 from ...rpc import Method, Pool
 from ...types import Attr, DirEntry, Layout
 
@@ -226,6 +227,28 @@ class MetaClient:
         """Apply one fsck fix of ``kind`` on ``shard``; False when the state is no longer what
         fsck saw (``make_dir``: the directory's ino)."""
         return await self._ask(shard, P.REPAIR, P.RepairReq(kind, args))
+
+    # ---- status (jpfs cluster status, node list, healing, tests)
+    async def shard_info(self, shard: int, **kw) -> P.ShardInfo:
+        """``shard``'s counters, sizes and replication state (its leader answers); ``kw``:
+        the call's ``timeout``, ``retry_for``."""
+        m = P.SHARD_INFO
+        return m.decode(await self.pool.call(shard, m, P.NoArgs(), **kw))
+
+    async def repl_status(self, shard: int, **kw) -> ReplStatus:
+        """The replication state of the copy of ``shard`` that answers (its leader)."""
+        m = REPL_STATUS
+        return m.decode(await self.pool.call(shard, m, StatusReq(shard), **kw))
+
+    async def heal_status(self, shard: int, **kw) -> HealStatus:
+        """``shard``'s healer: its state and the counts of its last round."""
+        m = HEAL_STATUS
+        return m.decode(await self.pool.call(shard, m, HealNoArgs(), **kw))
+
+    async def heal_kick(self, shard: int, **kw) -> HealStatus:
+        """Ask ``shard``'s healer for a round now; its status."""
+        m = HEAL_KICK
+        return m.decode(await self.pool.call(shard, m, HealNoArgs(), **kw))
 
     # ---- changes
     async def create(self, parent: int, name: bytes, mode: int, uid: int | None = None,
