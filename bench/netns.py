@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from jpfs.localcluster import pid_alive
+from jpfs.localcluster import MODULES, pid_alive
 
 from . import relay
 from .harness import stop_like_ctrl_c, wait_port
@@ -438,8 +438,8 @@ def start_cluster(hosts: SimHosts, directory: Path, *, meta_shards: int, storage
     config.write(cluster, path)
     procs = []
     for role, i, h, port in plan:
-        module = f"jpfs_daemon.{role}.server"
-        cmd = ["ip", "netns", "exec", hosts.hosts[h].ns, sys.executable, "-m", module,
+        cmd = ["ip", "netns", "exec", hosts.hosts[h].ns, sys.executable, "-m",
+               MODULES[role],
                "--cluster", str(path), "--index", str(i), "--listen",
                hosts.listen_address(h, port), "--pid-file", str(directory / f"{role}-{i}.pid"),
                "--log-file", str(directory / "logs" / f"{role}-{i}.log"), "--no-sync"]
