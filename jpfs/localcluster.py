@@ -158,10 +158,28 @@ def up(
     directory keeps its kind), which lets a later ``up`` with more ``meta_shards`` or
     ``storage_nodes`` grow the running cluster. ``meta_replicas``: copies of each shard (etcd
     clusters; default 1). ``replicas`` defaults to 2 for an etcd cluster with 2 or more storage
-    nodes (a lost disk loses nothing), 1 otherwise."""
+    nodes (a lost disk loses nothing), 1 otherwise.
+
+    A daemon that does not start fails the call, and the daemons it started (etcd too) are
+    stopped: a cluster that does not come up is left as it was, nothing of it running behind
+    the error."""
     d = Path(directory).resolve()
     (d / "logs").mkdir(parents=True, exist_ok=True)
     path = cluster_file(d)
+    etcd_ran = _read_pid(d / "etcd.pid") is not None
+    try:
+        return _up(d, path, meta_shards, storage_nodes, replicas, chunk_size, sync, metrics,
+                   extra_args, env, etcd, meta_replicas)
+    except BaseException:
+        if not etcd_ran:
+            _stop_pid_file(d / "etcd.pid", signal.SIGTERM, 5.0)
+        raise
+
+
+def _up(d: Path, path: Path, meta_shards: int | None, storage_nodes: int | None,
+        replicas: int | None, chunk_size: int | None, sync: bool, metrics: bool,
+        extra_args: dict[str, list[str]] | None, env: dict[str, str] | None, etcd: bool,
+        meta_replicas: int | None) -> config.Cluster:
     if path.exists():
         cluster = _existing(d, path, meta_shards, storage_nodes, replicas, chunk_size, metrics,
                             meta_replicas)
@@ -173,8 +191,14 @@ def up(
         if _read_pid(d / f"{daemon_name(role, index, replica)}.pid") is None:
             started.append(_spawn(d, role, index, sync, (extra_args or {}).get(role, []), env,
                                   replica))
-    for role, index, proc, replica in started:
-        _wait_started(d, role, index, proc, sync, (extra_args or {}).get(role, []), env, replica)
+    try:
+        for role, index, proc, replica in started:
+            _wait_started(d, role, index, proc, sync, (extra_args or {}).get(role, []), env,
+                          replica)
+    except BaseException:
+        for role, index, _, replica in started:
+            stop(d, role, index, timeout=5.0, replica=replica)
+        raise
     return config.load(path)
 
 
