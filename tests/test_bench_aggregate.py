@@ -17,6 +17,7 @@ import pytest
 from fuse_support import requires_fuse
 from jpfs_bench import read as read_bench
 from jpfs_bench.readers import epoch_order, scan_dataset, share
+from signal_support import foreground_signals
 
 ROW_FIELDS = {"via", "epoch", "rtt_ms", "cold", "cache", "files", "bytes", "expected_files",
               "expected_bytes", "seconds", "GBps", "files_per_s", "latency_ms",
@@ -215,7 +216,8 @@ def test_interrupted_fuse_run_unmounts_and_stops_the_cluster(dataset, tmp_path, 
     proc = subprocess.Popen(
         [sys.executable, "-m", "jpfs.cli.main", "bench", "aggregate", "--dataset", str(dataset),
          "--via", "fuse", "--clients", "1", "--epochs", "500", "--no-drop", "--no-progress",
-         "--work", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         "--work", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=foreground_signals)
     try:
         deadline = time.monotonic() + 120
         while str(work) not in Path("/proc/mounts").read_text():

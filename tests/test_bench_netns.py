@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from jpfs_bench import netns
+from signal_support import foreground_signals
 
 from jpfs import localcluster
 
@@ -102,21 +103,12 @@ def test_run_on_simulated_hosts_measures_both_rtts_and_cleans_up(dataset, tmp_pa
     nothing_left(proc.pid, tmp_path / "w" / "cluster")
 
 
-def _foreground_signals() -> None:
-    """In the child before exec: SIGINT and SIGQUIT as a foreground program has them."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_run_cleans_up(dataset, tmp_path, sig):
-    # far more epochs than the test waits for: the signal must find the run still reading.
-    # The run gets SIGINT's default disposition, as a program in a terminal's foreground does:
-    # a test suite started as a background job of a script has SIGINT ignored, and its
-    # children inherit that (a run that ignores Ctrl-C then reads on until it is killed).
+    # far more epochs than the test waits for: the signal must find the run still reading
     proc = subprocess.Popen(command(dataset, tmp_path / "w", "--epochs", "100000"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_foreground_signals)
+                            preexec_fn=foreground_signals)
     try:
         deadline = time.monotonic() + 120
         # wait until the hosts and daemons are up and reading has begun
