@@ -105,6 +105,9 @@ def checkpoint_phase(work: Path, nbytes: int, replicas: int, drop: Callable[[], 
                         else _load(mount.mp / "ckpt.pt", state))
                 after = cpu(pids)
                 row[step] = _figure(nfile, secs, {w: after[w] - before[w] for w in pids})
+                if step == "load":  # how the bytes came: read from the volumes, or sent
+                    storage = mount.stats().get("storage", {})
+                    row[step]["short_circuit_bytes"] = storage.get("local_bytes", 0)
             finally:
                 mount.close()
         out["fuse-rw"] = row

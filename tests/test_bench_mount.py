@@ -109,6 +109,8 @@ def test_checkpoint_phase_saves_and_loads_back_through_mounts(tmp_path):
         assert r["ratio"] == pytest.approx(r["fuse"] / r["local"])
         assert set(r["cpu_s_per_gb"]) == {"mount", "shards", "storage"}
     assert rows["save (replicas 2)"]["cpu_s_per_gb"]["storage"] > 0  # two copies stored
+    # the mount runs beside the storage nodes: it reads their volumes itself
+    assert ck["fuse-rw"]["load"]["short_circuit_bytes"] >= ck["tensor_bytes"]
     assert "s/GB" in proc.stdout
     with open("/proc/mounts") as f:
         assert str(work) not in f.read()
