@@ -196,10 +196,23 @@ def _up(d: Path, path: Path, meta_shards: int | None, storage_nodes: int | None,
             _wait_started(d, role, index, proc, sync, (extra_args or {}).get(role, []), env,
                           replica)
     except BaseException:
-        for role, index, _, replica in started:
-            stop(d, role, index, timeout=5.0, replica=replica)
+        # by the handles we hold: a daemon may not have written its pid file yet
+        for role, index, proc, replica in started:
+            _end(proc)
+            stop(d, role, index, timeout=5.0, replica=replica)  # one restarted on a new port
         raise
     return config.load(path)
+
+
+def _end(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """Stop a daemon this process started (SIGTERM, SIGKILL after ``timeout``) and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _daemons(cluster: config.Cluster) -> list[tuple[str, int, int]]:
