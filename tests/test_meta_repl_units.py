@@ -16,6 +16,7 @@ import pytest
 import repl_support as rs
 import trio
 from jpfs_daemon.meta import replog
+from jpfs_daemon.meta.replica import RENEW
 from jpfs_daemon.meta.store import Store
 
 import jpfs
@@ -174,17 +175,17 @@ def _one_leader(c, deadline: float) -> tuple[int, int]:
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
 def test_a_leader_rides_out_etcd_pauses_shorter_than_its_lease(tmp_path):
-    """etcd stopped for 1.3 s at a time (a loaded host, a slow fsync), the lease's TTL 2 s:
-    renewals come back late but within the TTL, so the leader keeps its lead and term. (With
-    renewals scheduled from their answers, each pause ended the lead: a renewal fell due after
-    the validity of the last one.)"""
+    """etcd stopped for 1.3 s at a time (a loaded host, a slow fsync), at every phase of the
+    renewals (one a second; the lease's TTL 5 s): renewals come back late but within the TTL,
+    so the leader keeps its lead and term. (With renewals scheduled from their answers and a
+    2 s TTL, each pause ended the lead: a renewal fell due after the validity of the last.)"""
     localcluster.up(tmp_path, meta_shards=1, storage_nodes=0, etcd=True, meta_replicas=3)
     try:
         c = config.load(localcluster.cluster_file(tmp_path))
         etcd = int((tmp_path / "etcd.pid").read_text())
         before = _one_leader(c, time.monotonic() + 60)
-        for k in range(8):  # at every phase of the renewals (every 0.5 s)
-            time.sleep(0.6 + 0.07 * k)
+        for k in range(8):  # at every phase of the renewals (RENEW apart)
+            time.sleep(0.6 + RENEW * k / 8)
             os.kill(etcd, signal.SIGSTOP)
             try:
                 time.sleep(1.3)
