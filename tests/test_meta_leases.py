@@ -74,7 +74,7 @@ def test_a_lease_reserves_inodes_and_a_batch_makes_the_files(cluster):
         bad = await meta.create_batch(d, me, [
             _entry("c", make_ino(shard_of(d), lease.first + lease.n_inodes + 10_000)),
             [b"d"], _entry("e", inos[1]),
-            [b"f", inos[2], stat.S_IFDIR | 0o755, 0, 0, 1], _entry("x/y", inos[2]),
+            [b"f", inos[2], stat.S_IFLNK | 0o777, 0, 0, 1], _entry("x/y", inos[2]),
             [b"a", inos[1]], [b"nothing", inos[2]], [b"a", "x"]])
         assert [e.errno for e in bad] == [errno.EINVAL, errno.EINVAL, errno.EEXIST,
                                           errno.EINVAL, errno.EINVAL,
@@ -87,6 +87,55 @@ def test_a_lease_reserves_inodes_and_a_batch_makes_the_files(cluster):
         assert gone[0].nlink == 0
         assert sorted(e.name for e in await _listing(meta, d)) == [b"a", b"before", b"g"]
         assert await meta.lease_return(d, me) and not await meta.lease_return(d, me)
+
+    _run(cluster, scenario)
+
+
+def test_a_lease_holder_makes_directories_on_every_shard_in_batches(cluster):
+    """Directories a lease holder answered: those placed on the directory's shard go in its
+    ``create_batch``, those placed on another shard (inode numbers ``reserve``d there) in one
+    cross-shard ``mkdir_batch``; a retry answers what was made; bad entries are refused one by
+    one, an inode number never reserved fails the batch, and nothing half-made is left."""
+    async def scenario(meta: MetaClient, nursery):
+        d, me, first = await _leased_dir(meta, "lease-mkdir")
+        here = shard_of(d)
+        other = (here + 1) % meta.n_shards  # the module's cluster has three
+        t = 1_700_000_000_000_000_000
+        made = await meta.create_batch(d, me, [[b"near", first, stat.S_IFDIR | 0o750, 7, 8, t]])
+        assert (made[0].mode, made[0].nlink, made[0].uid, made[0].gid) == (
+            stat.S_IFDIR | 0o750, 2, 7, 8)
+        start = await meta.reserve(other, 4)
+        far = [make_ino(other, start + i) for i in range(4)]
+        got = await meta.mkdir_batch(d, me, [
+            [b"far", far[0], stat.S_IFDIR | 0o700, 7, 8, t],
+            [b"near", far[1], stat.S_IFDIR | 0o700, 7, 8, t],   # the name is taken
+            [b"bad", first, stat.S_IFDIR | 0o700, 7, 8, t],     # placed on this shard
+            [b"file", far[2], stat.S_IFREG | 0o644, 7, 8, t],   # not a directory
+            [b"x/y", far[2], stat.S_IFDIR | 0o700, 7, 8, t],    # not a name
+            [b"short", far[2]]])
+        assert got[0].ino == far[0] and got[0].mode == stat.S_IFDIR | 0o700
+        assert [g.errno for g in got[1:]] == [errno.EEXIST, errno.EINVAL, errno.EINVAL,
+                                              errno.EINVAL, errno.EINVAL]
+        again = await meta.mkdir_batch(d, me, [[b"far", far[0], stat.S_IFDIR | 0o700, 7, 8, t]])
+        assert again[0].ino == far[0]  # a retry after a lost answer
+        with pytest.raises(JPFSError) as e:  # never reserved there: nothing of it is made
+            await meta.mkdir_batch(d, me, [
+                [b"new", far[3], stat.S_IFDIR | 0o700, 7, 8, t],
+                [b"unreserved", make_ino(other, start + 100_000), stat.S_IFDIR, 7, 8, t]])
+        assert e.value.errno == errno.EINVAL
+        for n in (0, 1 << 20, "4"):
+            with pytest.raises(JPFSError) as e:
+                await meta.reserve(other, n)
+            assert e.value.errno == errno.EINVAL
+        assert sorted(e.name for e in await _listing(meta, d)) == [b"far", b"near"]
+        assert (await meta.getattr(d)).nlink == 4
+        assert (await meta.getattr(far[0])).nlink == 2
+        assert await meta.lease_return(d, me)
+        await meta.mkdir(far[0], b"inside")  # a directory like any other
+        await meta.rmdir(far[0], b"inside")
+        await meta.rmdir(d, b"far")
+        await meta.rmdir(d, b"near")
+        assert (await meta.getattr(d)).nlink == 2 and here != other
 
     _run(cluster, scenario)
 

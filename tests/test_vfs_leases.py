@@ -14,6 +14,7 @@ import stat
 
 import pytest
 import trio
+from jpfs.placement import shard_of
 from vfs_harness import (
     CHUNK,
     CREAT,
@@ -334,3 +335,72 @@ async def test_a_file_not_committed_yet_is_what_this_vfs_made(cluster):  # noqa:
         await fs.vfs.unlink(fs.d, b"f")
         assert await fs.names() == [b"g"]
         assert await fs.read(ino) == b"held back"
+
+
+# ---- directories made under a lease ---------------------------------------------------------------
+
+async def test_directories_made_under_a_lease_are_what_every_vfs_sees(cluster):  # noqa: F811
+    """mkdirs in a leased directory are answered at once and committed behind, those placed
+    on the directory's shard with its batch and those placed on the other shard in one
+    cross-shard transaction per batch: after an fsync of the directory every other VFS sees
+    each with its mode, owner, link count and parent; the parent's link count counts them."""
+    async with open_vfs(cluster) as a, open_vfs(cluster, dir_leases=False) as b:
+        d = await fresh_dir(a, warm=True)
+        made = [b"sub%04d" % i for i in range(BATCH + 100)]
+        attrs = {n: await a.mkdir(d, n, 0o750, UID, GID) for n in made}
+        leases = _leases(a)
+        assert leases["mkdirs"] == len(made) and leases["failed"] == 0, leases
+        shards = {shard_of(a_.ino) for a_ in attrs.values()}
+        assert len(shards) == 2  # placed over both shards, as a mkdir through the shard is
+        await expect(errno.EEXIST, a.mkdir(d, made[3], 0o755, UID, GID))
+        await a.fsyncdir(d)
+        assert await names(b, d) == made
+        for n in made[::37]:
+            st = await b.getattr((await b.lookup(d, n)).ino)
+            assert (st.ino, st.mode, st.nlink, st.uid, st.gid) == (
+                attrs[n].ino, stat.S_IFDIR | 0o750, 2, UID, GID)
+            assert await names(b, st.ino) == []
+        assert (await b.getattr(d)).nlink == 2 + len(made)
+        assert (await a.getattr(d)).nlink == 2 + len(made)
+
+
+async def test_a_directory_not_committed_yet_can_be_filled_listed_and_removed(cluster):  # noqa: F811
+    """What the VFS that made a directory under a lease does with it at once: look it up,
+    fill it (its create goes first), list it, make a directory in it, remove it; nothing is
+    lost or doubled on the shard."""
+    async with open_fs(cluster, "leased") as fs:
+        v = fs.vfs
+        new = [await fs.mkdir(b"n%d" % i) for i in range(6)]
+        assert _leases(v)["mkdirs"] == 6
+        assert (await fs.lookup(b"n0")).ino == new[0].ino
+        assert await names(v, new[1].ino) == []
+        await fs.write(b"inside", b"bytes", parent=new[2].ino)
+        assert await names(v, new[2].ino) == [b"inside"]
+        deeper = await fs.mkdir(b"deeper", parent=new[3].ino)
+        assert (await v.getattr(new[3].ino)).nlink == 3
+        assert (await v.lookup(new[3].ino, b"deeper")).ino == deeper.ino
+        await v.rmdir(fs.d, b"n4")
+        await expect(errno.ENOTEMPTY, v.rmdir(fs.d, b"n2"))
+        await v.rename(fs.d, b"n5", fs.d, b"n5.moved", 0)
+        assert await fs.names() == [b"n0", b"n1", b"n2", b"n3", b"n5.moved"]
+    async with open_vfs(cluster, dir_leases=False) as b:
+        assert await names(b, fs.d) == [b"n0", b"n1", b"n2", b"n3", b"n5.moved"]
+        got = await b.lookup(fs.d, b"n2")
+        assert await read_file(b, (await b.lookup(got.ino, b"inside")).ino) == b"bytes"
+        assert (await b.getattr(fs.d)).nlink == 2 + 5
+
+
+async def test_a_killed_vfs_keeps_every_directory_it_fsynced(cluster):  # noqa: F811
+    made = [b"k%04d" % i for i in range(300)]
+    try:
+        async with open_fs(cluster, "leased") as fs:
+            d = fs.d
+            for n in made:
+                await fs.mkdir(n)
+            await fs.vfs.fsyncdir(d)
+            raise Killed
+    except* Killed:
+        pass
+    async with open_vfs(cluster, dir_leases=False) as b:
+        assert await names(b, d) == made
+        assert (await b.getattr(d)).nlink == 2 + len(made)

@@ -117,7 +117,7 @@ def _put_intent(t: Txn, txid: bytes, state: str, shards: list[int]) -> None:
 
 def _decide(t: Txn, coord: Coordinator, gen: int, txid: bytes, shards: list[int],
             rid: bytes | None, created: list[int], local_ops: list[list] | None,
-            local_prepared: bool) -> list[int]:
+            local_prepared: bool, holder: bytes | None = None) -> list[int]:
     """The commit point: this shard's own ops (checked and applied here, the last agent; or,
     prepared earlier, committed here) and the decision, with the request id's outcome, in one
     transaction. Returns every inode the transaction created.
@@ -128,7 +128,7 @@ def _decide(t: Txn, coord: Coordinator, gen: int, txid: bytes, shards: list[int]
         raise _Refused(error(errno.EAGAIN, "this shard's leader changed during the change"))
     if local_ops is not None:
         try:
-            created = created + ops.apply_local(t, local_ops)
+            created = created + ops.apply_local(t, local_ops, holder)
         except Locked as held:
             raise _Busy(held.txid) from None
         except JPFSError as e:
@@ -206,8 +206,8 @@ class Coordinator:
         commit decision (so a retry after a failover finds it; see ``once``). ``made``: filled
         with the attributes (wire form) of the inodes created on other shards, as they will
         be once committed, so the caller need not ask those shards (and wait for the commit).
-        ``holder``: the lease session asking, exempt from its own leases in a plan on this
-        shard alone (a two-phase one recalls them, as for anyone).
+        ``holder``: the lease session asking, exempt from its own leases in this shard's
+        ops (a two-phase plan's are the last agent's, applied here in the decision).
         Raises ``ops.Stale`` (ESTALE) when an expectation failed: the caller plans again.
         """
         if list(plan) == [self.shard]:
@@ -223,7 +223,7 @@ class Coordinator:
         self._active.add(txid)
         handed_off = False
         try:
-            created, handed_off = await self._two_phase(txid, plan, rid, made)
+            created, handed_off = await self._two_phase(txid, plan, rid, made, holder)
             return created
         finally:
             if not handed_off:
@@ -236,8 +236,8 @@ class Coordinator:
             self._unfinished.set()
 
     async def _two_phase(self, txid: bytes, plan: dict[int, list[list]],
-                         rid: bytes | None = None, made: dict[int, list] | None = None
-                         ) -> tuple[list[int], bool]:
+                         rid: bytes | None = None, made: dict[int, list] | None = None,
+                         holder: bytes | None = None) -> tuple[list[int], bool]:
         """Returns the created inodes, and whether a background task finishes the rest."""
         gen = self.gen
         shards = sorted(plan)
@@ -285,7 +285,7 @@ class Coordinator:
             try:
                 created = await self.store.write(_decide, self, gen, txid, shards, rid, created,
                                                  local_ops, local is not None and not last_agent,
-                                                 durable=not later)
+                                                 holder, durable=not later)
             except _Busy as busy:
                 await self._abort(txid, order)
                 await self.store.wait_resolved(busy.txid)

@@ -20,8 +20,8 @@ from typing import Any
 
 import trio
 
-from jpfs.errors import JPFSError, error
-from jpfs.placement import new_dir_shard, shard_of
+from jpfs.errors import JPFSError, errno_name, error
+from jpfs.placement import MAX_SHARDS, new_dir_shard, shard_of
 from jpfs.proto import meta as P
 from jpfs.proto.meta import RENAME_EXCHANGE, RENAME_NOREPLACE, check_name
 from jpfs.proto.replica import ShardPool
@@ -38,6 +38,8 @@ from .txn import Txn
 log = logging.getLogger(__name__)
 
 REPLAN_ATTEMPTS = 50
+MAX_MKDIR_BATCH = 4096
+"""Entries one ``mkdir_batch`` carries at most."""
 
 
 def mine(shard: int, ino: int) -> int:
@@ -115,6 +117,55 @@ class CrossShard:
         # with the parent's attributes after it (here: a read, no call)
         return [made.get(created[0]) or await self._getattr(created[0]),
                 self.store.read(ns.getattr_, parent)]
+
+    async def mkdir_batch(self, parent: int, session: bytes, entries: list,
+                          rid: bytes | None = None) -> list:
+        """MKDIR_BATCH: directories a mount holding ``parent``'s lease already answered, each
+        placed on another shard (``[name, ino, mode, uid, gid, time_ns]``, ``ino`` reserved
+        there by ``reserve``), made in one cross-shard transaction: their inodes on their
+        shards, their entries and the parent's link count here. Per entry the directory's
+        attributes, or an errno name (EEXIST: the name was taken while the lease was lost); a
+        retry finds the entries an earlier attempt made and answers their attributes."""
+        mine(self.shard, parent)
+        if not isinstance(entries, list) or len(entries) > MAX_MKDIR_BATCH:
+            raise error(errno.E2BIG, f"at most {MAX_MKDIR_BATCH} entries per mkdir_batch")
+        results: list = [None] * len(entries)
+
+        def checked(t: Txn) -> dict[int, list[list]]:
+            t.need_dir(parent)
+            t.check_lease(parent, session)
+            plan: dict[int, list[list]] = {}
+            here: list[list] = []
+            for i, e in enumerate(entries):
+                try:
+                    name, ino, mode, uid, gid = _new_dir_entry(e, self.shard)
+                except OSError as err:
+                    results[i] = errno_name(err.errno)
+                    continue
+                d = t.dentry(parent, name)
+                if d is not None:  # made by an earlier attempt, or taken
+                    results[i] = ino if d[0] == ino else "EEXIST"
+                    continue
+                plan.setdefault(shard_of(ino), []).append(
+                    ["mkinode", mode, uid, gid, parent, None, ino])
+                here.append(["mkdent", parent, name, ino, stat.S_IFDIR, None])
+                results[i] = ino
+            if here:
+                plan[self.shard] = [*here, ["subdirs", parent, len(here)]]
+            return plan
+
+        async def planner():
+            return await self.store.view(checked)
+
+        made: dict[int, list] = {}
+        await self._run(planner, None, made, session)  # a failure fails them all
+        return [await self._made_dir(made, r) if type(r) is int else r for r in results]
+
+    async def _made_dir(self, made: dict[int, list], ino: int) -> list | str:
+        try:
+            return made.get(ino) or await self._getattr(ino)
+        except JPFSError as e:
+            return errno_name(e.errno)
 
     async def link(self, ino: int, parent: int, name: bytes, rid: bytes | None = None) -> list:
         """LINK: a new name for ``ino`` in ``parent`` (the inode's shard counts the link); the
@@ -316,6 +367,22 @@ class CrossShard:
         if self.shard != 0:
             raise error(errno.EXDEV, "the rename lock lives on shard 0")
         return await self.coord.rename_unlock(owner)
+
+
+def _new_dir_entry(e: object, shard: int) -> tuple[bytes, int, int, int, int]:
+    """(name, ino, mode, uid, gid) of a ``mkdir_batch`` entry; EINVAL unless it is well formed
+    and names a directory placed on another shard than ``shard``."""
+    if not isinstance(e, list) or len(e) != 6 or not all(
+            type(v) is int for v in e[1:]):
+        raise error(errno.EINVAL, "malformed entry")
+    name, ino, mode, uid, gid, _time_ns = e
+    check_name(name)
+    if stat.S_IFMT(mode) != stat.S_IFDIR or mode & ~(stat.S_IFDIR | 0o7777) or not (
+            0 <= uid < 1 << 32 and 0 <= gid < 1 << 32):
+        raise error(errno.EINVAL, "a batched mkdir makes a directory")
+    if not 0 <= shard_of(ino) < MAX_SHARDS or shard_of(ino) == shard:
+        raise error(errno.EINVAL, f"inode {ino:#x} is not another shard's")
+    return name, ino, mode, uid, gid
 
 
 def _merge(*parts: tuple[int, list]) -> dict[int, list[list]]:

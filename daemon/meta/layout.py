@@ -180,7 +180,9 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
     """Changes a mount holding ``parent``'s lease already answered (``leases.py``), in order:
     new regular files, each ``[name, ino, mode, uid, gid, time_ns]`` with an inode number the
     lease reserved, ``[..., time_ns, ctime_ns]`` (renamed before it was sent: its ctime moved),
-    or ``[..., time_ns, size, chunks]`` (the file's first commit, made with it); removes,
+    or ``[..., time_ns, size, chunks]`` (the file's first commit, made with it); new
+    directories placed on this shard, the same six fields with a directory's mode (those
+    placed elsewhere are ``crossshard.CrossShard.mkdir_batch``'s); removes,
     ``[name, ino]`` (an unlink of a file whose inode lives here); and renames within the
     directory, ``[old, new, ino, replaced]`` (``replaced``: the file ``new`` names, or 0). Per
     entry the file's attributes after it, or an errno name (EEXIST, ENOENT: the name changed
@@ -204,8 +206,10 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
         chunks = _check_chunks(e[7], chunk_size) if len(e) == 8 else None
         if shard_of(ino) != t.store.shard or not 0 < ino & COUNTER_MASK < top:
             raise error(errno.EINVAL, f"inode {ino:#x} was not reserved on this shard")
-        if stat.S_IFMT(mode) != stat.S_IFREG or not (0 <= uid < 1 << 32 and 0 <= gid < 1 << 32):
-            raise error(errno.EINVAL, "a batched create makes a regular file")
+        kind = stat.S_IFMT(mode)
+        if kind not in (stat.S_IFREG, stat.S_IFDIR) or (kind == stat.S_IFDIR and len(e) != 6) \
+                or not (0 <= uid < 1 << 32 and 0 <= gid < 1 << 32):
+            raise error(errno.EINVAL, "a batched create makes a regular file or a directory")
         d = t.dentry(parent, name)
         if d is not None:
             node = t.inode(d[0], lock=False) if d[0] == ino else None
@@ -214,6 +218,12 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
             return node.attr().to_wire()  # made by an earlier attempt
         if t.inode(ino, lock=False) is not None:
             raise error(errno.EEXIST, f"inode {ino:#x} is in use")
+        if kind == stat.S_IFDIR:
+            node = Inode(ino, mode, 2, uid, gid, 0, time_ns, time_ns, time_ns, parent=parent)
+            t.put_inode(node)
+            t.put_dentry(parent, name, ino, stat.S_IFDIR)
+            pdir.nlink += 1
+            return node.attr().to_wire()
         node = Inode(ino, mode, 1, uid, gid, 0, time_ns, time_ns, ctime_ns, parent=parent)
         if chunks is not None:
             if e[6] < 0:

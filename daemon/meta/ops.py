@@ -25,6 +25,9 @@ Op forms (lists, so they travel over msgpack as they are)::
     ["rmdir", ino]                                  delete an empty directory inode
     ["mkinode", mode, uid, gid, parent, target]     a new inode on this shard; "$new" in later ops
                                                     (on any shard) is replaced by its id
+    ["mkinode", mode, uid, gid, parent, target, ino]  ... with an inode number reserved here
+                                                    before (``reserve``: a mount's mkdirs
+                                                    answered from its parent's lease)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import errno
 import stat
 
 from jpfs.errors import JPFSError, error
+from jpfs.placement import COUNTER_MASK, shard_of
 
 from . import keys as K
 from .keys import Inode
@@ -69,6 +73,8 @@ def check_shapes(ops: object) -> list[list]:
         raise error(errno.EINVAL, "ops must be a non-empty list")
     for op in ops:
         shape = _SHAPES.get(op[0]) if isinstance(op, list) and op else None
+        if shape is not None and op[0] == "mkinode" and len(op) == 7:
+            shape = (*shape, int)  # with a reserved inode number
         if shape is None or len(op) - 1 != len(shape) or not all(
             isinstance(v, k) and not isinstance(v, bool) for v, k in zip(op[1:], shape, strict=True)
         ):
@@ -122,7 +128,13 @@ def check(t: Txn, op: list) -> None:
         t.check_dir_lock(op[1])  # an entry being added by a prepared transaction
         if not t.dir_is_empty(op[1]):
             raise error(errno.ENOTEMPTY, "directory not empty")
-    elif kind != "mkinode":
+    elif kind == "mkinode":
+        ino = op[6]
+        if shard_of(ino) != t.store.shard or not 0 < ino & COUNTER_MASK < t.next_counter():
+            raise error(errno.EINVAL, f"inode {ino:#x} was not reserved on this shard")
+        if t.inode(ino, lock=False) is not None:
+            raise error(errno.EEXIST, f"inode {ino:#x} is in use")
+    else:
         raise error(errno.EINVAL, f"unknown op {kind!r}")
 
 

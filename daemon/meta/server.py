@@ -218,6 +218,8 @@ class MetaShard:
             P.LEASE_RETURN: Handler(self.lease_return),
             P.LEASE_WAIT: Handler(self.lease_wait),
             P.CREATE_BATCH: self._write(P.CREATE_BATCH, L.create_batch, cs),
+            P.RESERVE: Handler(self.reserve),
+            P.MKDIR_BATCH: Handler(self.cross.mkdir_batch),
         }
 
     # ---- directory write leases (leases.py)
@@ -246,6 +248,13 @@ class MetaShard:
                 self.leases.give_back(session, parent)
             raise
         return [True, known[0], first, LEASE_INODES, known[1]]
+
+    async def reserve(self, n: int) -> int:
+        """RESERVE: ``n`` inode numbers of this shard (at most a lease's), for the directories
+        a lease holder places here (``mkdir_batch``); the first counter."""
+        if type(n) is not int or not 0 < n <= LEASE_INODES:
+            raise error(errno.EINVAL, f"reserve 1 to {LEASE_INODES} inode numbers")
+        return await self.store.write(_alloc_range, n)
 
     async def lease_return(self, parent: int, session: bytes) -> bool:
         """LEASE_RETURN: the session gives the lease on ``parent`` back; False if it did not hold

@@ -435,6 +435,13 @@ class CreateBatchReq(NamedTuple):
     """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
+class ReserveReq(NamedTuple):
+    """``reserve``: ``n`` inode numbers of this shard for a mount's lease holder (its mkdirs
+    answered from a lease on another shard's directory, placed here)."""
+
+    n: int
+
+
 class TxPrepareReq(NamedTuple):
     """``tx_prepare``: a participant's ops of a cross-shard transaction."""
 
@@ -553,20 +560,27 @@ inodes, every one checked an int (a record would add nothing)."""
 CREATE_BATCH = Method(41, "create_batch", CreateBatchReq, AttrsOrErrors, idempotent=True,
                       inline=True)
 """Idempotent: an entry already made answers its attributes."""
+RESERVE = Method(42, "reserve", ReserveReq, int)
+"""The first counter of the range reserved (durable before the answer)."""
+MKDIR_BATCH = Method(43, "mkdir_batch", CreateBatchReq, AttrsOrErrors, idempotent=True)
+"""Directories a lease holder answered, placed on other shards (``CreateBatchReq.entries``:
+creates with a directory's mode and an inode number ``reserve`` gave); idempotent as
+``create_batch``."""
 
 METHODS = method_table(
     LOOKUP, BATCH_LOOKUP, GETATTR, BATCH_GETATTR, READDIR, READLINK, GETPARENT, STATFS, GETXATTR,
     LISTXATTR, CREATE, MKNOD, MKDIR, SYMLINK, LINK, UNLINK, RMDIR, RENAME, SETATTR, SETXATTR,
     REMOVEXATTR, GET_LAYOUT, BATCH_LAYOUT, LOOKUP_LAYOUTS, WRITE_CHUNKS, BULK_CREATE, TX_PREPARE,
     TX_COMMIT, TX_ABORT, TX_STATUS, RENAME_LOCK, RENAME_UNLOCK, SCAN, PENDING, REPAIR, SHARD_INFO,
-    SYNC, LEASE, LEASE_RETURN, LEASE_WAIT, CREATE_BATCH,
+    SYNC, LEASE, LEASE_RETURN, LEASE_WAIT, CREATE_BATCH, RESERVE, MKDIR_BATCH,
 )
 """Every metadata method by name (the replication methods of ``replica.py`` included)."""
 METHODS.update(_REPLICA_METHODS)
 METHODS.update(method_table(*HEAL_METHODS))  # the healer's (jpfs/proto/heal.py, ids 80-99)
 
 CHANGES = frozenset({CREATE, MKNOD, MKDIR, SYMLINK, LINK, UNLINK, RMDIR, RENAME, SETATTR,
-                     SETXATTR, REMOVEXATTR, WRITE_CHUNKS, BULK_CREATE, CREATE_BATCH})
+                     SETXATTR, REMOVEXATTR, WRITE_CHUNKS, BULK_CREATE, CREATE_BATCH,
+                     MKDIR_BATCH})
 """Namespace changes: their request records end with ``rid`` (see ``CreateReq.rid``)."""
 
 # rename flags (as renameat2)

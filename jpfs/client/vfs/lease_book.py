@@ -196,6 +196,21 @@ class LeaseBook:
         self._queue_create(ld, name, NewFile(attr))
         return attr
 
+    def add_dir(self, ld: LeasedDir, name: bytes, mode: int, uid: int, gid: int, ino: int
+                ) -> Attr:
+        """A new directory in ``ld`` (inode ``ino``: from the lease's range when it is placed
+        on the directory's shard, else reserved on the shard it is placed on), answered now
+        and committed behind: its attributes."""
+        now = time.time_ns()
+        attr = Attr(ino, stat.S_IFDIR | (mode & 0o7777), 2, uid, gid, 0, now, now, now)
+        ld.names[name] = ino
+        ld.used = time.monotonic()
+        self.unsent[ino] = (ld.parent, name)
+        self.stats["answered"] += 1
+        self.stats["mkdirs"] += 1
+        self._queue_create(ld, name, NewFile(attr))
+        return attr
+
     def _queue_create(self, ld: LeasedDir, name: bytes, f: NewFile) -> None:
         ld.seq += 1
         f.seq = ld.seq
@@ -393,8 +408,10 @@ class LeaseBook:
     def take_batch(self, ld: LeasedDir) -> tuple[list, trio.Event | None, float]:
         """The next batch from the head of ``ld``'s queue: up to ``BATCH_MAX`` changes, ending
         before a create that must wait (its file's bytes are being stored behind its close; or
-        it is open for writing, young, and nobody waits for it or what follows it). With no
-        change to send: what to wait for, and until when, before looking again."""
+        it is open for writing, young, and nobody waits for it or what follows it), and where
+        new directories placed on other shards begin or end (``elsewhere``: they go in a
+        ``mkdir_batch`` of their own). With no change to send: what to wait for, and until
+        when, before looking again."""
         urgent, ld.urgent = ld.urgent, set()
         if ld.ending:
             urgent.add(None)
@@ -402,6 +419,8 @@ class LeaseBook:
         now = time.monotonic()
         while ld.queue and len(changes) < BATCH_MAX:
             c = ld.queue[0]
+            if changes and elsewhere(ld, c) != elsewhere(ld, changes[0]):
+                break
             if isinstance(c, tuple):  # a create: still that file under that name?
                 f: NewFile = c[2]
                 if ld.pending.get(c[1]) is not f or f.seq != c[0]:
@@ -420,6 +439,14 @@ class LeaseBook:
         return changes, None, 0.0
 
 
+def elsewhere(ld: LeasedDir, change: tuple | list) -> bool:
+    """Whether a queued change makes a directory placed on another shard than ``ld``'s."""
+    if not isinstance(change, tuple):
+        return False
+    a = change[2].attr
+    return a.is_dir and shard_of(a.ino) != ld.shard
+
+
 def inos_of(change: tuple | list) -> tuple[int, ...]:
     """The files a queued change is about (see ``LeasedDir.queue``)."""
     if isinstance(change, tuple):
@@ -429,4 +456,4 @@ def inos_of(change: tuple | list) -> tuple[int, ...]:
     return (change[2], change[3]) if change[3] else (change[2],)
 
 
-__all__ = ["BATCH_MAX", "GiveBack", "LeaseBook", "LeasedDir", "NewFile", "inos_of"]
+__all__ = ["BATCH_MAX", "GiveBack", "LeaseBook", "LeasedDir", "NewFile", "elsewhere", "inos_of"]

@@ -30,15 +30,16 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 
 import trio
 
 from ...errors import JPFSError
-from ...placement import make_ino, shard_of
+from ...placement import make_ino, new_dir_shard, shard_of
 from ...types import Attr
 from ..wire.meta import MetaClient
-from .lease_book import BATCH_MAX, GiveBack, LeaseBook, LeasedDir, inos_of
+from .lease_book import BATCH_MAX, GiveBack, LeaseBook, LeasedDir, elsewhere, inos_of
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ IDLE_RETURN = 5.0
 answers), so a mount holds leases only on directories it is filling."""
 MAX_LEASES = 256
 """Leases one mount holds at most."""
+RESERVE_INODES = 256
+"""Inode numbers reserved on a shard at a time for the new directories this mount places there
+from its leases (``dir_ino``); those a mount never uses are never used."""
 
 
 class DirLeases:
@@ -90,7 +94,7 @@ class DirLeases:
         self.stats = {"granted": 0, "refused": 0, "recalled": 0, "given_back": 0, "lost": 0,
                       "idle_returned": 0, "answered": 0, "removes": 0, "cancelled": 0,
                       "lookups": 0, "renames": 0, "renames_answered": 0, "batches": 0,
-                      "failed": 0}
+                      "failed": 0, "mkdirs": 0, "reserved": 0}
         self.book = LeaseBook(self.stats, writing)
         """The directories held and what was answered there (``lease_book.py``)."""
         self.dirs = self.book.dirs
@@ -102,6 +106,9 @@ class DirLeases:
         self._inflight: dict[int, int] = {}
         """Directory -> creates and unlinks sent to the shard and not answered yet."""
         self._drained: dict[int, trio.Event] = {}
+        self._spare: dict[int, deque[int]] = {}
+        """Shard -> inode numbers reserved there for new directories placed on it."""
+        self._reserving: dict[int, trio.Event] = {}
 
     # ---- creates, unlinks and renames
 
@@ -122,6 +129,44 @@ class DirLeases:
             await self._renew(ld)
             ld = self.dirs.get(parent)
         return ld if ld is not None and not ld.ending else None
+
+    async def dir_ino(self, ld: LeasedDir, name: bytes) -> int | None:
+        """An inode number for a new directory ``name`` in ``ld`` on the shard it is placed on
+        (``new_dir_shard``): the lease's own range for the directory's shard, else one
+        reserved on that shard ahead (``RESERVE_INODES`` at a time); None when none can be
+        had (make it through the shard)."""
+        shard = new_dir_shard(ld.parent, name, self.meta.n_shards)
+        if shard == ld.shard:
+            while not ld.inos and not ld.ending:
+                await self._renew(ld)
+            return ld.inos.popleft() if ld.inos and not ld.ending else None
+        spare = self._spare.setdefault(shard, deque())
+        while not spare:
+            busy = self._reserving.get(shard)
+            if busy is not None:
+                await busy.wait()
+                continue
+            busy = self._reserving[shard] = trio.Event()
+            try:
+                first = await self.meta.reserve(shard, RESERVE_INODES)
+            except JPFSError as e:
+                log.info("could not reserve inode numbers on metadata shard %d: %s", shard,
+                         e.strerror)
+                return None
+            finally:
+                del self._reserving[shard]
+                busy.set()
+            self.stats["reserved"] += RESERVE_INODES
+            spare.extend(make_ino(shard, c) for c in range(first, first + RESERVE_INODES))
+        return spare.popleft()
+
+    def add_dir(self, ld: LeasedDir, name: bytes, mode: int, uid: int, gid: int, ino: int
+                ) -> Attr:
+        """A new directory in ``ld`` with inode ``ino`` (``dir_ino``), answered now and
+        committed behind (``LeaseBook.add_dir``)."""
+        attr = self.book.add_dir(ld, name, mode, uid, gid, ino)
+        self._start(ld)
+        return attr
 
     def add(self, ld: LeasedDir, name: bytes, mode: int, uid: int, gid: int) -> Attr:
         """A new regular file in ``ld``, answered now and committed behind: its attributes
@@ -349,8 +394,9 @@ class DirLeases:
     async def _commit(self, ld: LeasedDir, changes: list) -> None:
         """One ``create_batch`` of ``changes`` (see ``LeasedDir.queue``), and its answers."""
         entries = [c[2].entry(c[1]) if isinstance(c, tuple) else c for c in changes]
+        call = self.meta.mkdir_batch if elsewhere(ld, changes[0]) else self.meta.create_batch
         try:
-            results: list = await self.meta.create_batch(ld.parent, self.session, entries)
+            results: list = await call(ld.parent, self.session, entries)
         except JPFSError as e:
             results = [e] * len(entries)
         self.stats["batches"] += 1

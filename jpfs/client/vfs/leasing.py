@@ -42,6 +42,17 @@ class Leasing:
         if leases is not None and leases.dirs:
             await leases.book.settle(*inos)
 
+    async def ready(self, *dirs: int) -> None:
+        """Before the shard is asked to look up or change names in these directories: ENOTDIR
+        where one is known not to be a directory, and a directory this VFS made from a lease
+        and has not sent yet is sent first (the shard must know it)."""
+        self.shared.directories(*dirs)
+        leases = self.leases
+        if leases is not None and leases.book.unsent:
+            made = [d for d in dirs if d in leases.book.unsent]
+            if made:
+                await leases.book.settle(*made)
+
     async def give_back(self, *dirs: int) -> None:
         """Before this VFS changes these directories' names through the shard."""
         leases = self.leases
@@ -88,8 +99,8 @@ class Leasing:
             log.error("%s: the metadata shard refused its %s (%s); the names may be as they "
                       "were before it", what, change, err.strerror or err)
         else:
-            log.error("%s: the metadata shard refused the new file (%s); it is lost", what,
-                      err.strerror or err)
+            log.error("%s: the metadata shard refused the new %s (%s); it is lost", what,
+                      "directory" if attr.is_dir else "file", err.strerror or err)
             self.inodes.stale(attr.ino)
         if self.known is not None:
             self.known.drop(parent)

@@ -76,7 +76,7 @@ class Names:
         known = self.known
         if known is not None and known.absent(parent, check_name(name)):
             raise error(errno.ENOENT, "no such entry")
-        self.shared.directories(parent)
+        await self.leasing.ready(parent)
         try:
             attr = await self.meta.lookup(parent, name)
         except JPFSError as e:

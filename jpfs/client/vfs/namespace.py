@@ -10,12 +10,13 @@ wrong). ``create`` is writes.py's (it opens what it makes), with the helpers her
 
 from __future__ import annotations
 
+import errno
 import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ...errors import JPFSError
+from ...errors import JPFSError, error
 from ...placement import shard_of
 from ...proto.meta import check_name
 from ...types import Attr
@@ -61,13 +62,16 @@ class Namespace:
                     self.known.drop(d)
             raise
 
-    def made_in(self, parent: int, name: bytes, child: Attr, subdir: bool = False) -> None:
+    def made_in(self, parent: int, name: bytes, child: Attr, subdir: bool = False,
+                answered: bool = False) -> None:
         """``child`` was just made in ``parent``. Made in one transaction on the parent's shard
         (files, symlinks, directories placed there), the parent's new mtime and ctime are the
         child's ctime to the nanosecond (and a directory adds a link): no need to ask again,
-        and the attributes stay as fresh as they were. Anything else: ask next time."""
+        and the attributes stay as fresh as they were; so too for a change ``answered`` from
+        the parent's lease (its batch is the shard's next word). Anything else: ask next
+        time."""
         self.prefetcher.forget_dir(parent)
-        here = shard_of(child.ino) == shard_of(parent)
+        here = answered or shard_of(child.ino) == shard_of(parent)
         if self.known is not None:
             self.known.changed(parent, added=name)
         node = self.inodes.get(parent)
@@ -85,7 +89,7 @@ class Namespace:
         """A regular file, FIFO, socket or block/character device (metadata only: type, mode
         and device number; the kernel does their I/O)."""
         self.shared.writable()
-        self.shared.directories(parent)
+        await self.leasing.ready(parent)
         await self.leasing.give_back(parent)
         gid, mode = self.owner(parent, uid, gid, mode)
         with self.names_of(parent):
@@ -98,25 +102,49 @@ class Namespace:
         """Make directory ``name`` in ``parent`` owned by ``uid``/``gid`` (a setgid parent gives its
         group and bit); its attributes. EEXIST if the name is taken, EROFS on a read-only mount."""
         self.shared.writable()
-        self.shared.directories(parent)
-        await self.leasing.give_back(parent)
+        await self.leasing.ready(parent)
         gid, mode = self.owner(parent, uid, gid, stat.S_IFDIR | (mode & 0o7777))
         sent = time.monotonic()
-        with self.names_of(parent):
-            attr, after = await self.meta.mkdir(parent, name, mode & 0o7777, uid, gid)
-        self.made_in(parent, name, attr, subdir=True)
-        if after is not None:
-            self.shared.post_op(parent, after)
+        attr = await self._mkdir_leased(parent, name, mode, uid, gid)
+        if attr is None:
+            await self.leasing.give_back(parent)
+            with self.names_of(parent), self.leasing.changing(parent):
+                attr, after = await self.meta.mkdir(parent, name, mode & 0o7777, uid, gid)
+            self.made_in(parent, name, attr, subdir=True)
+            if after is not None:
+                self.shared.post_op(parent, after)
         if self.known is not None:
             self.known.made(attr.ino, sent)
         return self.shared.attr_of(self.inodes.remember(attr, parent, name))
+
+    async def _mkdir_leased(self, parent: int, name: bytes, mode: int, uid: int, gid: int
+                            ) -> Attr | None:
+        """``mkdir`` answered from ``parent``'s lease (committed behind, ``leases.py``): the new
+        directory's attributes; None where this VFS does not hold the lease (send it)."""
+        leases = self.leases
+        if leases is None or self.known is None:
+            return None
+        ld = await leases.hold(parent)
+        if ld is None:
+            return None
+        check_name(name)
+        ino = None if name in ld.names else await leases.dir_ino(ld, name)
+        if leases.dirs.get(parent) is not ld or ld.ending:
+            return None  # recalled meanwhile
+        if name in ld.names:
+            raise error(errno.EEXIST, "file exists")
+        if ino is None:
+            return None
+        attr = leases.add_dir(ld, name, mode, uid, gid, ino)
+        self.made_in(parent, name, attr, subdir=True, answered=True)
+        return attr
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int
                       ) -> Attr:
         """Make symlink ``name`` in ``parent`` pointing at ``target``; its attributes. EEXIST if the
         name is taken, EROFS on a read-only mount."""
         self.shared.writable()
-        self.shared.directories(parent)
+        await self.leasing.ready(parent)
         await self.leasing.give_back(parent)
         gid, _ = self.owner(parent, uid, gid, stat.S_IFLNK)
         with self.names_of(parent):
@@ -128,7 +156,7 @@ class Namespace:
         """Give inode ``ino`` the new name ``name`` in ``parent``; its attributes after. EEXIST if
         the name is taken, EROFS on a read-only mount."""
         self.shared.writable()
-        self.shared.directories(parent)
+        await self.leasing.ready(parent)
         await self.leasing.settle(ino)
         await self.leasing.give_back(parent)
         with self.names_of(parent):
@@ -142,7 +170,7 @@ class Namespace:
         """Remove the non-directory ``name`` from ``parent`` (answered at once from the directory's
         lease where this VFS holds it); ENOENT, EISDIR or EROFS as unlink(2)."""
         self.shared.writable()
-        self.shared.directories(parent)
+        await self.leasing.ready(parent)
         leases = self.leases
         node = self.inodes.child(parent, name)
         if leases is not None and node is not None and not node.attr.is_dir:
@@ -178,7 +206,7 @@ class Namespace:
         """Remove the empty directory ``name`` from ``parent``; ENOTEMPTY, ENOTDIR or EROFS as
         rmdir(2)."""
         self.shared.writable()
-        self.shared.directories(parent)
+        await self.leasing.ready(parent)
         await self.leasing.give_back(parent)
         child = self.inodes.child(parent, name)
         if child is not None:
@@ -203,7 +231,7 @@ class Namespace:
         names (``LeaseBook.movable``); else what the lease answered there is committed first,
         and the shard lets the holder's rename pass (the lease's names follow it)."""
         self.shared.writable()
-        self.shared.directories(parent_old, parent_new)
+        await self.leasing.ready(parent_old, parent_new)
         check_name(name_old)
         check_name(name_new)  # before a lease answers it
         leases = self.leases

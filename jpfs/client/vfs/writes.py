@@ -102,7 +102,7 @@ class Writes:
                      gid: int) -> tuple[OpenFile, Attr]:
         """open(O_CREAT): the file (made if missing; EEXIST with O_EXCL), opened."""
         self.shared.writable()
-        self.shared.directories(parent)
+        await self.leasing.ready(parent)
         gid, mode = self.namespace.owner(parent, uid, gid, mode)
         sent = time.monotonic()
         leases = self.leases

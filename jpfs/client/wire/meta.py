@@ -361,6 +361,17 @@ class MetaClient:
         return await self._ask(shard_of(parent), P.CREATE_BATCH,
                                P.CreateBatchReq(parent, session, entries, self._rid()))
 
+    async def mkdir_batch(self, parent: int, session: bytes, entries: list) -> list:
+        """Directories a lease holder answered, placed on other shards than ``parent``'s: per
+        entry its Attr or the OSError why not."""
+        return await self._ask(shard_of(parent), P.MKDIR_BATCH,
+                               P.CreateBatchReq(parent, session, entries, self._rid()))
+
+    async def reserve(self, shard: int, n: int) -> int:
+        """``n`` inode numbers of ``shard`` for directories made under a lease elsewhere: the
+        first counter."""
+        return await self._ask(shard, P.RESERVE, P.ReserveReq(n))
+
     def close(self) -> None:
         """Close the connections to every shard."""
         self.pool.close()
