@@ -14,7 +14,6 @@ import stat
 
 import pytest
 import trio
-from jpfs.placement import shard_of
 from vfs_harness import (
     CHUNK,
     CREAT,
@@ -34,6 +33,8 @@ from vfs_harness import (
     read_file,
     write_all,
 )
+
+from jpfs.placement import shard_of
 
 EXCL = os.O_CREAT | os.O_EXCL | os.O_WRONLY
 BATCH = 512
@@ -337,7 +338,7 @@ async def test_a_file_not_committed_yet_is_what_this_vfs_made(cluster):  # noqa:
         assert await fs.read(ino) == b"held back"
 
 
-# ---- directories made under a lease ---------------------------------------------------------------
+# ---- directories made under a lease --------------------------------------------------------------
 
 async def test_directories_made_under_a_lease_are_what_every_vfs_sees(cluster):  # noqa: F811
     """mkdirs in a leased directory are answered at once and committed behind, those placed
@@ -364,7 +365,8 @@ async def test_directories_made_under_a_lease_are_what_every_vfs_sees(cluster): 
         assert (await a.getattr(d)).nlink == 2 + len(made)
 
 
-async def test_a_directory_not_committed_yet_can_be_filled_listed_and_removed(cluster):  # noqa: F811
+async def test_a_directory_not_committed_yet_can_be_filled_listed_and_removed(
+        cluster):  # noqa: F811
     """What the VFS that made a directory under a lease does with it at once: look it up,
     fill it (its create goes first), list it, make a directory in it, remove it; nothing is
     lost or doubled on the shard."""
