@@ -4,7 +4,8 @@ A mount filling a directory (``cp -r``, a dataset being written, a training run'
 pays a metadata round trip per create. With a lease on the directory it knows the directory's
 names for certain and holds a range of inode numbers of this shard, so it answers CREATE at
 once and commits the new entries behind, many per transaction (``create_batch``;
-``jpfs/client/leases.py``).
+``jpfs/client/vfs/leases.py``); new directories placed on other shards (inode numbers
+``reserve``d there) go in one cross-shard transaction per batch (``mkdir_batch``).
 
 What makes that safe is that nobody else changes the directory's names while the lease is held:
 every change that adds or removes a name here (``Txn.check_lease``: a create, mknod, symlink,
@@ -12,7 +13,8 @@ mkdir, link, unlink, rmdir, rename, bulk create or 2PC prepare, from any client 
 *recalls* the lease and waits for it, as it waits for a cross-shard transaction's lock
 (``Leased`` is a ``Locked``): the holder commits what it has pending, gives the lease back, and
 the change runs. A holder that does not give it back within ``RECALL_GRACE`` loses it. The
-holder's own rename, sent with its session, passes in a single-shard plan (``Txn.holder``).
+holder's own rename and ``mkdir_batch``, sent with its session, pass (``Txn.holder``; in a
+two-phase plan, the ops this shard applies in the decision).
 Reads never wait: other clients see a new name once its batch commits (milliseconds).
 
 A lease lives in this process's memory and belongs to a *session* (a mount), which is alive

@@ -1,7 +1,9 @@
 """What a mount answered from the directory leases it holds and has not committed yet: the local
 half of ``leases.py`` (which talks to the shards), with no call of its own.
 
-Unlinks and plain renames of files in a leased directory are answered the same way as creates
+New directories are queued as creates with a directory's mode (``add_dir``); those placed on
+another shard than the directory's go in batches of their own (``elsewhere``). Unlinks and plain
+renames of files in a leased directory are answered the same way as creates
 when the lease's names (as granted, then as this mount changed them) give each name the inode
 the kernel names and those live on the directory's shard: the batch carries the changes in the
 order they were answered (``LeasedDir.queue``), and a file not sent yet is just dropped

@@ -12,17 +12,20 @@ and not sent, and the unlinks and renames answered the same way, are the local b
 
 A plain rename of a file the lease's names cannot vouch for (the kernel's view of a name is
 older than the lease's) is sent to the shard as the holder's (``session``: the shard lets it
-pass) once what is pending has committed, and the lease's names follow it (``renamed``); any
-other change of the directory's names by this mount (mkdir, link, other renames, an unlink the
-lease cannot answer) gives the lease back first (``give_back``); another client's change recalls
-it (the shard answers ``lease_wait``), and the shard runs that change once the lease is back. A
-killed mount loses the changes it had not sent (as a local filesystem loses those its journal
-had not committed); ``fsync`` of the file or the directory and unmount send them first.
+pass) once what is pending has committed, and the lease's names follow it (``renamed``). A
+mkdir is answered the same way as a create, with an inode number of the shard the new
+directory is placed on (``dir_ino``: the lease's range, or numbers reserved there ahead); those
+placed on another shard are committed in a ``mkdir_batch`` of their own, one two-phase commit
+per batch. Any other change of the directory's names by this mount (rmdir, link, other renames,
+an unlink the lease cannot answer) gives the lease back first (``give_back``); another client's
+change recalls it (the shard answers ``lease_wait``), and the shard runs that change once the
+lease is back. A killed mount loses the changes it had not sent (as a local filesystem loses
+those its journal had not committed); ``fsync`` of the file or the directory and unmount send
+them first.
 
-A lease is asked for once a directory saw ``LEASE_AFTER`` creates, unlinks or renames answered
-by the shard, and not
-again for ``RETRY_AFTER`` seconds after a refusal or a recall (so two mounts writing one
-directory settle on round trips rather than trade the lease).
+A lease is asked for once a directory saw ``LEASE_AFTER`` creates, mkdirs, unlinks or renames
+answered by the shard, and not again for ``RETRY_AFTER`` seconds after a refusal or a recall
+(so two mounts writing one directory settle on round trips rather than trade the lease).
 """
 
 from __future__ import annotations
