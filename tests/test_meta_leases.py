@@ -91,11 +91,12 @@ def test_a_lease_reserves_inodes_and_a_batch_makes_the_files(cluster):
     _run(cluster, scenario)
 
 
-def test_a_lease_holder_makes_directories_on_every_shard_in_batches(cluster):
+def test_a_lease_holder_makes_and_removes_directories_on_every_shard_in_batches(cluster):
     """Directories a lease holder answered: those placed on the directory's shard go in its
     ``create_batch``, those placed on another shard (inode numbers ``reserve``d there) in one
-    cross-shard ``mkdir_batch``; a retry answers what was made; bad entries are refused one by
-    one, an inode number never reserved fails the batch, and nothing half-made is left."""
+    cross-shard ``dir_batch``, and so are removals of empty ones; a retry answers what was
+    done; bad entries are refused one by one, an inode number never reserved or a directory
+    not empty fails the batch, and nothing half-done is left."""
     async def scenario(meta: MetaClient, nursery):
         d, me, first = await _leased_dir(meta, "lease-mkdir")
         here = shard_of(d)
@@ -106,20 +107,20 @@ def test_a_lease_holder_makes_directories_on_every_shard_in_batches(cluster):
             stat.S_IFDIR | 0o750, 2, 7, 8)
         start = await meta.reserve(other, 4)
         far = [make_ino(other, start + i) for i in range(4)]
-        got = await meta.mkdir_batch(d, me, [
+        got = await meta.dir_batch(d, me, [
             [b"far", far[0], stat.S_IFDIR | 0o700, 7, 8, t],
             [b"near", far[1], stat.S_IFDIR | 0o700, 7, 8, t],   # the name is taken
             [b"bad", first, stat.S_IFDIR | 0o700, 7, 8, t],     # placed on this shard
             [b"file", far[2], stat.S_IFREG | 0o644, 7, 8, t],   # not a directory
             [b"x/y", far[2], stat.S_IFDIR | 0o700, 7, 8, t],    # not a name
-            [b"short", far[2]]])
+            [b"short"]])
         assert got[0].ino == far[0] and got[0].mode == stat.S_IFDIR | 0o700
         assert [g.errno for g in got[1:]] == [errno.EEXIST, errno.EINVAL, errno.EINVAL,
                                               errno.EINVAL, errno.EINVAL]
-        again = await meta.mkdir_batch(d, me, [[b"far", far[0], stat.S_IFDIR | 0o700, 7, 8, t]])
+        again = await meta.dir_batch(d, me, [[b"far", far[0], stat.S_IFDIR | 0o700, 7, 8, t]])
         assert again[0].ino == far[0]  # a retry after a lost answer
         with pytest.raises(JPFSError) as e:  # never reserved there: nothing of it is made
-            await meta.mkdir_batch(d, me, [
+            await meta.dir_batch(d, me, [
                 [b"new", far[3], stat.S_IFDIR | 0o700, 7, 8, t],
                 [b"unreserved", make_ino(other, start + 100_000), stat.S_IFDIR, 7, 8, t]])
         assert e.value.errno == errno.EINVAL
@@ -130,12 +131,27 @@ def test_a_lease_holder_makes_directories_on_every_shard_in_batches(cluster):
         assert sorted(e.name for e in await _listing(meta, d)) == [b"far", b"near"]
         assert (await meta.getattr(d)).nlink == 4
         assert (await meta.getattr(far[0])).nlink == 2
-        assert await meta.lease_return(d, me)
         await meta.mkdir(far[0], b"inside")  # a directory like any other
+        # removals: one found not empty fails its batch whole
+        with pytest.raises(JPFSError) as e:
+            await meta.dir_batch(d, me, [[b"far", far[0]]])
+        assert e.value.errno == errno.ENOTEMPTY
+        bad = await meta.create_batch(d, me, [[b"far", far[0]]])  # not on this shard
+        assert bad[0].errno == errno.EXDEV
         await meta.rmdir(far[0], b"inside")
-        await meta.rmdir(d, b"far")
-        await meta.rmdir(d, b"near")
-        assert (await meta.getattr(d)).nlink == 2 and here != other
+        gone = await meta.dir_batch(d, me, [[b"far", far[0]], [b"near", far[1]],
+                                            [b"near", first]])
+        assert gone[0].ino == d and gone[0].nlink == 3
+        assert [g.errno for g in gone[1:]] == [errno.ENOENT, errno.EINVAL]
+        assert (await meta.dir_batch(d, me, [[b"far", far[0]]]))[0].ino == d  # a retry
+        here_gone = await meta.create_batch(d, me, [[b"near", first]])
+        assert here_gone[0].ino == d and here_gone[0].nlink == 2
+        assert await _listing(meta, d) == []
+        for ino in (far[0], first):
+            with pytest.raises(JPFSError) as e:
+                await meta.getattr(ino)
+            assert e.value.errno == errno.ENOENT
+        assert await meta.lease_return(d, me) and here != other
 
     _run(cluster, scenario)
 

@@ -18,6 +18,7 @@ from vfs_harness import (
     CHUNK,
     CREAT,
     GID,
+    LEASE_WARMUP,
     RDONLY,
     UID,
     Fs,
@@ -406,3 +407,42 @@ async def test_a_killed_vfs_keeps_every_directory_it_fsynced(cluster):  # noqa: 
     async with open_vfs(cluster, dir_leases=False) as b:
         assert await names(b, d) == made
         assert (await b.getattr(d)).nlink == 2 + len(made)
+
+
+async def test_rmdirs_of_emptied_leased_directories_are_answered_from_the_lease(
+        cluster):  # noqa: F811
+    """``rm -r`` as the kernel sends it: unlinks in each subdirectory (answered from its lease),
+    then the rmdir of each (answered from the parent's lease, the subdirectory's lease vouching
+    that nobody else can add a name to it): every VFS sees the tree gone after an fsync, with
+    the parent's link count; an rmdir the leases cannot answer (a subdirectory never leased)
+    goes to the shard as the holder's and keeps the parent's lease."""
+    async with open_vfs(cluster) as a, open_vfs(cluster, dir_leases=False) as b:
+        d = await fresh_dir(a, warm=True)
+        subs = [b"s%02d" % i for i in range(24)]
+        inos = {}
+        for n in subs:
+            inos[n] = (await a.mkdir(d, n, 0o755, UID, GID)).ino
+            await _fill(a, inos[n], [b"f%d" % k for k in range(LEASE_WARMUP + 2)])
+        await a.mkdir(d, b"never-leased", 0o755, UID, GID)
+        await a.fsyncdir(d)
+        await expect(errno.ENOTEMPTY, a.rmdir(d, subs[0]))
+        for n in subs:
+            for k in range(LEASE_WARMUP + 2):
+                await a.lookup(inos[n], b"f%d" % k)
+                await a.unlink(inos[n], b"f%d" % k)
+            await a.rmdir(d, n)
+        leases = _leases(a)
+        assert leases["rmdirs"] >= len(subs) - 1 and leases["failed"] == 0, leases
+        assert {shard_of(i) for i in inos.values()} == {0, 1}  # local and cross-shard ones
+        await a.rmdir(d, b"never-leased")
+        assert _leases(a)["held"] >= 1  # the parent's lease kept
+        assert await names(a, d) == []
+        assert (await a.getattr(d)).nlink == 2
+        await a.fsyncdir(d)
+        assert await names(b, d) == []
+        assert (await b.getattr(d)).nlink == 2
+        for n in subs:
+            await expect(errno.ENOENT, b.getattr(inos[n]))
+        # the removed directories' leases went back: another VFS may make them again
+        await b.mkdir(d, subs[0], 0o755, UID, GID)
+        assert await names(a, d) == [subs[0]]

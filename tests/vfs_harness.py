@@ -235,8 +235,8 @@ async def open_fs(cluster: config.Cluster, mode: str = "plain", **options) -> As
         yield Fs(vfs, await fresh_dir(vfs, warm=mode != "plain"), mode)
 
 
-__all__ = ["CHUNK", "CREAT", "GID", "MODES", "RDONLY", "RDWR", "UID", "UMASK", "WRONLY", "Fs",
-           "cluster", "cluster_dir", "entries", "errno_of", "eventually", "exists", "expect",
-           "fresh_dir", "names", "open_fs", "open_vfs", "read_at", "read_file", "unique",
+__all__ = ["CHUNK", "CREAT", "GID", "LEASE_WARMUP", "MODES", "RDONLY", "RDWR", "UID", "UMASK",
+           "WRONLY", "Fs", "cluster", "cluster_dir", "entries", "errno_of", "eventually", "exists",
+           "expect", "fresh_dir", "names", "open_fs", "open_vfs", "read_at", "read_file", "unique",
            "write_all"]
 

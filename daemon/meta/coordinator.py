@@ -206,8 +206,9 @@ class Coordinator:
         commit decision (so a retry after a failover finds it; see ``once``). ``made``: filled
         with the attributes (wire form) of the inodes created on other shards, as they will
         be once committed, so the caller need not ask those shards (and wait for the commit).
-        ``holder``: the lease session asking, exempt from its own leases in this shard's
-        ops (a two-phase plan's are the last agent's, applied here in the decision).
+        ``holder``: the lease session asking, exempt from its own leases (in a two-phase
+        plan, on every shard: its prepares carry it, and this shard's ops are the last
+        agent's, applied in the decision).
         Raises ``ops.Stale`` (ESTALE) when an expectation failed: the caller plans again.
         """
         if list(plan) == [self.shard]:
@@ -260,7 +261,7 @@ class Coordinator:
                 for s in order:
                     new = created[0] if created else None
                     for a in await self._participant(s, "prepare", txid,
-                                                     ops.substitute(plan[s], new)):
+                                                     ops.substitute(plan[s], new), holder):
                         created.append(a[0])
                         attrs[a[0]] = a
                     fault_point("coordinator.prepared_one")
@@ -316,14 +317,15 @@ class Coordinator:
             await self._finish(txid, remote)
         return created, False
 
-    async def _participant(self, shard: int, step: str, txid: bytes, plan_ops=None):
+    async def _participant(self, shard: int, step: str, txid: bytes, plan_ops=None,
+                           holder: bytes | None = None):
         steps: dict[str, tuple[Method, Callable[..., Awaitable[Any]]]] = {
             "prepare": (P.TX_PREPARE, self.tx_prepare),
             "commit": (P.TX_COMMIT, self.tx_commit),
             "commit unhurried": (P.TX_COMMIT, self.tx_commit),
             "abort": (P.TX_ABORT, self.tx_abort)}
         method, local = steps[step]
-        args = [txid, self.shard, plan_ops] if step == "prepare" else \
+        args = [txid, self.shard, plan_ops, holder] if step == "prepare" else \
             [txid, False] if step == "commit unhurried" else [txid]
         if shard == self.shard:
             return await local(*args)
@@ -457,12 +459,16 @@ class Coordinator:
 
     # ---- participant side ----------------------------------------------------------------------
 
-    async def tx_prepare(self, txid: bytes, coordinator: int, plan_ops: list) -> list[list]:
-        """Prepare: answers the attributes of the inodes the commit will make."""
+    async def tx_prepare(self, txid: bytes, coordinator: int, plan_ops: list,
+                         holder: bytes | None = None) -> list[list]:
+        """Prepare: answers the attributes of the inodes the commit will make. ``holder``: the
+        lease session the change is made for."""
         if len(txid) != 16:
             raise error(errno.EINVAL, "transaction ids are 16 bytes")
+        if holder is not None and type(holder) is not bytes:
+            raise error(errno.EINVAL, "a lease session is bytes")
         ops.check_shapes(plan_ops)
-        created = await self.store.write(ops.prepare, txid, coordinator, plan_ops)
+        created = await self.store.write(ops.prepare, txid, coordinator, plan_ops, holder)
         self.store.tx_begun(txid)
         if coordinator != self.shard:
             fault_point("participant.prepared")

@@ -38,8 +38,8 @@ from .txn import Txn
 log = logging.getLogger(__name__)
 
 REPLAN_ATTEMPTS = 50
-MAX_MKDIR_BATCH = 4096
-"""Entries one ``mkdir_batch`` carries at most."""
+MAX_DIR_BATCH = 4096
+"""Entries one ``dir_batch`` carries at most."""
 
 
 def mine(shard: int, ino: int) -> int:
@@ -118,17 +118,20 @@ class CrossShard:
         return [made.get(created[0]) or await self._getattr(created[0]),
                 self.store.read(ns.getattr_, parent)]
 
-    async def mkdir_batch(self, parent: int, session: bytes, entries: list,
-                          rid: bytes | None = None) -> list:
-        """MKDIR_BATCH: directories a mount holding ``parent``'s lease already answered, each
-        placed on another shard (``[name, ino, mode, uid, gid, time_ns]``, ``ino`` reserved
-        there by ``reserve``), made in one cross-shard transaction: their inodes on their
-        shards, their entries and the parent's link count here. Per entry the directory's
-        attributes, or an errno name (EEXIST: the name was taken while the lease was lost); a
-        retry finds the entries an earlier attempt made and answers their attributes."""
+    async def dir_batch(self, parent: int, session: bytes, entries: list,
+                        rid: bytes | None = None) -> list:
+        """DIR_BATCH: directory changes a mount holding ``parent``'s lease already answered,
+        of directories placed on other shards, in one cross-shard transaction: new ones
+        (``[name, ino, mode, uid, gid, time_ns]``, ``ino`` reserved there by ``reserve``: their
+        inodes there, their entries and the parent's link count here) and removed ones
+        (``[name, ino]``, empty, their leases the mount's: their inodes there, their entries
+        here). Per entry a new directory's attributes, for a removed one the parent's after,
+        or an errno name (EEXIST: the name was taken while the lease was lost). A retry finds
+        what an earlier attempt did and answers the same; a directory found not empty fails
+        the batch whole, as does an inode number never reserved, and nothing of it is done."""
         mine(self.shard, parent)
-        if not isinstance(entries, list) or len(entries) > MAX_MKDIR_BATCH:
-            raise error(errno.E2BIG, f"at most {MAX_MKDIR_BATCH} entries per mkdir_batch")
+        if not isinstance(entries, list) or len(entries) > MAX_DIR_BATCH:
+            raise error(errno.E2BIG, f"at most {MAX_DIR_BATCH} entries per dir_batch")
         results: list = [None] * len(entries)
 
         def checked(t: Txn) -> dict[int, list[list]]:
@@ -136,22 +139,39 @@ class CrossShard:
             t.check_lease(parent, session)
             plan: dict[int, list[list]] = {}
             here: list[list] = []
+            subdirs = 0
+            seen: set[bytes] = set()
             for i, e in enumerate(entries):
                 try:
-                    name, ino, mode, uid, gid = _new_dir_entry(e, self.shard)
+                    name, ino, mode, uid, gid = _dir_entry(e, self.shard)
+                    if name in seen:
+                        raise error(errno.EINVAL, "one change per name in a batch")
                 except OSError as err:
                     results[i] = errno_name(err.errno)
                     continue
+                seen.add(name)
                 d = t.dentry(parent, name)
+                if mode is None:  # a removed directory
+                    results[i] = _REMOVED
+                    if d is None:
+                        continue  # removed by an earlier attempt
+                    if d[0] != ino or d[1] != stat.S_IFDIR:
+                        results[i] = "ENOENT" if d[0] != ino else "ENOTDIR"
+                        continue
+                    plan.setdefault(shard_of(ino), []).append(["rmdir", ino])
+                    here.append(["rmdent", parent, name, ino])
+                    subdirs -= 1
+                    continue
                 if d is not None:  # made by an earlier attempt, or taken
                     results[i] = ino if d[0] == ino else "EEXIST"
                     continue
                 plan.setdefault(shard_of(ino), []).append(
                     ["mkinode", mode, uid, gid, parent, None, ino])
                 here.append(["mkdent", parent, name, ino, stat.S_IFDIR, None])
+                subdirs += 1
                 results[i] = ino
             if here:
-                plan[self.shard] = [*here, ["subdirs", parent, len(here)]]
+                plan[self.shard] = [*here, ["subdirs", parent, subdirs]]
             return plan
 
         async def planner():
@@ -159,7 +179,9 @@ class CrossShard:
 
         made: dict[int, list] = {}
         await self._run(planner, None, made, session)  # a failure fails them all
-        return [await self._made_dir(made, r) if type(r) is int else r for r in results]
+        after = self.store.read(ns.getattr_, parent)
+        return [after if r is _REMOVED else await self._made_dir(made, r) if type(r) is int
+                else r for r in results]
 
     async def _made_dir(self, made: dict[int, list], ino: int) -> list | str:
         try:
@@ -205,10 +227,14 @@ class CrossShard:
         await self._run(plan, rid)
         return self.store.read(ns.getattr_, parent)
 
-    async def rmdir(self, parent: int, name: bytes, rid: bytes | None = None) -> list:
+    async def rmdir(self, parent: int, name: bytes, rid: bytes | None = None,
+                    session: bytes | None = None) -> list:
         """RMDIR: remove the empty directory ``name``; the parent's attributes after. ENOTDIR,
-        ENOTEMPTY as rmdir(2)."""
+        ENOTEMPTY as rmdir(2). ``session``: the mount's lease session (its leases do not stop
+        it)."""
         mine(self.shard, parent)
+        if session is not None and type(session) is not bytes:
+            raise error(errno.EINVAL, "a lease session is bytes")
         if self._recorded(rid) is not once.MISSING:
             return self.store.read(ns.getattr_, parent)
 
@@ -220,7 +246,7 @@ class CrossShard:
                           (self.shard, ["subdirs", parent, -1]),
                           (shard_of(ino), ["rmdir", ino]))
 
-        await self._run(plan, rid)
+        await self._run(plan, rid, None, session)
         return self.store.read(ns.getattr_, parent)
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
@@ -369,9 +395,19 @@ class CrossShard:
         return await self.coord.rename_unlock(owner)
 
 
-def _new_dir_entry(e: object, shard: int) -> tuple[bytes, int, int, int, int]:
-    """(name, ino, mode, uid, gid) of a ``mkdir_batch`` entry; EINVAL unless it is well formed
-    and names a directory placed on another shard than ``shard``."""
+_REMOVED = object()
+"""A ``dir_batch`` result: the parent's attributes after the batch."""
+
+
+def _dir_entry(e: object, shard: int) -> tuple[bytes, int, int | None, int, int]:
+    """(name, ino, mode, uid, gid) of a ``dir_batch`` entry (mode None: a removal); EINVAL
+    unless it is well formed and names a directory placed on another shard than ``shard``."""
+    if isinstance(e, list) and len(e) == 2 and type(e[1]) is int:
+        name, ino = e
+        check_name(name)
+        if not 0 <= shard_of(ino) < MAX_SHARDS or shard_of(ino) == shard:
+            raise error(errno.EINVAL, f"inode {ino:#x} is not another shard's")
+        return name, ino, None, 0, 0
     if not isinstance(e, list) or len(e) != 6 or not all(
             type(v) is int for v in e[1:]):
         raise error(errno.EINVAL, "malformed entry")

@@ -182,8 +182,9 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
     lease reserved, ``[..., time_ns, ctime_ns]`` (renamed before it was sent: its ctime moved),
     or ``[..., time_ns, size, chunks]`` (the file's first commit, made with it); new
     directories placed on this shard, the same six fields with a directory's mode (those
-    placed elsewhere are ``crossshard.CrossShard.mkdir_batch``'s); removes,
-    ``[name, ino]`` (an unlink of a file whose inode lives here); and renames within the
+    placed elsewhere are ``crossshard.CrossShard.dir_batch``'s); removes,
+    ``[name, ino]`` (an unlink of a file whose inode lives here, or the rmdir of an empty
+    directory placed here, whose lease is the session's if anybody's); and renames within the
     directory, ``[old, new, ino, replaced]`` (``replaced``: the file ``new`` names, or 0). Per
     entry the file's attributes after it, or an errno name (EEXIST, ENOENT: the name changed
     while the lease was lost). A create or rename already made (a retry after a
@@ -194,7 +195,7 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
 
     def one(e) -> list:
         if isinstance(e, list) and len(e) == 2:
-            return _remove_entry(t, parent, e)
+            return _remove_entry(t, parent, e, pdir, session)
         if isinstance(e, list) and len(e) == 4:
             return _rename_entry(t, parent, e)
         if not isinstance(e, list) or len(e) not in (6, 7, 8) or not all(
@@ -240,8 +241,10 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
     return out
 
 
-def _remove_entry(t: Txn, parent: int, e: list) -> list:
-    """One remove of a ``create_batch``: ``[name, ino]``, the entry must still name ``ino``."""
+def _remove_entry(t: Txn, parent: int, e: list, pdir: Inode, session: bytes) -> list:
+    """One remove of a ``create_batch``: ``[name, ino]``, the entry must still name ``ino``: a
+    file, or an empty directory (its lease, if any, the session's); the file's attributes
+    after, or the parent's for a directory."""
     name, ino = e
     check_name(name)
     if type(ino) is not int:
@@ -249,11 +252,18 @@ def _remove_entry(t: Txn, parent: int, e: list) -> list:
     d = t.dentry(parent, name)
     if d is None or d[0] != ino:
         raise error(errno.ENOENT, f"{name.decode(errors='replace')!r} is not that file")
-    if d[1] == stat.S_IFDIR:
-        raise error(errno.EISDIR, f"{name.decode(errors='replace')!r} is a directory")
     node = t.inode(ino)
     if node is None:
-        raise error(errno.EXDEV, "a batched remove takes a file whose inode lives here")
+        raise error(errno.EXDEV, "a batched remove takes an inode that lives here")
+    if d[1] == stat.S_IFDIR:
+        t.check_lease(ino, session)
+        t.check_dir_lock(ino)
+        if not t.dir_is_empty(ino):
+            raise error(errno.ENOTEMPTY, f"{name.decode(errors='replace')!r} is not empty")
+        t.delete_dentry(parent, name)
+        t.delete_inode(ino)
+        pdir.nlink -= 1
+        return pdir.attr().to_wire()
     t.delete_dentry(parent, name)
     node.nlink -= 1
     node.ctime_ns = t.now

@@ -5,7 +5,7 @@ pays a metadata round trip per create. With a lease on the directory it knows th
 names for certain and holds a range of inode numbers of this shard, so it answers CREATE at
 once and commits the new entries behind, many per transaction (``create_batch``;
 ``jpfs/client/vfs/leases.py``); new directories placed on other shards (inode numbers
-``reserve``d there) go in one cross-shard transaction per batch (``mkdir_batch``).
+``reserve``d there) go in one cross-shard transaction per batch (``dir_batch``).
 
 What makes that safe is that nobody else changes the directory's names while the lease is held:
 every change that adds or removes a name here (``Txn.check_lease``: a create, mknod, symlink,
@@ -13,7 +13,7 @@ mkdir, link, unlink, rmdir, rename, bulk create or 2PC prepare, from any client 
 *recalls* the lease and waits for it, as it waits for a cross-shard transaction's lock
 (``Leased`` is a ``Locked``): the holder commits what it has pending, gives the lease back, and
 the change runs. A holder that does not give it back within ``RECALL_GRACE`` loses it. The
-holder's own rename and ``mkdir_batch``, sent with its session, pass (``Txn.holder``; in a
+holder's own rename and ``dir_batch``, sent with its session, pass (``Txn.holder``; in a
 two-phase plan, the ops this shard applies in the decision).
 Reads never wait: other clients see a new name once its batch commits (milliseconds).
 

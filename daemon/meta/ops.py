@@ -229,10 +229,12 @@ def apply_local(t: Txn, ops: list[list], holder: bytes | None = None) -> list[in
 
 # ---- two-phase commit, participant side -------------------------------------------------------
 
-def prepare(t: Txn, txid: bytes, coordinator: int, ops: list[list]) -> list[list]:
+def prepare(t: Txn, txid: bytes, coordinator: int, ops: list[list],
+            holder: bytes | None = None) -> list[list]:
     """Check ``ops``, allocate inodes, hold locks and record everything durably. Returns
     the attributes (wire form) of the inodes the commit will make: their times are the
-    prepare's, so the coordinator can answer with them before the commit.
+    prepare's, so the coordinator can answer with them before the commit. ``holder``: the
+    lease session the change is made for (its leases here let the ops pass).
 
     Idempotent: preparing a transaction again returns what the first prepare allocated.
     """
@@ -240,6 +242,7 @@ def prepare(t: Txn, txid: bytes, coordinator: int, ops: list[list]) -> list[list
     if prev is not None:
         rec = K.unpack(prev)
         return _made(rec["ops"], rec.get("at", t.now))
+    t.holder = holder
     ops = allocate(t, ops)
     for op in ops:
         check(t, op)

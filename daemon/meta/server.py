@@ -219,7 +219,7 @@ class MetaShard:
             P.LEASE_WAIT: Handler(self.lease_wait),
             P.CREATE_BATCH: self._write(P.CREATE_BATCH, L.create_batch, cs),
             P.RESERVE: Handler(self.reserve),
-            P.MKDIR_BATCH: Handler(self.cross.mkdir_batch),
+            P.DIR_BATCH: Handler(self.cross.dir_batch),
         }
 
     # ---- directory write leases (leases.py)
@@ -251,7 +251,7 @@ class MetaShard:
 
     async def reserve(self, n: int) -> int:
         """RESERVE: ``n`` inode numbers of this shard (at most a lease's), for the directories
-        a lease holder places here (``mkdir_batch``); the first counter."""
+        a lease holder places here (``dir_batch``); the first counter."""
         if type(n) is not int or not 0 < n <= LEASE_INODES:
             raise error(errno.EINVAL, f"reserve 1 to {LEASE_INODES} inode numbers")
         return await self.store.write(_alloc_range, n)

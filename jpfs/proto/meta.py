@@ -266,6 +266,17 @@ class RemoveReq(NamedTuple):
     """Request id (replicated shards): a retry after a failover answers the first result."""
 
 
+class RmdirReq(NamedTuple):
+    """``rmdir``: the empty directory ``name`` to remove."""
+
+    parent: int
+    name: bytes
+    rid: bytes | None = None
+    session: bytes | None = None
+    """A mount's lease session: its leases (on the parent, on the directory) do not stop the
+    change."""
+
+
 class CreateReq(NamedTuple):
     """``create``: a regular file (``exclusive``: EEXIST if the name is taken)."""
 
@@ -448,6 +459,9 @@ class TxPrepareReq(NamedTuple):
     txid: bytes
     coordinator: int
     ops: list[list]
+    holder: bytes | None = None
+    """The lease session the change is made for: its own leases on this shard's directories
+    let the ops pass (a lease holder's ``dir_batch``)."""
 
 
 class TxReq(NamedTuple):
@@ -521,7 +535,7 @@ SYMLINK = Method(14, "symlink", SymlinkReq, Attr, inline=True)
 LINK = Method(15, "link", LinkReq, Attr)
 UNLINK = Method(16, "unlink", RemoveReq, PostOp, inline=True)
 """Inline when the file's inode is on the directory's shard; deferred to 2PC otherwise."""
-RMDIR = Method(17, "rmdir", RemoveReq, PostOp)
+RMDIR = Method(17, "rmdir", RmdirReq, PostOp)
 RENAME = Method(18, "rename", RenameReq, RenamePostOp)
 SETATTR = Method(19, "setattr", SetattrReq, Attr, inline=True)
 SETXATTR = Method(20, "setxattr", SetxattrReq, None, inline=True)
@@ -562,7 +576,7 @@ CREATE_BATCH = Method(41, "create_batch", CreateBatchReq, AttrsOrErrors, idempot
 """Idempotent: an entry already made answers its attributes."""
 RESERVE = Method(42, "reserve", ReserveReq, int)
 """The first counter of the range reserved (durable before the answer)."""
-MKDIR_BATCH = Method(43, "mkdir_batch", CreateBatchReq, AttrsOrErrors, idempotent=True)
+DIR_BATCH = Method(43, "dir_batch", CreateBatchReq, AttrsOrErrors, idempotent=True)
 """Directories a lease holder answered, placed on other shards (``CreateBatchReq.entries``:
 creates with a directory's mode and an inode number ``reserve`` gave); idempotent as
 ``create_batch``."""
@@ -572,7 +586,7 @@ METHODS = method_table(
     LISTXATTR, CREATE, MKNOD, MKDIR, SYMLINK, LINK, UNLINK, RMDIR, RENAME, SETATTR, SETXATTR,
     REMOVEXATTR, GET_LAYOUT, BATCH_LAYOUT, LOOKUP_LAYOUTS, WRITE_CHUNKS, BULK_CREATE, TX_PREPARE,
     TX_COMMIT, TX_ABORT, TX_STATUS, RENAME_LOCK, RENAME_UNLOCK, SCAN, PENDING, REPAIR, SHARD_INFO,
-    SYNC, LEASE, LEASE_RETURN, LEASE_WAIT, CREATE_BATCH, RESERVE, MKDIR_BATCH,
+    SYNC, LEASE, LEASE_RETURN, LEASE_WAIT, CREATE_BATCH, RESERVE, DIR_BATCH,
 )
 """Every metadata method by name (the replication methods of ``replica.py`` included)."""
 METHODS.update(_REPLICA_METHODS)
@@ -580,7 +594,7 @@ METHODS.update(method_table(*HEAL_METHODS))  # the healer's (jpfs/proto/heal.py,
 
 CHANGES = frozenset({CREATE, MKNOD, MKDIR, SYMLINK, LINK, UNLINK, RMDIR, RENAME, SETATTR,
                      SETXATTR, REMOVEXATTR, WRITE_CHUNKS, BULK_CREATE, CREATE_BATCH,
-                     MKDIR_BATCH})
+                     DIR_BATCH})
 """Namespace changes: their request records end with ``rid`` (see ``CreateReq.rid``)."""
 
 # rename flags (as renameat2)

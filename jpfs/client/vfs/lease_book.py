@@ -1,8 +1,9 @@
 """What a mount answered from the directory leases it holds and has not committed yet: the local
 half of ``leases.py`` (which talks to the shards), with no call of its own.
 
-New directories are queued as creates with a directory's mode (``add_dir``); those placed on
-another shard than the directory's go in batches of their own (``elsewhere``). Unlinks and plain
+New directories are queued as creates with a directory's mode (``add_dir``), and removed ones
+as removes (``remove_dir``); those placed on another shard than the directory's go in batches
+of their own (``elsewhere``). Unlinks and plain
 renames of files in a leased directory are answered the same way as creates
 when the lease's names (as granted, then as this mount changed them) give each name the inode
 the kernel names and those live on the directory's shard: the batch carries the changes in the
@@ -293,6 +294,14 @@ class LeaseBook:
         ld.used = time.monotonic()
         self.stats["renames"] += 1
 
+    def remove_dir(self, ld: LeasedDir, name: bytes, ino: int) -> None:
+        """Remove the empty directory ``name`` (``ino``, whose lease this mount holds) from
+        ``ld``, answered now and committed behind."""
+        del ld.names[name]
+        ld.used = time.monotonic()
+        self.stats["rmdirs"] += 1
+        self._queue(ld, [name, ino], ino)
+
     async def remove(self, ld: LeasedDir, name: bytes, ino: int) -> None:
         """Unlink ``name`` (file ``ino``) in ``ld``, answered now and committed behind; a file
         answered and not sent yet is just never sent."""
@@ -317,6 +326,12 @@ class LeaseBook:
         (nobody else changes its names meanwhile); None when it does not, or no such name."""
         ld = self.dirs.get(parent)
         return ld.names.get(name) if ld is not None and not ld.ending else None
+
+    def absent(self, parent: int, name: bytes) -> bool:
+        """Whether this mount holds ``parent``'s lease and its names do not hold ``name``
+        (which the shard may still show, until a change answered from the lease is sent)."""
+        ld = self.dirs.get(parent)
+        return ld is not None and not ld.ending and name not in ld.names
 
     async def settle(self, *inos: int) -> None:
         """Return once the files ``inos`` (and directories, for their entries) are known to
@@ -412,7 +427,7 @@ class LeaseBook:
         before a create that must wait (its file's bytes are being stored behind its close; or
         it is open for writing, young, and nobody waits for it or what follows it), and where
         new directories placed on other shards begin or end (``elsewhere``: they go in a
-        ``mkdir_batch`` of their own). With no change to send: what to wait for, and until
+        ``dir_batch`` of their own). With no change to send: what to wait for, and until
         when, before looking again."""
         urgent, ld.urgent = ld.urgent, set()
         if ld.ending:
@@ -421,7 +436,7 @@ class LeaseBook:
         now = time.monotonic()
         while ld.queue and len(changes) < BATCH_MAX:
             c = ld.queue[0]
-            if changes and elsewhere(ld, c) != elsewhere(ld, changes[0]):
+            if changes and elsewhere(ld, c) is not elsewhere(ld, changes[0]):
                 break
             if isinstance(c, tuple):  # a create: still that file under that name?
                 f: NewFile = c[2]
@@ -441,12 +456,17 @@ class LeaseBook:
         return changes, None, 0.0
 
 
-def elsewhere(ld: LeasedDir, change: tuple | list) -> bool:
-    """Whether a queued change makes a directory placed on another shard than ``ld``'s."""
-    if not isinstance(change, tuple):
-        return False
-    a = change[2].attr
-    return a.is_dir and shard_of(a.ino) != ld.shard
+def elsewhere(ld: LeasedDir, change: tuple | list) -> str | None:
+    """What a queued change does to a directory placed on another shard than ``ld``'s ("mkdir",
+    "rmdir": a ``dir_batch``'s, one kind a batch, so that no name is made and removed in one
+    two-phase commit), or None (a ``create_batch``'s). A remove of a file answered from a
+    lease is always of an inode on the directory's shard."""
+    if isinstance(change, tuple):
+        a = change[2].attr
+        return "mkdir" if a.is_dir and shard_of(a.ino) != ld.shard else None
+    if len(change) == 2 and shard_of(change[1]) != ld.shard:
+        return "rmdir"
+    return None
 
 
 def inos_of(change: tuple | list) -> tuple[int, ...]:

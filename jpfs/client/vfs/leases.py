@@ -14,10 +14,13 @@ A plain rename of a file the lease's names cannot vouch for (the kernel's view o
 older than the lease's) is sent to the shard as the holder's (``session``: the shard lets it
 pass) once what is pending has committed, and the lease's names follow it (``renamed``). A
 mkdir is answered the same way as a create, with an inode number of the shard the new
-directory is placed on (``dir_ino``: the lease's range, or numbers reserved there ahead); those
-placed on another shard are committed in a ``mkdir_batch`` of their own, one two-phase commit
-per batch. Any other change of the directory's names by this mount (rmdir, link, other renames,
-an unlink the lease cannot answer) gives the lease back first (``give_back``); another client's
+directory is placed on (``dir_ino``: the lease's range, or numbers reserved there ahead), and
+so is an rmdir of a directory this mount holds the lease of too, empty by its names (nobody
+else can add one); those placed on another shard are committed in a ``dir_batch`` of their
+own, one two-phase commit per batch. An rmdir the leases cannot answer is sent as the holder's
+once what is pending has committed. Any other change of the directory's names by this mount
+(link, other renames, an unlink the lease cannot answer) gives the lease back first
+(``give_back``); another client's
 change recalls it (the shard answers ``lease_wait``), and the shard runs that change once the
 lease is back. A killed mount loses the changes it had not sent (as a local filesystem loses
 those its journal had not committed); ``fsync`` of the file or the directory and unmount send
@@ -97,7 +100,7 @@ class DirLeases:
         self.stats = {"granted": 0, "refused": 0, "recalled": 0, "given_back": 0, "lost": 0,
                       "idle_returned": 0, "answered": 0, "removes": 0, "cancelled": 0,
                       "lookups": 0, "renames": 0, "renames_answered": 0, "batches": 0,
-                      "failed": 0, "mkdirs": 0, "reserved": 0}
+                      "failed": 0, "mkdirs": 0, "rmdirs": 0, "reserved": 0}
         self.book = LeaseBook(self.stats, writing)
         """The directories held and what was answered there (``lease_book.py``)."""
         self.dirs = self.book.dirs
@@ -170,6 +173,31 @@ class DirLeases:
         attr = self.book.add_dir(ld, name, mode, uid, gid, ino)
         self._start(ld)
         return attr
+
+    def remove_dir(self, ld: LeasedDir, name: bytes, gone: LeasedDir) -> None:
+        """Remove the empty directory ``name`` from ``ld``: ``gone``, whose lease this mount
+        holds (so nobody else can add a name to it), answered now and committed behind; its
+        lease goes back once that has committed."""
+        gone.ending = True  # no more changes answered there
+        self.book.remove_dir(ld, name, gone.parent)
+        self._start(ld)
+        self.nursery.start_soon(self._retire, gone)
+
+    async def _retire(self, gone: LeasedDir) -> None:
+        """Give back the lease of a directory removed under its parent's lease, once the removal
+        has committed (before, another client's change there would find it still there)."""
+        try:
+            await self.book.settle(gone.parent)
+            await gone.idle.wait()
+            if not gone.lost:
+                try:
+                    await self.meta.lease_return(gone.parent, self.session)
+                except JPFSError as e:  # the shard takes it back when the session ends
+                    log.info("could not give back the lease on removed directory %#x: %s",
+                             gone.parent, e.strerror)
+            self.stats["given_back"] += 1
+        finally:
+            self._end(gone)
 
     def add(self, ld: LeasedDir, name: bytes, mode: int, uid: int, gid: int) -> Attr:
         """A new regular file in ``ld``, answered now and committed behind: its attributes
@@ -397,7 +425,7 @@ class DirLeases:
     async def _commit(self, ld: LeasedDir, changes: list) -> None:
         """One ``create_batch`` of ``changes`` (see ``LeasedDir.queue``), and its answers."""
         entries = [c[2].entry(c[1]) if isinstance(c, tuple) else c for c in changes]
-        call = self.meta.mkdir_batch if elsewhere(ld, changes[0]) else self.meta.create_batch
+        call = self.meta.dir_batch if elsewhere(ld, changes[0]) else self.meta.create_batch
         try:
             results: list = await call(ld.parent, self.session, entries)
         except JPFSError as e:

@@ -64,6 +64,8 @@ class Names:
                 leases.stats["lookups"] += 1
                 node = self.inodes.remember(held.attr, parent, name, fetched=held.fetched)
                 return self.shared.attr_of(node)  # with what is left of its attributes' time
+            if leases.book.absent(parent, check_name(name)):
+                raise error(errno.ENOENT, "no such entry")  # (removed, perhaps not sent yet)
         lst = self.prefetcher.listings.get(parent, self.listing_age)
         if lst is not None:
             i = lst.pos.get(name)

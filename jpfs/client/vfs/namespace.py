@@ -20,7 +20,7 @@ from ...errors import JPFSError, error
 from ...placement import shard_of
 from ...proto.meta import check_name
 from ...types import Attr
-from .leases import GiveBack
+from .leases import GiveBack, LeasedDir
 from .leasing import Leasing
 from .shared import SharedState
 
@@ -207,18 +207,58 @@ class Namespace:
         rmdir(2)."""
         self.shared.writable()
         await self.leasing.ready(parent)
-        await self.leasing.give_back(parent)
         child = self.inodes.child(parent, name)
+        leases = self.leases
+        ld = None
+        if leases is not None and child is not None and child.attr.is_dir:
+            ld = await leases.hold(parent)
+            if ld is not None and await self._rmdir_leased(ld, name, child.ino):
+                self._removed_dir(parent, name, None)
+                return
+        if ld is None:
+            await self.leasing.give_back(parent)
+        else:
+            assert leases is not None
+            await leases.book.settle(parent)  # the shard checks the names it has
         if child is not None:
             await self.leasing.give_back(child.ino)  # its own entries, which it must not have
-        with self.names_of(parent):
-            after = await self.meta.rmdir(parent, name)
+        with self.names_of(parent), self.leasing.changing(parent):
+            after = await self.meta.rmdir(
+                parent, name, session=leases.session if leases and ld is not None else None)
+        if leases is not None and ld is not None:
+            ld.names.pop(name, None)  # the holder's own change: the lease's names follow it
+        self._removed_dir(parent, name, after)
+
+    async def _rmdir_leased(self, ld: LeasedDir, name: bytes, ino: int) -> bool:
+        """``rmdir`` answered from the parent's lease (``ld``) and committed behind, when this
+        VFS holds the lease of the directory too and its names are none (what was answered
+        there committed first): True if so; False to send it."""
+        leases = self.leases
+        assert leases is not None
+        gone = leases.dirs.get(ino)
+        if gone is None or gone.ending or ld.names.get(name) != ino:
+            return False
+        await leases.book.settle(ino)
+        if leases.dirs.get(ino) is not gone or gone.ending or leases.dirs.get(ld.parent) \
+                is not ld or ld.ending or ld.names.get(name) != ino:
+            return False  # recalled meanwhile
+        if gone.names:
+            raise error(errno.ENOTEMPTY, "directory not empty")
+        leases.remove_dir(ld, name, gone)
+        return True
+
+    def _removed_dir(self, parent: int, name: bytes, after: Attr | None) -> None:
+        """What this VFS knows after an rmdir: ``after``, the shard's post-op attributes of the
+        parent, or None for one answered from the parent's lease."""
         gone = self.inodes.unname(parent, name)
         if self.known is not None:
             self.known.changed(parent, removed=name)
             if gone is not None:
                 self.known.drop(gone.ino)
-        self.shared.post_op(parent, after)
+        if after is None:
+            self._touched_in_lease(parent, subdirs=-1)
+        else:
+            self.shared.post_op(parent, after)
         if gone is not None:
             self.inodes.stale(gone.ino)
         self.inodes.moved()
@@ -289,14 +329,15 @@ class Namespace:
             self.inodes.stale(other.ino)  # replaced: one link fewer
         self.inodes.moved()
 
-    def _touched_in_lease(self, parent: int) -> None:
+    def _touched_in_lease(self, parent: int, subdirs: int = 0) -> None:
         """``parent``'s names changed by a change answered from its lease: its times are
-        now."""
+        now (and its link count moves by ``subdirs``)."""
         self.prefetcher.forget_dir(parent)
         node = self.inodes.get(parent)
         if node is not None and node.fetched != float("-inf"):
             t = time.time_ns()
-            node.attr = node.attr.with_(mtime_ns=t, ctime_ns=t)
+            node.attr = node.attr.with_(mtime_ns=t, ctime_ns=t,
+                                        nlink=node.attr.nlink + subdirs)
 
 
 __all__ = ["Namespace"]

@@ -295,9 +295,12 @@ class MetaClient:
         got = await self._ask(shard_of(parent), P.UNLINK, P.RemoveReq(parent, name, self._rid()))
         return got.parent
 
-    async def rmdir(self, parent: int, name: bytes) -> Attr | None:
-        """Remove an empty directory; returns the parent's attributes after it."""
-        got = await self._ask(shard_of(parent), P.RMDIR, P.RemoveReq(parent, name, self._rid()))
+    async def rmdir(self, parent: int, name: bytes, session: bytes | None = None
+                    ) -> Attr | None:
+        """Remove an empty directory; returns the parent's attributes after it. ``session``: a
+        mount's lease session (its leases do not stop the rmdir)."""
+        got = await self._ask(shard_of(parent), P.RMDIR,
+                              P.RmdirReq(parent, name, self._rid(), session))
         return got.parent
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
@@ -361,10 +364,10 @@ class MetaClient:
         return await self._ask(shard_of(parent), P.CREATE_BATCH,
                                P.CreateBatchReq(parent, session, entries, self._rid()))
 
-    async def mkdir_batch(self, parent: int, session: bytes, entries: list) -> list:
+    async def dir_batch(self, parent: int, session: bytes, entries: list) -> list:
         """Directories a lease holder answered, placed on other shards than ``parent``'s: per
         entry its Attr or the OSError why not."""
-        return await self._ask(shard_of(parent), P.MKDIR_BATCH,
+        return await self._ask(shard_of(parent), P.DIR_BATCH,
                                P.CreateBatchReq(parent, session, entries, self._rid()))
 
     async def reserve(self, shard: int, n: int) -> int:
