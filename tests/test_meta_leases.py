@@ -94,7 +94,8 @@ def test_a_lease_reserves_inodes_and_a_batch_makes_the_files(cluster):
 def test_a_lease_holder_makes_and_removes_directories_on_every_shard_in_batches(cluster):
     """Directories a lease holder answered: those placed on the directory's shard go in its
     ``create_batch``, those placed on another shard (inode numbers ``reserve``d there) in one
-    cross-shard ``dir_batch``, and so are removals of empty ones; a retry answers what was
+    cross-shard ``dir_batch``, each leased to the session from birth, and so are removals of
+    empty ones; a retry answers what was
     done; bad entries are refused one by one, an inode number never reserved or a directory
     not empty fails the batch, and nothing half-done is left."""
     async def scenario(meta: MetaClient, nursery):
@@ -131,6 +132,9 @@ def test_a_lease_holder_makes_and_removes_directories_on_every_shard_in_batches(
         assert sorted(e.name for e in await _listing(meta, d)) == [b"far", b"near"]
         assert (await meta.getattr(d)).nlink == 4
         assert (await meta.getattr(far[0])).nlink == 2
+        for new in (first, far[0]):  # leased to their maker from birth, on their own shards
+            assert not (await meta.lease(new, os.urandom(16))).granted
+            assert await meta.lease_return(new, me)
         await meta.mkdir(far[0], b"inside")  # a directory like any other
         # removals: one found not empty fails its batch whole
         with pytest.raises(JPFSError) as e:

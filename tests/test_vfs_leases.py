@@ -446,3 +446,30 @@ async def test_rmdirs_of_emptied_leased_directories_are_answered_from_the_lease(
         # the removed directories' leases went back: another VFS may make them again
         await b.mkdir(d, subs[0], 0o755, UID, GID)
         assert await names(a, d) == [subs[0]]
+
+
+async def test_directories_made_under_a_lease_are_leased_from_birth(cluster):  # noqa: F811
+    """A directory made from a lease is leased to its maker from birth, on whichever shard it
+    lives: it is filled from its lease from the first create, removed empty from the parent's
+    lease (as ``mdtest`` and ``rm -r`` of a fresh tree do), and another VFS's change in it
+    recalls the lease and waits for nothing more."""
+    async with open_vfs(cluster) as a, open_vfs(cluster, dir_leases=False) as b:
+        d = await fresh_dir(a, warm=True)
+        subs = [b"b%03d" % i for i in range(60)]
+        inos = [(await a.mkdir(d, n, 0o755, UID, GID)).ino for n in subs]
+        await a.fsyncdir(d)
+        leases = _leases(a)
+        assert leases["born"] == len(subs) and leases["held"] >= len(subs), leases
+        answered = leases["answered"]
+        await _fill(a, inos[0], [b"x", b"y"])
+        assert _leases(a)["answered"] == answered + 2  # no warm-up in a born directory
+        for n in subs[10:]:
+            await a.rmdir(d, n)
+        assert _leases(a)["rmdirs"] == len(subs) - 10
+        f, _ = await b.create(inos[1], b"theirs", stat.S_IFREG | 0o644, EXCL, UID, GID)
+        await b.release(f.fh)
+        assert await names(a, inos[1]) == [b"theirs"]
+        await a.fsyncdir(d)
+        assert await names(b, d) == subs[:10]
+        assert await names(b, inos[0]) == [b"x", b"y"]
+        assert (await b.getattr(d)).nlink == 2 + 10

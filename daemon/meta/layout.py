@@ -181,8 +181,9 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
     new regular files, each ``[name, ino, mode, uid, gid, time_ns]`` with an inode number the
     lease reserved, ``[..., time_ns, ctime_ns]`` (renamed before it was sent: its ctime moved),
     or ``[..., time_ns, size, chunks]`` (the file's first commit, made with it); new
-    directories placed on this shard, the same six fields with a directory's mode (those
-    placed elsewhere are ``crossshard.CrossShard.dir_batch``'s); removes,
+    directories placed on this shard, the same six fields with a directory's mode, each
+    leased to the session from birth (those placed elsewhere are
+    ``crossshard.CrossShard.dir_batch``'s); removes,
     ``[name, ino]`` (an unlink of a file whose inode lives here, or the rmdir of an empty
     directory placed here, whose lease is the session's if anybody's); and renames within the
     directory, ``[old, new, ino, replaced]`` (``replaced``: the file ``new`` names, or 0). Per
@@ -224,6 +225,7 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
             t.put_inode(node)
             t.put_dentry(parent, name, ino, stat.S_IFDIR)
             pdir.nlink += 1
+            t.lease_new_dir(ino, session)
             return node.attr().to_wire()
         node = Inode(ino, mode, 1, uid, gid, 0, time_ns, time_ns, ctime_ns, parent=parent)
         if chunks is not None:

@@ -234,7 +234,8 @@ def prepare(t: Txn, txid: bytes, coordinator: int, ops: list[list],
     """Check ``ops``, allocate inodes, hold locks and record everything durably. Returns
     the attributes (wire form) of the inodes the commit will make: their times are the
     prepare's, so the coordinator can answer with them before the commit. ``holder``: the
-    lease session the change is made for (its leases here let the ops pass).
+    lease session the change is made for (its leases here let the ops pass, and the
+    directories it makes are leased to it).
 
     Idempotent: preparing a transaction again returns what the first prepare allocated.
     """
@@ -251,6 +252,10 @@ def prepare(t: Txn, txid: bytes, coordinator: int, ops: list[list],
             t.t.put(key, txid, db=t.db["lock"])
     t.t.put(txid, K.pack({"coordinator": coordinator, "ops": ops, "at": t.now}),
             db=t.db["prepared"])
+    if holder is not None:  # a lease holder's new directories: leased to it from birth
+        for op in ops:
+            if op[0] == "mkinode" and stat.S_ISDIR(op[1]):
+                t.lease_new_dir(op[6], holder)
     return _made(ops, t.now)
 
 

@@ -61,6 +61,12 @@ class Txn:
         if leases.held:
             leases.check(parent, holder if holder is not None else self.holder)
 
+    def lease_new_dir(self, ino: int, holder: bytes) -> None:
+        """Lease directory ``ino``, made by this transaction for a lease holder, to it from
+        birth (in memory, as every lease: if the transaction does not commit, a lease on a
+        directory nobody can name is left until the session ends, harmless)."""
+        self.store.leases.grant(holder, ino)
+
     def check_dir_lock(self, parent: int) -> None:
         """Wait-worthy if any entry of ``parent`` is held (readdir)."""
         prefix = K.lock_dir(parent)

@@ -63,8 +63,9 @@ WAIT_SECONDS = 5.0
 IDLE_RETURN = 5.0
 """A lease no create used for this long is given back (when its shard's ``lease_wait``
 answers), so a mount holds leases only on directories it is filling."""
-MAX_LEASES = 256
-"""Leases one mount holds at most."""
+MAX_LEASES = 4096
+"""Leases one mount holds at most (a tree being made holds one per new directory until it goes
+idle)."""
 RESERVE_INODES = 256
 """Inode numbers reserved on a shard at a time for the new directories this mount places there
 from its leases (``dir_ino``); those a mount never uses are never used."""
@@ -100,7 +101,7 @@ class DirLeases:
         self.stats = {"granted": 0, "refused": 0, "recalled": 0, "given_back": 0, "lost": 0,
                       "idle_returned": 0, "answered": 0, "removes": 0, "cancelled": 0,
                       "lookups": 0, "renames": 0, "renames_answered": 0, "batches": 0,
-                      "failed": 0, "mkdirs": 0, "rmdirs": 0, "reserved": 0}
+                      "failed": 0, "mkdirs": 0, "rmdirs": 0, "reserved": 0, "born": 0}
         self.book = LeaseBook(self.stats, writing)
         """The directories held and what was answered there (``lease_book.py``)."""
         self.dirs = self.book.dirs
@@ -319,6 +320,28 @@ class DirLeases:
             del self._asking[parent]
             done.set()
 
+    def _born(self, ino: int) -> None:
+        """A directory this mount made from a lease has committed, leased to this mount from
+        birth (the shard granted it with the batch): held, with no names and no inode numbers
+        yet (the first create there asks for them), or given back past ``MAX_LEASES``."""
+        if ino in self.dirs:
+            return
+        if len(self.dirs) >= MAX_LEASES:
+            self.nursery.start_soon(self._return_unheld, ino)
+            return
+        ld = self.dirs[ino] = LeasedDir(ino)
+        self.stats["born"] += 1
+        if ld.shard not in self._waiting:
+            self._waiting.add(ld.shard)
+            self.nursery.start_soon(self._wait_loop, ld.shard)
+        self._granted(ino, [])
+
+    async def _return_unheld(self, ino: int) -> None:
+        try:
+            await self.meta.lease_return(ino, self.session)
+        except JPFSError as e:
+            log.info("could not give back the lease on directory %#x: %s", ino, e.strerror)
+
     async def _renew(self, ld: LeasedDir) -> None:
         """More inode numbers for ``ld`` (the same call renews the lease)."""
         if ld.renewing is not None:
@@ -439,6 +462,8 @@ class DirLeases:
                 if isinstance(r, OSError):
                     self.stats["failed"] += 1
                     self._failed(ld.parent, c[1], f.attr, r, "create")
+                elif f.attr.is_dir:
+                    self._born(f.attr.ino)
             elif isinstance(r, OSError):
                 self.stats["failed"] += 1
                 self._failed(ld.parent, c[0], None, r, "remove" if len(c) == 2 else
