@@ -37,6 +37,7 @@ examples:
   jpfs bench mount --episodes 1000 --cameras 3 --readers 1,8 --orders shuffled,name
   jpfs bench mount --via local,fuse,fuse-noprefetch,fuse-rw --json
   jpfs bench mount --via local,fuse,fuse-hinted --orders shuffled   # a loader that announces
+  jpfs bench mount --phases tree --episodes 200     # tar -x and rm -r of a downloaded dataset
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ HELP = "FUSE mount files/s and FUSE requests per file, cold and warm, prefetch o
 DESCRIPTION = __doc__
 VIAS = ("local", "fuse", "fuse-noprefetch", "fuse-socket", "fuse-hinted", "fuse-open",
         "fuse-rw")
-PHASES = ("read", "namespace", "large", "checkpoint")
+PHASES = ("read", "namespace", "large", "checkpoint", "tree")
 
 
 def _list(kind, choices=None):
@@ -108,7 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "by 4 threads, cold, through read-write and read-only mounts, the naive "
                    "passthrough and a raw-protocol threaded one), "
                    "checkpoint (torch.save of a state dict and fsync, then torch.load cold, "
-                   "locally and through read-write mounts; needs torch); "
+                   "locally and through read-write mounts; needs torch), "
+                   "tree (the dataset above, or --dataset, packed in a tar, then tar -x and "
+                   "rm -r of it locally and through a read-write mount); "
                    "comma-separated (default read)")
     p.add_argument("--write-procs", type=int, default=2,
                    help="processes in the namespace phase (default 2)")
@@ -303,7 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if set(args.phases) - {"read"}:
             from .mount_write import ratios, run_phases
 
-            print("namespace/large/checkpoint phases ...", flush=True)
+            print("namespace/large/checkpoint/tree phases ...", flush=True)
             result["phases"] = run_phases(args, work) if {"namespace", "large"} & set(
                 args.phases) else {}
             result["phase_ratios"] = ratios(result["phases"])
@@ -314,19 +317,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["phases"]["checkpoint"] = checkpoint_phase(
                     work, args.checkpoint_bytes, args.checkpoint_replicas, drop_caches)
                 result["phase_ratios"] += checkpoint_rows(result["phases"]["checkpoint"])
+            if "tree" in args.phases:
+                from .mount_tree import tree_phase, tree_rows
+
+                result["phases"]["tree"] = tree_phase(work, _dataset(args, work))
+                result["phase_ratios"] += tree_rows(result["phases"]["tree"])
             if "read" not in args.phases:
                 report_phases(result)
                 return result
-        local_root = args.dataset or str(work / "dataset")
-        if not args.dataset and not (Path(local_root) / "meta").is_dir():
-            from jpfs.lerobot.generate import generate
-
-            print(f"generating {args.episodes} episodes x ({args.cameras} cameras) ...",
-                  flush=True)
-            generate(local_root, episodes=args.episodes, cameras=args.cameras,
-                     frames_per_episode=args.frames, video="stub",
-                     video_bytes=args.video_bytes, format="v2.1", seed=args.seed,
-                     progress=False)
+        local_root = str(_dataset(args, work))
         ds = scan_dataset(local_root)
         print(f"dataset: {ds.files} files in {len(ds.units)} episodes, "
               f"{ds.bytes / 1e6:.0f} MB", flush=True)
@@ -363,6 +362,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _dataset(args: argparse.Namespace, work: Path) -> Path:
+    """The LeRobot v2.1 tree the read and tree phases use: ``--dataset``, or one generated under
+    ``work`` (once)."""
+    if args.dataset:
+        return Path(args.dataset)
+    root = work / "dataset"
+    if not (root / "meta").is_dir():
+        from jpfs.lerobot.generate import generate
+
+        print(f"generating {args.episodes} episodes x ({args.cameras} cameras) ...", flush=True)
+        generate(str(root), episodes=args.episodes, cameras=args.cameras,
+                 frames_per_episode=args.frames, video="stub", video_bytes=args.video_bytes,
+                 format="v2.1", seed=args.seed, progress=False)
+    return root
 
 
 def report_phases(result: dict) -> None:

@@ -2,7 +2,8 @@
 local filesystem, through a naive pyfuse3 passthrough and through a JPFS mount in one run, every
 figure comes with its ratios and each daemon's CPU per operation, nothing is left mounted, and a
 worker that fails stops the phase at once. The checkpoint phase: torch.save and torch.load of a
-state dict locally and through mounts, checked and compared. The read phase with the order
+state dict locally and through mounts, checked and compared. The tree phase: tar -x and rm -r
+of a dataset. The read phase with the order
 announced: every path reaches the mount through its hint socket before its epoch, and each epoch
 reports how its time was spread over its files."""
 
@@ -80,6 +81,30 @@ def test_large_phase_against_local_and_a_passthrough(tmp_path):
         assert r["ratio_passthrough"] == pytest.approx(r["fuse"] / r["passthrough"])
         assert r["raw_passthrough"] > 0
     assert "raw x4 (vs local)" in proc.stdout
+    with open("/proc/mounts") as f:
+        assert str(work) not in f.read()
+
+
+@requires_fuse
+def test_tree_phase_unpacks_and_removes_a_dataset_through_a_mount(tmp_path):
+    """The tree phase packs a generated LeRobot v2.1 tree in a tar, unpacks it with tar -x and
+    removes it with rm -r on the local disk and through a mount (the unpacked tree checked
+    whole), and reports each against the local disk with each daemon's CPU per file."""
+    work = tmp_path / "w"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", "--phases", "tree",
+         "--episodes", "6", "--video-bytes", "20000", "--dir", str(work), "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    tree = res["phases"]["tree"]
+    assert tree["entries"] > 6 * 3 and tree["bytes"] > 6 * 2 * 20000
+    for via in ("local", "fuse-rw"):
+        for step in ("tar_x", "rm_r"):
+            assert tree[via][step]["files_s"] > 0
+    rows = {r["what"]: r for r in res["phase_ratios"]}
+    assert set(rows) == {"tar -x", "rm -r"}
+    assert set(rows["tar -x"]["cpu_ms_per_op"]) == {"mount", "shards", "storage"}
     with open("/proc/mounts") as f:
         assert str(work) not in f.read()
 
