@@ -2,10 +2,10 @@
 local filesystem, through a naive pyfuse3 passthrough and through a JPFS mount in one run, every
 figure comes with its ratios and each daemon's CPU per operation, nothing is left mounted, and a
 worker that fails stops the phase at once. The checkpoint phase: torch.save and torch.load of a
-state dict locally and through mounts, checked and compared. The tree phase: tar -x and rm -r
-of a dataset. The read phase with the order
-announced: every path reaches the mount through its hint socket before its epoch, and each epoch
-reports how its time was spread over its files."""
+state dict locally and through mounts, checked and compared. The tree phase: tar -x and rm -r of
+a dataset, checked whole. The read phase with the order announced: every path reaches the mount
+through its hint socket before its epoch, and each epoch reports how its time was spread over
+its files."""
 
 from __future__ import annotations
 
