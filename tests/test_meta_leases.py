@@ -155,7 +155,10 @@ def test_a_lease_holder_makes_and_removes_directories_on_every_shard_in_batches(
             with pytest.raises(JPFSError) as e:
                 await meta.getattr(ino)
             assert e.value.errno == errno.ENOENT
-        assert await meta.lease_return(d, me) and here != other
+        # a lease given back on the session's next lease_wait (as idle ones are)
+        assert (await meta.lease(d, me)).granted
+        assert await meta.lease_wait(here, me, [], 0.01, [d]) == []
+        assert (await meta.lease(d, os.urandom(16))).granted and here != other
 
     _run(cluster, scenario)
 
@@ -289,7 +292,7 @@ def test_bad_lease_requests_get_clear_errors(cluster):
             await meta.create_batch(f, os.urandom(16), [])
         assert e.value.errno == errno.ENOTDIR
         for raw in (["not bytes", [], 1.0], [b"s", "not a list", 1.0], [b"s", [b"x"], 1.0],
-                    [b"s", []]):
+                    [b"s", []], [b"s", [], 1.0, [b"x"]], [b"s", [], 1.0, "not a list"]):
             with pytest.raises(JPFSError) as e:
                 await meta.call(shard_of(d), "lease_wait", *raw)
             assert e.value.errno == errno.EINVAL

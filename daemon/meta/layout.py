@@ -264,6 +264,7 @@ def _remove_entry(t: Txn, parent: int, e: list, pdir: Inode, session: bytes) -> 
             raise error(errno.ENOTEMPTY, f"{name.decode(errors='replace')!r} is not empty")
         t.delete_dentry(parent, name)
         t.delete_inode(ino)
+        t.end_lease(ino, session)
         pdir.nlink -= 1
         return pdir.attr().to_wire()
     t.delete_dentry(parent, name)

@@ -253,9 +253,11 @@ def prepare(t: Txn, txid: bytes, coordinator: int, ops: list[list],
     t.t.put(txid, K.pack({"coordinator": coordinator, "ops": ops, "at": t.now}),
             db=t.db["prepared"])
     if holder is not None:  # a lease holder's new directories: leased to it from birth
-        for op in ops:
+        for op in ops:  # (and those it removes no longer)
             if op[0] == "mkinode" and stat.S_ISDIR(op[1]):
                 t.lease_new_dir(op[6], holder)
+            elif op[0] == "rmdir":
+                t.end_lease(op[1], holder)
     return _made(ops, t.now)
 
 

@@ -261,9 +261,14 @@ class MetaShard:
         it."""
         return self.leases.give_back(session, self._mine(parent))
 
-    async def lease_wait(self, session: bytes, held: list, seconds: float) -> list[int]:
+    async def lease_wait(self, session: bytes, held: list, seconds: float,
+                         returned: list | None = None) -> list[int]:
         """LEASE_WAIT: the directories recalled from ``session`` (a long call, up to
-        ``seconds``)."""
+        ``seconds``), once those it ``returned`` are given back."""
+        for parent in returned or ():
+            if type(parent) is not int:
+                raise error(errno.EINVAL, "returned leases are directory inode numbers")
+            self.leases.give_back(session, parent)
         return await self.leases.wait(session, held, seconds)
 
     # ---- reads that are not answered inline ------------------------------------------------------

@@ -67,6 +67,12 @@ class Txn:
         directory nobody can name is left until the session ends, harmless)."""
         self.store.leases.grant(holder, ino)
 
+    def end_lease(self, ino: int, holder: bytes) -> None:
+        """Directory ``ino``, removed by this transaction for ``holder``, is no longer leased to
+        it (in memory: if the transaction does not commit, the directory is left unleased,
+        and the holder's batch reports its removal failed)."""
+        self.store.leases.give_back(holder, ino)
+
     def check_dir_lock(self, parent: int) -> None:
         """Wait-worthy if any entry of ``parent`` is held (readdir)."""
         prefix = K.lock_dir(parent)

@@ -430,6 +430,9 @@ class LeaseWaitReq(NamedTuple):
     session: bytes
     held: list[int]
     seconds: float
+    returned: list[int] = []
+    """Leases the session gives back (idle ones: nobody waits for them, so they ride on the
+    next call instead of a ``lease_return`` each)."""
 
 
 class CreateBatchReq(NamedTuple):

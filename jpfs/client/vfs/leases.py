@@ -116,6 +116,8 @@ class DirLeases:
         self._spare: dict[int, deque[int]] = {}
         """Shard -> inode numbers reserved there for new directories placed on it."""
         self._reserving: dict[int, trio.Event] = {}
+        self._returning: dict[int, list[int]] = {}
+        """Shard -> leases given back that ride on its next ``lease_wait``."""
 
     # ---- creates, unlinks and renames
 
@@ -185,17 +187,14 @@ class DirLeases:
         self.nursery.start_soon(self._retire, gone)
 
     async def _retire(self, gone: LeasedDir) -> None:
-        """Give back the lease of a directory removed under its parent's lease, once the removal
-        has committed (before, another client's change there would find it still there)."""
+        """End the lease of a directory removed under its parent's lease once the removal has
+        committed (before, another client's change there would find it still there). The
+        removal ended it on the shard; it rides on the next ``lease_wait`` all the same, in
+        case the removal failed."""
         try:
             await self.book.settle(gone.parent)
             await gone.idle.wait()
-            if not gone.lost:
-                try:
-                    await self.meta.lease_return(gone.parent, self.session)
-                except JPFSError as e:  # the shard takes it back when the session ends
-                    log.info("could not give back the lease on removed directory %#x: %s",
-                             gone.parent, e.strerror)
+            self._return_later(gone.shard, gone.parent)
             self.stats["given_back"] += 1
         finally:
             self._end(gone)
@@ -225,9 +224,10 @@ class DirLeases:
             ld.idle = trio.Event()
             self.nursery.start_soon(self._send, ld)
 
-    async def give_back(self, parent: int) -> None:
+    async def give_back(self, parent: int, idle: bool = False) -> None:
         """Commit what is pending in ``parent`` and give its lease back (before this mount
-        changes the directory's names itself, or when the shard recalls it)."""
+        changes the directory's names itself, or when the shard recalls it; ``idle``: nobody
+        waits for it, so it rides on the shard's next ``lease_wait``)."""
         ld = self.dirs.get(parent)
         if ld is None:
             return
@@ -240,7 +240,9 @@ class DirLeases:
         self._hold_off(parent)
         try:
             await ld.idle.wait()
-            if not ld.lost:
+            if idle and not ld.lost:
+                self._return_later(ld.shard, parent)
+            elif not ld.lost:
                 try:
                     await self.meta.lease_return(parent, self.session)
                 except JPFSError as e:  # the shard takes it back when the session ends
@@ -255,6 +257,22 @@ class DirLeases:
         async with trio.open_nursery() as nursery:
             for parent in list(self.dirs):
                 nursery.start_soon(self.give_back, parent)
+        async with trio.open_nursery() as nursery:
+            for parents in self._returning.values():
+                for parent in parents:
+                    nursery.start_soon(self._return_unheld, parent)
+        self._returning.clear()
+
+    def _return_later(self, shard: int, parent: int) -> None:
+        """Give ``parent``'s lease back on ``shard``'s next ``lease_wait``."""
+        self._returning.setdefault(shard, []).append(parent)
+        self._listen(shard)
+
+    def _listen(self, shard: int) -> None:
+        """Keep a ``lease_wait`` in flight to ``shard`` (``_wait_loop``)."""
+        if shard not in self._waiting:
+            self._waiting.add(shard)
+            self.nursery.start_soon(self._wait_loop, shard)
 
     def as_dict(self) -> dict:
         """The lease counters, with the leases held and the files made under them not sent yet."""
@@ -297,9 +315,7 @@ class DirLeases:
                 drained = self._drained.setdefault(parent, trio.Event())
                 await drained.wait()
             ld = LeasedDir(parent)
-            if ld.shard not in self._waiting:
-                self._waiting.add(ld.shard)
-                self.nursery.start_soon(self._wait_loop, ld.shard)
+            self._listen(ld.shard)
             try:
                 lease = await self.meta.lease(parent, self.session)
             except JPFSError as e:
@@ -331,9 +347,7 @@ class DirLeases:
             return
         ld = self.dirs[ino] = LeasedDir(ino)
         self.stats["born"] += 1
-        if ld.shard not in self._waiting:
-            self._waiting.add(ld.shard)
-            self.nursery.start_soon(self._wait_loop, ld.shard)
+        self._listen(ld.shard)
         self._granted(ino, [])
 
     async def _return_unheld(self, ino: int) -> None:
@@ -368,17 +382,22 @@ class DirLeases:
         """Hear the shard's recalls while this mount holds (or asks for) leases there."""
         try:
             while any(ld.shard == shard for ld in self.dirs.values()) or any(
-                    shard_of(p) == shard for p in self._asking):
+                    shard_of(p) == shard for p in self._asking) or self._returning.get(shard):
                 held = [p for p, ld in self.dirs.items() if ld.shard == shard and not ld.ending]
-                recalled = await self.meta.lease_wait(shard, self.session, held, WAIT_SECONDS)
+                returned = self._returning.pop(shard, [])
+                recalled = await self.meta.lease_wait(shard, self.session, held, WAIT_SECONDS,
+                                                      returned)
                 for parent in recalled:
                     self.stats["recalled"] += 1
-                    self.nursery.start_soon(self.give_back, parent)
+                    if parent in self.dirs:
+                        self.nursery.start_soon(self.give_back, parent)
+                    else:  # ended here already (a removed directory's): say so at once
+                        self._return_later(shard, parent)
                 idle = time.monotonic() - IDLE_RETURN
                 for ld in list(self.dirs.values()):
                     if ld.shard == shard and ld.used < idle and not ld.ending and ld.idle.is_set():
                         self.stats["idle_returned"] += 1
-                        self.nursery.start_soon(self.give_back, ld.parent)
+                        self.nursery.start_soon(self.give_back, ld.parent, True)
         except JPFSError as e:
             mine = [ld for ld in self.dirs.values() if ld.shard == shard]
             if mine:

@@ -62,6 +62,19 @@ class Names:
             held = self.inodes.get(leases.book.named(parent, name) or 0)
             if held is not None:  # the lease vouches for the name, the kernel knows the inode
                 leases.stats["lookups"] += 1
+                if self.listing_age > 0 and time.monotonic() - held.fetched >= self.attr_age \
+                        and not leases.book.busy(parent):
+                    # attributes the kernel will ask again: from a listing of the directory,
+                    # made once a stat of every file there shows (as for a shard's lookups;
+                    # not while changes answered there are on their way: it would miss them)
+                    lst = self.prefetcher.listings.get(parent, self.listing_age)
+                    i = lst.pos.get(name) if lst is not None else None
+                    if lst is not None and i is not None:
+                        self.stats.lookups_listed += 1
+                        node = self.inodes.remember(lst.attrs[i], parent, name,
+                                                    fetched=lst.fetched)
+                        return self.shared.attr_of(node)
+                    self.prefetcher.looked_up(parent, self.listing_age)
                 node = self.inodes.remember(held.attr, parent, name, fetched=held.fetched)
                 return self.shared.attr_of(node)  # with what is left of its attributes' time
             if leases.book.absent(parent, check_name(name)):
@@ -89,8 +102,8 @@ class Names:
             await leases.book.settle(attr.ino)
             attr = await self.meta.getattr(attr.ino)
         self.stats.lookups_asked += 1
-        if self.listing_age > 0:  # a stat of every file there lists it (``looked_up``)
-            self.prefetcher.looked_up(parent, self.listing_age)
+        if self.listing_age > 0 and not (leases is not None and leases.book.busy(parent)):
+            self.prefetcher.looked_up(parent, self.listing_age)  # a stat of every file lists it
         return self.shared.attr_of(self.inodes.remember(attr, parent, name))
 
     def fresh_for(self, ino: int) -> float:

@@ -351,13 +351,14 @@ class MetaClient:
         """Give the lease on ``parent`` back; False if ``session`` did not hold it."""
         return await self._ask(shard_of(parent), P.LEASE_RETURN, P.LeaseReq(parent, session))
 
-    async def lease_wait(self, shard: int, session: bytes, held: list[int], seconds: float
-                         ) -> list[int]:
+    async def lease_wait(self, shard: int, session: bytes, held: list[int], seconds: float,
+                         returned: list[int] | None = None) -> list[int]:
         """The directories of ``shard`` recalled from ``session``, or of ``held`` (those it
-        believes it holds) that it does not (after at most ``seconds``)."""
+        believes it holds) that it does not (after at most ``seconds``), once the leases
+        ``returned`` are given back."""
         m = P.LEASE_WAIT
-        return m.decode(await self.pool.call(shard, m, P.LeaseWaitReq(session, held, seconds),
-                                             timeout=seconds + 10.0))
+        req = P.LeaseWaitReq(session, held, seconds, returned or [])
+        return m.decode(await self.pool.call(shard, m, req, timeout=seconds + 10.0))
 
     async def create_batch(self, parent: int, session: bytes, entries: list) -> list:
         """Files a lease holder answered: per entry its Attr or the OSError why not."""
