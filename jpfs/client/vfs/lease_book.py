@@ -425,18 +425,25 @@ class LeaseBook:
     def take_batch(self, ld: LeasedDir) -> tuple[list, trio.Event | None, float]:
         """The next batch from the head of ``ld``'s queue: up to ``BATCH_MAX`` changes, ending
         before a create that must wait (its file's bytes are being stored behind its close; or
-        it is open for writing, young, and nobody waits for it or what follows it), and where
-        new directories placed on other shards begin or end (``elsewhere``: they go in a
-        ``dir_batch`` of their own). With no change to send: what to wait for, and until
-        when, before looking again."""
+        it is open for writing, young, and nobody waits for it or what follows it), or before
+        a change whose order against one already taken matters across the batch's two calls.
+        The changes of directories placed on other shards (``elsewhere``) go in a
+        ``dir_batch``, the others in a ``create_batch``, and the shard applies each in its
+        order but not one before the other: so a name taken in one of them ends the batch
+        where the other would take it too, and a ``dir_batch`` takes a name once (no
+        directory is made and removed in one two-phase commit). With no change to send: what
+        to wait for, and until when, before looking again."""
         urgent, ld.urgent = ld.urgent, set()
         if ld.ending:
             urgent.add(None)
         changes: list = []
+        named: dict[bytes, bool] = {}  # name -> taken by a change elsewhere
         now = time.monotonic()
         while ld.queue and len(changes) < BATCH_MAX:
             c = ld.queue[0]
-            if changes and elsewhere(ld, c) is not elsewhere(ld, changes[0]):
+            far = elsewhere(ld, c) is not None
+            names = names_of(c)
+            if any(n in named and (far or named[n]) for n in names):
                 break
             if isinstance(c, tuple):  # a create: still that file under that name?
                 f: NewFile = c[2]
@@ -451,16 +458,24 @@ class LeaseBook:
                             urgent and urgent & {i for q in ld.queue for i in inos_of(q)}):
                     return changes, (None if changes else ld.look), f.made + HOLD_OPEN
                 del ld.pending[c[1]]
+            for n in names:
+                named[n] = far
             changes.append(ld.queue.popleft())
             ld.taken_total += 1
         return changes, None, 0.0
 
 
+def names_of(change: tuple | list) -> tuple[bytes, ...]:
+    """The names a queued change is about (see ``LeasedDir.queue``)."""
+    if isinstance(change, tuple):
+        return (change[1],)
+    return (change[0],) if len(change) == 2 else (change[0], change[1])
+
+
 def elsewhere(ld: LeasedDir, change: tuple | list) -> str | None:
     """What a queued change does to a directory placed on another shard than ``ld``'s ("mkdir",
-    "rmdir": a ``dir_batch``'s, one kind a batch, so that no name is made and removed in one
-    two-phase commit), or None (a ``create_batch``'s). A remove of a file answered from a
-    lease is always of an inode on the directory's shard."""
+    "rmdir": a ``dir_batch``'s), or None (a ``create_batch``'s). A remove of a file answered
+    from a lease is always of an inode on the directory's shard."""
     if isinstance(change, tuple):
         a = change[2].attr
         return "mkdir" if a.is_dir and shard_of(a.ino) != ld.shard else None
@@ -478,4 +493,5 @@ def inos_of(change: tuple | list) -> tuple[int, ...]:
     return (change[2], change[3]) if change[3] else (change[2],)
 
 
-__all__ = ["BATCH_MAX", "GiveBack", "LeaseBook", "LeasedDir", "NewFile", "elsewhere", "inos_of"]
+__all__ = ["BATCH_MAX", "GiveBack", "LeaseBook", "LeasedDir", "NewFile", "elsewhere", "inos_of",
+           "names_of"]

@@ -465,13 +465,27 @@ class DirLeases:
             ld.next_done = trio.Event()
 
     async def _commit(self, ld: LeasedDir, changes: list) -> None:
-        """One ``create_batch`` of ``changes`` (see ``LeasedDir.queue``), and its answers."""
-        entries = [c[2].entry(c[1]) if isinstance(c, tuple) else c for c in changes]
-        call = self.meta.dir_batch if elsewhere(ld, changes[0]) else self.meta.create_batch
-        try:
-            results: list = await call(ld.parent, self.session, entries)
-        except JPFSError as e:
-            results = [e] * len(entries)
+        """Commit ``changes`` (see ``LeasedDir.queue``; ``LeaseBook.take_batch`` made them
+        safe to split): those of directories placed on other shards in a ``dir_batch``, the
+        others in a ``create_batch``, both at once; then their answers."""
+        results: list = [None] * len(changes)
+        here = [i for i, c in enumerate(changes) if elsewhere(ld, c) is None]
+        far = [i for i, c in enumerate(changes) if elsewhere(ld, c) is not None]
+
+        async def call(method, which: list[int]) -> None:
+            entries = [changes[i][2].entry(changes[i][1]) if isinstance(changes[i], tuple)
+                       else changes[i] for i in which]
+            try:
+                got: list = await method(ld.parent, self.session, entries)
+            except JPFSError as e:
+                got = [e] * len(entries)
+            for i, r in zip(which, got, strict=True):
+                results[i] = r
+
+        async with trio.open_nursery() as nursery:
+            for method, which in ((self.meta.create_batch, here), (self.meta.dir_batch, far)):
+                if which:
+                    nursery.start_soon(call, method, which)
         self.stats["batches"] += 1
         for c, r in zip(changes, results, strict=True):
             if isinstance(c, tuple):
