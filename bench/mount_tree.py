@@ -51,7 +51,7 @@ def tree_phase(work: Path, tree: Path) -> dict[str, Any]:
 
     archive = work / "tree.tar"
     entries, content = _pack(tree, archive)
-    want = _sizes(tree.parent / tree.name)
+    want = _sizes(tree)
     out: dict[str, Any] = {"entries": entries, "bytes": content}
 
     def figures(untar: float, remove: float, cpu: dict | None = None) -> dict[str, Any]:

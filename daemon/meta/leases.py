@@ -13,8 +13,10 @@ mkdir, link, unlink, rmdir, rename, bulk create or 2PC prepare, from any client 
 *recalls* the lease and waits for it, as it waits for a cross-shard transaction's lock
 (``Leased`` is a ``Locked``): the holder commits what it has pending, gives the lease back, and
 the change runs. A holder that does not give it back within ``RECALL_GRACE`` loses it. The
-holder's own rename and ``dir_batch``, sent with its session, pass (``Txn.holder``; in a
-two-phase plan, the ops this shard applies in the decision).
+holder's own rename, rmdir and ``dir_batch``, sent with its session, pass (``Txn.holder``; in
+a two-phase plan on every shard, its prepares carry the holder). A directory the holder makes
+in a batch is leased to it from birth (``Txn.lease_new_dir``), and one it removes so is no
+longer (``Txn.end_lease``).
 Reads never wait: other clients see a new name once its batch commits (milliseconds).
 
 A lease lives in this process's memory and belongs to a *session* (a mount), which is alive

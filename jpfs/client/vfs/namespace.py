@@ -2,10 +2,12 @@
 
 Each is sent to the directory's shard, which answers with the directory's attributes after it
 where it can (``post_op``), except where this VFS holds the directory's write lease
-(``leases.py``): unlinks and plain renames of files there are answered at once and committed
-behind in batches. Any other change of a leased directory's names gives the lease back first.
-What this VFS knew of the directories' names is forgotten when a change fails (it may be
-wrong). ``create`` is writes.py's (it opens what it makes), with the helpers here.
+(``leases.py``): mkdirs, unlinks and plain renames of files there, and rmdirs of directories
+whose leases it holds too, are answered at once and committed behind in batches; other rmdirs
+and renames there are sent as the holder's, keeping the lease. Any other change of a leased
+directory's names gives the lease back first. What this VFS knew of the directories' names is
+forgotten when a change fails (it may be wrong). ``create`` is writes.py's (it opens what it
+makes), with the helpers here.
 """
 
 from __future__ import annotations
