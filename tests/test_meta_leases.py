@@ -306,10 +306,12 @@ def test_bad_lease_requests_get_clear_errors(cluster):
 
 def test_lease_traffic_under_concurrency_and_dropped_connections_leaves_the_shard_whole(
         cluster, meta_cluster):
-    """Many sessions asking for the same directories, batching, waiting and returning at once,
-    ordinary creates recalling them, malformed batches, and clients whose connections drop
-    with a ``lease_wait`` in flight: every call gets an answer or an error, the shard serves
-    on, and every file any call reported made is there exactly once."""
+    """Many sessions asking for the same directories, batching files and directories (placed on
+    other shards, some removed again), waiting and returning at once, ordinary creates
+    recalling them, malformed batches, and clients whose connections drop with a
+    ``lease_wait`` in flight: every call gets an answer or an error, the shard serves on, every
+    file any call reported made is there exactly once, and every directory is whole (its
+    inode there, the parent's link count right)."""
     async def scenario(meta: MetaClient, nursery):
         dirs = [await _dir(meta, f"lease-stress-{i}") for i in range(3)]
         made: set[tuple[int, bytes]] = set()
@@ -330,6 +332,19 @@ def test_lease_traffic_under_concurrency_and_dropped_connections_leaves_the_shar
                         for n, g in zip(names, got, strict=False):
                             if not isinstance(g, OSError):
                                 made.add((d, n))
+                        assert isinstance(got[-1], OSError) and got[-1].errno == errno.EINVAL
+                        # a directory on another shard, then removed again or kept
+                        other = (shard_of(d) + 1) % meta.n_shards
+                        far = make_ino(other, await meta.reserve(other, 1))
+                        name = f"hd{k}-{round_}".encode()
+                        got = await meta.dir_batch(d, me, [[name, far, stat.S_IFDIR | 0o700,
+                                                            0, 0, 1], [b"bad"]])
+                        if not isinstance(got[0], OSError):
+                            made.add((d, name))
+                            if round_ % 2:
+                                gone = await meta.dir_batch(d, me, [[name, far]])
+                                if not isinstance(gone[0], OSError):
+                                    made.discard((d, name))
                         assert isinstance(got[-1], OSError) and got[-1].errno == errno.EINVAL
                     await meta.lease_wait(shard_of(d), me, [d] if lease.granted else [], 0.01)
                     await meta.lease_return(d, me)
@@ -358,7 +373,10 @@ def test_lease_traffic_under_concurrency_and_dropped_connections_leaves_the_shar
         async def garbage() -> None:
             for raw in (["create_batch", dirs[0], b"s", "x"], ["lease", dirs[0]],
                         ["lease_wait", b"s", [dirs[0]], -1.0],
-                        ["create_batch", dirs[0], b"s", [[b"n", 2 ** 64 - 1, 0, 0, 0, 0]]]):
+                        ["create_batch", dirs[0], b"s", [[b"n", 2 ** 64 - 1, 0, 0, 0, 0]]],
+                        ["dir_batch", dirs[0], b"s", "x"], ["reserve", -1], ["reserve", "x"],
+                        ["dir_batch", dirs[0], b"s", [[b"n", 2 ** 64 - 1]]],
+                        ["dir_batch", dirs[0], b"s", [[b"n", 1, stat.S_IFDIR, 0, 0, 0]] * 5000]):
                 try:
                     await meta.call(shard_of(dirs[0]), *raw)
                 except JPFSError:
@@ -375,9 +393,14 @@ def test_lease_traffic_under_concurrency_and_dropped_connections_leaves_the_shar
                 crowd.start_soon(garbage)
         assert not errors, errors[:5]
         for d in dirs:
-            names = [e.name for e in await _listing(meta, d)]
+            listing = await _listing(meta, d)
+            names = [e.name for e in listing]
             assert len(names) == len(set(names))
             assert {n for dd, n in made if dd == d} <= set(names)
+            subdirs = [e for e in listing if e.is_dir]
+            for e in subdirs:  # each made whole: its inode on its shard, an empty directory
+                assert (await meta.getattr(e.ino)).nlink == 2
+            assert (await meta.getattr(d)).nlink == 2 + len(subdirs)
         info = await meta.shard_info(0)
         assert info.leases_granted >= 1 and (await meta.getattr(1)).ino == 1
 
