@@ -190,7 +190,7 @@ class StorageServer:
         """Every method of ``jpfs.proto.storage`` bound to its handler (none answers inline:
         each may wait on the disk or the group commit)."""
         return {
-            P.PUT_BLOBS: Handler(self.put_blobs),
+            P.PUT_BLOBS: Handler(self.put_blobs, recycles=True),
             P.GET_BLOBS: Handler(self.get_blobs),
             P.DELETE_BLOBS: Handler(self.delete_blobs),
             P.LIST_BLOBS: Handler(self.list_blobs),

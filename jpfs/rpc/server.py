@@ -145,7 +145,8 @@ async def _request_loop(fs: F.FrameSocket, where: str, service: Service, nursery
         try:
             payload = None
             if problem is None and spec is not None and spec.payload:
-                payload = await fs.read_payload(payload_len)
+                payload = await fs.read_payload(payload_len, service.buffers.take(payload_len)
+                                                if bound is not None and bound.recycles else None)
             elif payload_len:
                 await fs.skip_payload(payload_len)
         except (ProtocolError, Unavailable):
@@ -307,6 +308,8 @@ async def _run(fs, where, service: Service, bound: Bound, req_id, args, deadline
             service.count_error(err)
             await _send(fs, F.ERROR, F.encode_error(req_id, err))
             return
+        if bound.recycles and isinstance(payload, memoryview):
+            service.buffers.give(payload)  # the handler returned: nothing holds it
         if isinstance(result, Reply):
             try:
                 await _send(fs, F.RESPONSE, [req_id, result.result], result.payload)

@@ -213,6 +213,9 @@ class Handler:
 
     run: Callable | None = None
     now: Callable | None = None
+    recycles: bool = False
+    """A payload method whose ``run`` keeps no reference to its payload once it has returned
+    (not raised): the server receives payloads into buffers it reuses (``PayloadBuffers``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -222,6 +225,62 @@ class Bound:
     spec: Method
     run: Callable | None
     now: Callable | None
+    recycles: bool = False
+
+
+class PayloadBuffers:
+    """Receive buffers for large payloads, reused from one request to the next.
+
+    Fresh memory costs more than the bytes it holds: a new buffer of a few MiB is faulted in
+    and zeroed by the kernel page by page (on a VM that gives freed memory back to its host,
+    each page also faults in the host; docs/perf.md, "Fresh memory"). A storage node receiving
+    4 MiB chunks spent a tenth of its CPU there. A buffer comes back only after its handler
+    returned normally (``Handler.recycles``): one cancelled or failed may still have it in use
+    (a put queued to the group commit), so it is dropped instead.
+    """
+
+    SMALLEST = 64 << 10
+    """Smaller payloads come from the allocator's warm heap anyway."""
+    ROUND = 1 << 20
+    KEEP = 64 << 20
+    """Bytes of idle buffers kept at most."""
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._kept = 0
+        self.stats = {"reused": 0, "allocated": 0}
+
+    def take(self, n: int) -> memoryview | None:
+        """A view of ``n`` bytes of a reused buffer (one at most twice as large), or of a new
+        one; None below ``SMALLEST`` (let the frame reader allocate)."""
+        if n < self.SMALLEST:
+            return None
+        best = None
+        for i, buf in enumerate(self._free):
+            if n <= len(buf) <= 2 * n and (best is None or len(buf) < len(self._free[best])):
+                best = i
+        if best is not None:
+            buf = self._free.pop(best)
+            self._kept -= len(buf)
+            self.stats["reused"] += 1
+        else:
+            from .frame import receive_buffer
+
+            buf = receive_buffer(-(-n // self.ROUND) * self.ROUND)
+            self.stats["allocated"] += 1
+        return memoryview(buf)[:n]
+
+    def give(self, view: memoryview) -> None:
+        """``view`` (from ``take``) is no longer used by anyone."""
+        buf = view.obj
+        try:
+            view.release()
+        except BufferError:  # something still holds a buffer of it: not ours to reuse
+            return
+        if not isinstance(buf, bytearray) or self._kept + len(buf) > self.KEEP:
+            return
+        self._free.append(buf)
+        self._kept += len(buf)
 
 
 @dataclass
@@ -237,6 +296,8 @@ class Service:
     """Requests received, by method (for metrics)."""
     errors: dict[str, int] = field(init=False)
     """Requests answered with an error, by errno name."""
+    buffers: PayloadBuffers = field(init=False)
+    """Reused receive buffers of the methods whose handlers recycle their payloads."""
 
     def count_error(self, err: JPFSError) -> None:
         """Count one error answer under its errno name (``errors``, for metrics)."""
@@ -246,6 +307,7 @@ class Service:
     def __post_init__(self):
         self.requests = dict.fromkeys(self.methods, 0)
         self.errors = {}
+        self.buffers = PayloadBuffers()
         declared = set(self.methods.values())
         extra = [m.name for m in self.handlers if m not in declared]
         if extra:
@@ -261,7 +323,9 @@ class Service:
                 raise TypeError(f"{self.role}: {spec.name} is not inline: give `run` only")
             if spec.payload and spec.inline:
                 raise TypeError(f"{self.role}: payload method {spec.name} cannot be inline")
-            bound = Bound(spec, h.run, h.now)
+            if h.recycles and not spec.payload:
+                raise TypeError(f"{self.role}: {spec.name} has no payload to recycle")
+            bound = Bound(spec, h.run, h.now, h.recycles)
             self.table[spec.id] = bound
             self.table[spec.name] = bound
 
