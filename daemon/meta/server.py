@@ -238,16 +238,16 @@ class MetaShard:
             try:
                 known = self.store.read(ns.lease_grant, parent, LEASE_MAX_NAMES)
             except Locked:
-                return [False, [], 0, 0, []]
+                return [False, [], 0, 0, [], False]
         if known is None or not self.leases.grant(session, parent):
-            return [False, [], 0, 0, []]
+            return [False, [], 0, 0, [], False]
         try:
             first = await self.store.write(_alloc_range, LEASE_INODES)
         except BaseException:
             if not renew:
                 self.leases.give_back(session, parent)
             raise
-        return [True, known[0], first, LEASE_INODES, known[1]]
+        return [True, known[0], first, LEASE_INODES, known[1], renew]
 
     async def reserve(self, n: int) -> int:
         """RESERVE: ``n`` inode numbers of this shard (at most a lease's), for the directories

@@ -408,19 +408,22 @@ class LeaseReq(NamedTuple):
 class Lease(NamedTuple):
     """``lease``: whether it was granted and, if so, the directory's names then with their
     inodes (a renewal: none) and a range of inode numbers reserved for the holder
-    (``n_inodes`` counters from ``first``). Wire: ``[granted, names, first, n_inodes, inos]``."""
+    (``n_inodes`` counters from ``first``), and whether it was a renewal of the session's lease
+    (else granted afresh: one the session believed it held had ended meanwhile). Wire:
+    ``[granted, names, first, n_inodes, inos, renewed]``."""
 
     granted: bool
     names: list[bytes]
     first: int
     n_inodes: int
     inos: list[int]
+    renewed: bool = False
 
     @classmethod
     def from_wire(cls, w: list) -> Lease:
-        """The answer from ``[granted, names, first, n_inodes, inos]``."""
-        granted, names, first, n_inodes, inos = w
-        return cls(granted, names, first, n_inodes, inos)
+        """The answer from ``[granted, names, first, n_inodes, inos, renewed]``."""
+        granted, names, first, n_inodes, inos, renewed = w
+        return cls(granted, names, first, n_inodes, inos, renewed)
 
 
 class LeaseWaitReq(NamedTuple):

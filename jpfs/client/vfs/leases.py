@@ -364,10 +364,14 @@ class DirLeases:
         ld.renewing = trio.Event()
         try:
             lease = await self.meta.lease(ld.parent, self.session)
-            if lease.granted:
+            if lease.granted and lease.renewed:
                 ld.inos.extend(make_ino(ld.shard, c) for c in range(lease.first,
                                                                     lease.first + lease.n_inodes))
-            else:  # recalled meanwhile, or lost
+            else:  # recalled meanwhile, or lost (granted afresh: the names may have changed)
+                if lease.granted:
+                    log.info("the lease on directory %#x had ended unnoticed; giving it back",
+                             ld.parent)
+                    self.stats["lost"] += 1
                 self.nursery.start_soon(self.give_back, ld.parent)
                 await ld.gone.wait()
         except JPFSError as e:
