@@ -125,10 +125,19 @@ def encode(frames: np.ndarray, fps: int, encoder: str, options: dict[str, str] |
             frame.pts = i if pts is None else pts[i]
             frame.time_base = tb
             for packet in stream.encode(frame):
-                out.mux(packet)
+                _mux(out, packet, len(frames))
         for packet in stream.encode():
-            out.mux(packet)
+            _mux(out, packet, len(frames))
     return buf.getvalue()
+
+
+def _mux(out, packet, frames: int) -> None:
+    """Mux one encoded packet. libx265 with B-frames gives the packet of a video of one frame an
+    uninitialized dts (seen: -8.7e15), which the mp4 muxer refuses (AVERROR_PATCHWELCOME) in
+    most runs; such a packet is decoded first and shown first, so its dts is its pts."""
+    if frames == 1 and packet.pts is not None:
+        packet.dts = packet.pts
+    out.mux(packet)
 
 
 def make_stub(frames: int, fps: int, width: int, height: int, nbytes: int, seed: int) -> bytes:
