@@ -473,3 +473,25 @@ async def test_directories_made_under_a_lease_are_leased_from_birth(cluster):  #
         assert await names(b, d) == subs[:10]
         assert await names(b, inos[0]) == [b"x", b"y"]
         assert (await b.getattr(d)).nlink == 2 + 10
+
+
+async def test_a_leased_directorys_times_are_what_the_shard_keeps(cluster):  # noqa: F811
+    """Changes answered from a lease set the directory's mtime and ctime in this VFS, and their
+    batch sets the same on the shard (not the time it commits): a stat after the attributes
+    expire, or from another VFS, shows no change that did not happen."""
+    async with open_vfs(cluster) as a, open_vfs(cluster, dir_leases=False) as b:
+        d = await fresh_dir(a, warm=True)
+        for step in range(4):
+            await _fill(a, d, [b"f%d" % step])
+            sub = await a.mkdir(d, b"d%d" % step, 0o755, UID, GID)
+            await a.lookup(d, b"f%d" % step)
+            await a.rename(d, b"f%d" % step, d, b"g%d" % step, 0)
+            if step % 2:
+                await a.rmdir(d, b"d%d" % step)
+            else:
+                await _fill(a, sub.ino, [b"inside"])  # the new directory's batch goes first
+            mine = await a.getattr(d)
+            await a.fsyncdir(d)
+            theirs = await b.getattr(d)
+            assert (theirs.mtime_ns, theirs.ctime_ns, theirs.nlink) == (
+                mine.mtime_ns, mine.ctime_ns, mine.nlink), step

@@ -118,7 +118,7 @@ class CrossShard:
         return [made.get(created[0]) or await self._getattr(created[0]),
                 self.store.read(ns.getattr_, parent)]
 
-    async def dir_batch(self, parent: int, session: bytes, entries: list,
+    async def dir_batch(self, parent: int, session: bytes, entries: list, time_ns: int = 0,
                         rid: bytes | None = None) -> list:
         """DIR_BATCH: directory changes a mount holding ``parent``'s lease already answered,
         of directories placed on other shards, in one cross-shard transaction: new ones
@@ -128,7 +128,8 @@ class CrossShard:
         here). Per entry a new directory's attributes, for a removed one the parent's after,
         or an errno name (EEXIST: the name was taken while the lease was lost). A retry finds
         what an earlier attempt did and answers the same; a directory found not empty fails
-        the batch whole, as does an inode number never reserved, and nothing of it is done."""
+        the batch whole, as does an inode number never reserved, and nothing of it is done.
+        The parent's mtime and ctime become ``time_ns`` (0: the decision's time)."""
         mine(self.shard, parent)
         if not isinstance(entries, list) or len(entries) > MAX_DIR_BATCH:
             raise error(errno.E2BIG, f"at most {MAX_DIR_BATCH} entries per dir_batch")
@@ -172,6 +173,8 @@ class CrossShard:
                 results[i] = ino
             if here:
                 plan[self.shard] = [*here, ["subdirs", parent, subdirs]]
+                if time_ns > 0:
+                    plan[self.shard].append(["times", parent, time_ns])
             return plan
 
         async def planner():

@@ -176,7 +176,8 @@ def bulk_create(t: Txn, parent: int, entries: list, replace: bool, chunk_size: i
     return out
 
 
-def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size: int) -> list:
+def create_batch(t: Txn, parent: int, session: bytes, entries: list, time_ns: int,
+                 chunk_size: int) -> list:
     """Changes a mount holding ``parent``'s lease already answered (``leases.py``), in order:
     new regular files, each ``[name, ino, mode, uid, gid, time_ns]`` with an inode number the
     lease reserved, ``[..., time_ns, ctime_ns]`` (renamed before it was sent: its ctime moved),
@@ -189,7 +190,8 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
     directory, ``[old, new, ino, replaced]`` (``replaced``: the file ``new`` names, or 0). Per
     entry the file's attributes after it, or an errno name (EEXIST, ENOENT: the name changed
     while the lease was lost). A create or rename already made (a retry after a
-    lost answer) answers its attributes."""
+    lost answer) answers its attributes. The directory's mtime and ctime become ``time_ns``
+    (what the holder told its kernel; 0: now)."""
     pdir = t.need_dir(parent)
     t.check_lease(parent, session)
     top = t.next_counter()
@@ -239,7 +241,11 @@ def create_batch(t: Txn, parent: int, session: bytes, entries: list, chunk_size:
         return node.attr().to_wire()
 
     out = _each_entry(entries, one)
-    touch(t, pdir)
+    if time_ns > 0:
+        pdir.mtime_ns = pdir.ctime_ns = time_ns
+        t.put_inode(pdir)
+    else:
+        touch(t, pdir)
     return out
 
 

@@ -23,6 +23,8 @@ Op forms (lists, so they travel over msgpack as they are)::
                                                     now (locked, so a reader of the renamed
                                                     inode waits for the commit)
     ["rmdir", ino]                                  delete an empty directory inode
+    ["times", ino, time_ns]                         a directory's mtime and ctime are time_ns
+                                                    (a lease holder's batch: as it answered)
     ["mkinode", mode, uid, gid, parent, target]     a new inode on this shard; "$new" in later ops
                                                     (on any shard) is replaced by its id
     ["mkinode", mode, uid, gid, parent, target, ino]  ... with an inode number reserved here
@@ -63,6 +65,7 @@ _SHAPES = {
     "setparent": (int, int),
     "ctime": (int,),
     "rmdir": (int,),
+    "times": (int, int),
     "mkinode": (int, int, int, int, (bytes, type(None))),
 }
 
@@ -118,8 +121,8 @@ def check(t: Txn, op: list) -> None:
     elif kind in ("nlink", "setparent"):
         if t.inode(op[1]) is None:
             raise Stale(f"inode {op[1]:#x} vanished")
-    elif kind in ("subdirs", "ctime"):
-        if kind == "subdirs":
+    elif kind in ("subdirs", "ctime", "times"):
+        if kind != "ctime":
             t.need_dir(op[1])
     elif kind == "rmdir":
         node = t.inode(op[1])
@@ -169,6 +172,11 @@ def apply(t: Txn, op: list) -> None:
         node = t.inode(op[1], lock=False)
         if node is not None:
             node.ctime_ns = t.now
+            t.put_inode(node)
+    elif kind == "times":
+        node = t.inode(op[1], lock=False)
+        if node is not None:
+            node.mtime_ns = node.ctime_ns = op[2]
             t.put_inode(node)
     elif kind == "rmdir":
         t.delete_inode(op[1])

@@ -138,14 +138,17 @@ class MetaShard:
         commit and answered once it is durable (``run`` takes over when ``fn`` defers). A
         request id (the record's last field) makes it run once (``once.once``)."""
         mine, write_later = self._mine, self.store.write_later
-        full = len(method._fields)
+        fields = method._fields
+        full = len(fields)
+        defaults = getattr(method.request, "_field_defaults", {})
 
         def now(key, *args):
-            if len(args) + 1 == full:
-                rid = args[-1]
-                args = args[:-1]
-                if rid is not None:
-                    return write_later(once.once, rid, fn, mine(key), *args, *extra)
+            if len(args) + 1 < full:  # optional fields left out: their defaults
+                args = (*args, *(defaults[f] for f in fields[len(args) + 1:]))
+            rid = args[-1]
+            args = args[:-1]
+            if rid is not None:
+                return write_later(once.once, rid, fn, mine(key), *args, *extra)
             return write_later(fn, mine(key), *args, *extra)
 
         return Handler(run, now)

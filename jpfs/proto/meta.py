@@ -448,6 +448,9 @@ class CreateBatchReq(NamedTuple):
     lease), with ``ctime_ns`` after it for a file renamed before it was sent, or with ``size,
     [Chunk.to_wire(), ...]`` after it for a file whose first commit goes with it; removes,
     ``[name, ino]``; renames within the directory, ``[old, new, ino, replaced or 0]``."""
+    time_ns: int = 0
+    """The directory's mtime and ctime after the batch, as the holder answered its changes (0:
+    the shard's clock at the commit)."""
     rid: bytes | None = None
     """Request id (replicated shards): a retry after a failover answers the first result."""
 

@@ -82,7 +82,7 @@ class LeasedDir:
     __slots__ = ("parent", "shard", "inos", "pending", "queue", "queued", "seq", "sending",
                  "in_flight", "idle", "ending", "lost", "renewing", "gone", "kick", "next_done",
                  "sent_done", "used", "names", "urgent", "look", "queued_total",
-                 "taken_total", "answered_total")
+                 "taken_total", "answered_total", "times", "changed_ns", "batch_ns")
 
     def __init__(self, parent: int):
         self.parent = parent
@@ -98,6 +98,14 @@ class LeasedDir:
         ``[name, ino]`` a remove, ``[old, new, ino, replaced or 0]`` a rename."""
         self.queued: set[int] = set()
         """The inodes the queue changes."""
+        self.times: deque[int] = deque()
+        """When each change of ``queue`` was answered: the directory's mtime and ctime after
+        it, as this mount told the kernel."""
+        self.changed_ns = 0
+        """The directory's mtime and ctime after the last change answered from the lease."""
+        self.batch_ns = 0
+        """... after the last change of the batch ``take_batch`` took: its shard sets them so
+        (what this mount told the kernel, not the time the batch commits)."""
         self.queued_total = 0
         """Changes ever queued here; with ``answered_total``, a change's place in the queue's
         history (``settle`` of the directory waits for the changes queued before it)."""
@@ -218,11 +226,15 @@ class LeaseBook:
         ld.seq += 1
         f.seq = ld.seq
         ld.pending[name] = f
-        self._queue(ld, (f.seq, name, f), f.attr.ino)
+        self._queue(ld, (f.seq, name, f), f.attr.ino, at=f.attr.ctime_ns)
 
-    def _queue(self, ld: LeasedDir, change: tuple | list, *inos: int) -> None:
-        """Queue ``change`` (of files ``inos``); ``DirLeases`` starts the sender after."""
+    def _queue(self, ld: LeasedDir, change: tuple | list, *inos: int, at: int = 0) -> None:
+        """Queue ``change`` (of files ``inos``), made at ``at`` (default now: the directory's
+        new mtime and ctime, ``LeasedDir.changed_ns``); ``DirLeases`` starts the sender
+        after."""
+        ld.changed_ns = max(at or time.time_ns(), ld.changed_ns)
         ld.queue.append(change)
+        ld.times.append(ld.changed_ns)
         ld.queued_total += 1
         for ino in inos:
             ld.queued.add(ino)
@@ -307,6 +319,7 @@ class LeaseBook:
         answered and not sent yet is just never sent."""
         ld.names.pop(name, None)
         if self._cancel(ld, name, ino):
+            ld.changed_ns = max(time.time_ns(), ld.changed_ns)
             return
         if ino in ld.in_flight:
             await ld.sent_done.wait()  # the shard must have it before it can remove it
@@ -437,6 +450,7 @@ class LeaseBook:
         if ld.ending:
             urgent.add(None)
         changes: list = []
+        ld.batch_ns = 0
         named: dict[bytes, bool] = {}  # name -> taken by a change elsewhere
         now = time.monotonic()
         while ld.queue and len(changes) < BATCH_MAX:
@@ -449,6 +463,7 @@ class LeaseBook:
                 f: NewFile = c[2]
                 if ld.pending.get(c[1]) is not f or f.seq != c[0]:
                     ld.queue.popleft()
+                    ld.batch_ns = max(ld.batch_ns, ld.times.popleft())
                     ld.taken_total += 1
                     continue
                 if f.stored is not None and not f.stored.is_set():
@@ -461,7 +476,10 @@ class LeaseBook:
             for n in names:
                 named[n] = far
             changes.append(ld.queue.popleft())
+            ld.batch_ns = max(ld.batch_ns, ld.times.popleft())
             ld.taken_total += 1
+        if not ld.queue:  # (an unlink that dropped a create not sent yet queued nothing)
+            ld.batch_ns = max(ld.batch_ns, ld.changed_ns)
         return changes, None, 0.0
 
 

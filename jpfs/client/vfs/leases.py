@@ -454,7 +454,7 @@ class DirLeases:
                 if len(changes) >= BATCH_MAX:  # more than a batch: the rest goes at once
                     ld.kick.set()
                 if changes:
-                    await self._commit(ld, changes)
+                    await self._commit(ld, changes, ld.batch_ns)
                 ld.answered_total = taken
                 for ino in ld.in_flight:
                     if ino not in ld.queued and self.book.changing.get(ino) == ld.parent:
@@ -468,10 +468,11 @@ class DirLeases:
             ld.next_done.set()  # who waits for a file dropped meanwhile looks again
             ld.next_done = trio.Event()
 
-    async def _commit(self, ld: LeasedDir, changes: list) -> None:
+    async def _commit(self, ld: LeasedDir, changes: list, time_ns: int) -> None:
         """Commit ``changes`` (see ``LeasedDir.queue``; ``LeaseBook.take_batch`` made them
         safe to split): those of directories placed on other shards in a ``dir_batch``, the
-        others in a ``create_batch``, both at once; then their answers."""
+        others in a ``create_batch``, both at once, each setting the directory's times to
+        ``time_ns`` (as this mount answered them); then their answers."""
         results: list = [None] * len(changes)
         here = [i for i, c in enumerate(changes) if elsewhere(ld, c) is None]
         far = [i for i, c in enumerate(changes) if elsewhere(ld, c) is not None]
@@ -480,7 +481,7 @@ class DirLeases:
             entries = [changes[i][2].entry(changes[i][1]) if isinstance(changes[i], tuple)
                        else changes[i] for i in which]
             try:
-                got: list = await method(ld.parent, self.session, entries)
+                got: list = await method(ld.parent, self.session, entries, time_ns)
             except JPFSError as e:
                 got = [e] * len(entries)
             for i, r in zip(which, got, strict=True):

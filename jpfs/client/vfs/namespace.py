@@ -82,9 +82,15 @@ class Namespace:
         if not here or node.fetched == float("-inf"):
             self.inodes.stale(parent)
             return
-        t = child.ctime_ns
+        t = self._lease_time(parent) if answered else child.ctime_ns
         node.attr = node.attr.with_(mtime_ns=t, ctime_ns=t,
                                     nlink=node.attr.nlink + (1 if subdir else 0))
+
+    def _lease_time(self, parent: int) -> int:
+        """``parent``'s mtime and ctime after the last change answered from its lease: what its
+        batch sets on the shard too (``LeasedDir.changed_ns``)."""
+        ld = self.leases.dirs.get(parent) if self.leases is not None else None
+        return ld.changed_ns if ld is not None and ld.changed_ns else time.time_ns()
 
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
                     gid: int) -> Attr:
@@ -332,12 +338,12 @@ class Namespace:
         self.inodes.moved()
 
     def _touched_in_lease(self, parent: int, subdirs: int = 0) -> None:
-        """``parent``'s names changed by a change answered from its lease: its times are
-        now (and its link count moves by ``subdirs``)."""
+        """``parent``'s names changed by a change answered from its lease: its times are the
+        change's (and its link count moves by ``subdirs``)."""
         self.prefetcher.forget_dir(parent)
         node = self.inodes.get(parent)
         if node is not None and node.fetched != float("-inf"):
-            t = time.time_ns()
+            t = self._lease_time(parent)
             node.attr = node.attr.with_(mtime_ns=t, ctime_ns=t,
                                         nlink=node.attr.nlink + subdirs)
 

@@ -141,7 +141,7 @@ class Writes:
         behind (``leases.py``)."""
         assert self.leases is not None
         attr = self.leases.add(ld, name, mode, uid, gid)
-        self.namespace.made_in(parent, name, attr)
+        self.namespace.made_in(parent, name, attr, answered=True)
         self.xattrs.none_since(attr.ino, sent)
         node = self.inodes.remember(attr, parent, name)
         node.kernel_version = attr.version

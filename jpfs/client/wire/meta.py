@@ -360,16 +360,20 @@ class MetaClient:
         req = P.LeaseWaitReq(session, held, seconds, returned or [])
         return m.decode(await self.pool.call(shard, m, req, timeout=seconds + 10.0))
 
-    async def create_batch(self, parent: int, session: bytes, entries: list) -> list:
-        """Files a lease holder answered: per entry its Attr or the OSError why not."""
+    async def create_batch(self, parent: int, session: bytes, entries: list,
+                           time_ns: int = 0) -> list:
+        """Files a lease holder answered: per entry its Attr or the OSError why not.
+        ``time_ns``: the directory's mtime and ctime after them (0: the shard's clock)."""
         return await self._ask(shard_of(parent), P.CREATE_BATCH,
-                               P.CreateBatchReq(parent, session, entries, self._rid()))
+                               P.CreateBatchReq(parent, session, entries, time_ns, self._rid()))
 
-    async def dir_batch(self, parent: int, session: bytes, entries: list) -> list:
-        """Directories a lease holder answered, placed on other shards than ``parent``'s: per
-        entry its Attr or the OSError why not."""
+    async def dir_batch(self, parent: int, session: bytes, entries: list,
+                        time_ns: int = 0) -> list:
+        """Directories a lease holder made or removed, placed on other shards than
+        ``parent``'s: per entry its Attr (the parent's, for a removal) or the OSError why not.
+        ``time_ns``: as ``create_batch``'s."""
         return await self._ask(shard_of(parent), P.DIR_BATCH,
-                               P.CreateBatchReq(parent, session, entries, self._rid()))
+                               P.CreateBatchReq(parent, session, entries, time_ns, self._rid()))
 
     async def reserve(self, shard: int, n: int) -> int:
         """``n`` inode numbers of ``shard`` for directories made under a lease elsewhere: the
