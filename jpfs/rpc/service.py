@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import JPFSError, ProtocolError, errno_name, error
-from .frame import Payload
+from .frame import Payload, receive_buffer
 
 _EINVAL = 22
 _INT_MIN, _INT_END = -(1 << 63), 1 << 64
@@ -264,8 +264,6 @@ class PayloadBuffers:
             self._kept -= len(buf)
             self.stats["reused"] += 1
         else:
-            from .frame import receive_buffer
-
             buf = receive_buffer(-(-n // self.ROUND) * self.ROUND)
             self.stats["allocated"] += 1
         return memoryview(buf)[:n]
