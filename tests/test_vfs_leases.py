@@ -495,3 +495,21 @@ async def test_a_leased_directorys_times_are_what_the_shard_keeps(cluster):  # n
             theirs = await b.getattr(d)
             assert (theirs.mtime_ns, theirs.ctime_ns, theirs.nlink) == (
                 mine.mtime_ns, mine.ctime_ns, mine.nlink), step
+
+
+async def test_a_create_dropped_before_it_was_sent_still_moves_the_times(cluster):  # noqa: F811
+    """A file made and removed before its batch left is never sent, but the directory's mtime and
+    ctime moved in this VFS all the same: the shard gets them too."""
+    async with open_fs(cluster, "write-behind") as fs:
+        a = fs.vfs
+        await a.fsyncdir(fs.d)  # nothing else on its way
+        fh, _ = await fs.create(b"brief", flags=EXCL)  # held back while open for writing
+        await a.lookup(fs.d, b"brief")
+        await a.unlink(fs.d, b"brief")
+        await a.release(fh)
+        mine = await a.getattr(fs.d)
+        await a.fsyncdir(fs.d)
+        assert _leases(a)["cancelled"] >= 1
+        async with open_vfs(cluster, dir_leases=False) as b:
+            theirs = await b.getattr(fs.d)
+        assert (theirs.mtime_ns, theirs.ctime_ns) == (mine.mtime_ns, mine.ctime_ns)

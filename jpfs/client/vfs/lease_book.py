@@ -82,7 +82,7 @@ class LeasedDir:
     __slots__ = ("parent", "shard", "inos", "pending", "queue", "queued", "seq", "sending",
                  "in_flight", "idle", "ending", "lost", "renewing", "gone", "kick", "next_done",
                  "sent_done", "used", "names", "urgent", "look", "queued_total",
-                 "taken_total", "answered_total", "times", "changed_ns", "batch_ns")
+                 "taken_total", "answered_total", "times", "changed_ns", "batch_ns", "sent_ns")
 
     def __init__(self, parent: int):
         self.parent = parent
@@ -106,6 +106,9 @@ class LeasedDir:
         self.batch_ns = 0
         """... after the last change of the batch ``take_batch`` took: its shard sets them so
         (what this mount told the kernel, not the time the batch commits)."""
+        self.sent_ns = 0
+        """... as the last batch sent set them (a batch with no change left to send, after an
+        unlink dropped a create not sent yet, still sets them)."""
         self.queued_total = 0
         """Changes ever queued here; with ``answered_total``, a change's place in the queue's
         history (``settle`` of the directory waits for the changes queued before it)."""

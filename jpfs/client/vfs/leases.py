@@ -453,7 +453,7 @@ class DirLeases:
                 taken = ld.taken_total
                 if len(changes) >= BATCH_MAX:  # more than a batch: the rest goes at once
                     ld.kick.set()
-                if changes:
+                if changes or ld.batch_ns > ld.sent_ns:  # (or only the times moved)
                     await self._commit(ld, changes, ld.batch_ns)
                 ld.answered_total = taken
                 for ino in ld.in_flight:
@@ -488,9 +488,11 @@ class DirLeases:
                 results[i] = r
 
         async with trio.open_nursery() as nursery:
-            for method, which in ((self.meta.create_batch, here), (self.meta.dir_batch, far)):
-                if which:
-                    nursery.start_soon(call, method, which)
+            if here or not far:  # (no change at all: the times alone)
+                nursery.start_soon(call, self.meta.create_batch, here)
+            if far:
+                nursery.start_soon(call, self.meta.dir_batch, far)
+        ld.sent_ns = max(ld.sent_ns, time_ns)
         self.stats["batches"] += 1
         for c, r in zip(changes, results, strict=True):
             if isinstance(c, tuple):
