@@ -224,10 +224,9 @@ class DirLeases:
             ld.idle = trio.Event()
             self.nursery.start_soon(self._send, ld)
 
-    async def give_back(self, parent: int, idle: bool = False) -> None:
+    async def give_back(self, parent: int) -> None:
         """Commit what is pending in ``parent`` and give its lease back (before this mount
-        changes the directory's names itself, or when the shard recalls it; ``idle``: nobody
-        waits for it, so it rides on the shard's next ``lease_wait``)."""
+        changes the directory's names itself, or when the shard recalls it)."""
         ld = self.dirs.get(parent)
         if ld is None:
             return
@@ -240,9 +239,7 @@ class DirLeases:
         self._hold_off(parent)
         try:
             await ld.idle.wait()
-            if idle and not ld.lost:
-                self._return_later(ld.shard, parent)
-            elif not ld.lost:
+            if not ld.lost:
                 try:
                     await self.meta.lease_return(parent, self.session)
                 except JPFSError as e:  # the shard takes it back when the session ends
@@ -262,6 +259,18 @@ class DirLeases:
                 for parent in parents:
                     nursery.start_soon(self._return_unheld, parent)
         self._returning.clear()
+
+    def _end_idle(self, ld: LeasedDir) -> None:
+        """``give_back`` of a lease nothing used for ``IDLE_RETURN`` and with nothing pending,
+        at once (a tree of thousands of new directories goes idle together: no task each); it
+        rides on the shard's next ``lease_wait``."""
+        self.stats["idle_returned"] += 1
+        self.stats["given_back"] += 1
+        ld.ending = True
+        self._hold_off(ld.parent)
+        if not ld.lost:
+            self._return_later(ld.shard, ld.parent)
+        self._end(ld)
 
     def _return_later(self, shard: int, parent: int) -> None:
         """Give ``parent``'s lease back on ``shard``'s next ``lease_wait``."""
@@ -400,8 +409,7 @@ class DirLeases:
                 idle = time.monotonic() - IDLE_RETURN
                 for ld in list(self.dirs.values()):
                     if ld.shard == shard and ld.used < idle and not ld.ending and ld.idle.is_set():
-                        self.stats["idle_returned"] += 1
-                        self.nursery.start_soon(self.give_back, ld.parent, True)
+                        self._end_idle(ld)
         except JPFSError as e:
             mine = [ld for ld in self.dirs.values() if ld.shard == shard]
             if mine:
