@@ -120,24 +120,52 @@ def encode(frames: np.ndarray, fps: int, encoder: str, options: dict[str, str] |
         stream.pix_fmt = "yuv420p"
         if time_base is not None:
             stream.codec_context.time_base = tb
+        lone = _reorder_delay(encoder, opts, frames, fps, tb) if len(frames) == 1 else None
         for i, rgb in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
             frame.pts = i if pts is None else pts[i]
             frame.time_base = tb
             for packet in stream.encode(frame):
-                _mux(out, packet, len(frames))
+                _mux(out, packet, lone)
         for packet in stream.encode():
-            _mux(out, packet, len(frames))
+            _mux(out, packet, lone)
     return buf.getvalue()
 
 
-def _mux(out, packet, frames: int) -> None:
-    """Mux one encoded packet. libx265 with B-frames gives the packet of a video of one frame an
-    uninitialized dts (seen: -8.7e15), which the mp4 muxer refuses (AVERROR_PATCHWELCOME) in
-    most runs; such a packet is decoded first and shown first, so its dts is its pts."""
-    if frames == 1 and packet.pts is not None:
-        packet.dts = packet.pts
+def _mux(out, packet, lone: int | None) -> None:
+    """Mux one encoded packet; ``lone``: the packet is a video's only one, to be decoded
+    ``lone`` ticks before it is shown (``_reorder_delay``)."""
+    if lone is not None and packet.pts is not None:
+        packet.dts = packet.pts - lone
     out.mux(packet)
+
+
+def _reorder_delay(encoder: str, options: dict, frames, fps: int, tb: Fraction) -> int:
+    """How many ticks of ``tb`` the encoder decodes a frame before it shows it, measured on the
+    frame given three times. libx265 with B-frames gives the packet of a video of one frame an
+    uninitialized dts (seen: -8.7e15; the mp4 muxer refuses most such values), and libx264
+    and libx265 give it 0 where the encoder's other videos start 2 frames early: videos
+    concatenated packet by packet then lost that frame (a one-frame episode, converted as
+    LeRobot converts). The lone frame is given the delay its encoder's longer videos have."""
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(), "w", format="mp4") as probe:
+        stream = cast("VideoStream", probe.add_stream(encoder, rate=fps, options=options))
+        stream.width = frames.shape[2]
+        stream.height = frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.codec_context.time_base = tb
+        packets = []
+        for i in range(3):
+            frame = av.VideoFrame.from_ndarray(frames[0], format="rgb24")
+            frame.pts = i * max(1, round(1 / (fps * tb)))
+            frame.time_base = tb
+            packets += stream.encode(frame)
+        packets += stream.encode()
+    first = min(packets, key=lambda p: p.dts if p.dts is not None else 0)
+    return max(0, (first.pts or 0) - (first.dts or 0)) if first.pts is not None else 0
 
 
 def make_stub(frames: int, fps: int, width: int, height: int, nbytes: int, seed: int) -> bytes:
