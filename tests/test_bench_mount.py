@@ -18,17 +18,23 @@ import pytest
 from fuse_support import requires_fuse
 
 
+def _bench_mount(work, *args: str) -> tuple[dict, str]:
+    """``jpfs bench mount ARGS --dir WORK --json`` in a fresh interpreter: its JSON result and
+    what it printed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", *args, "--dir", str(work),
+         "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
+
+
 @requires_fuse
 def test_namespace_phase_against_local_and_a_passthrough(tmp_path):
     work = tmp_path / "w"
-    proc = subprocess.run(
-        [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", "--phases", "namespace",
-         "--namespace-ops", "20", "--small-write-files", "4", "--layout-files", "2",
-         "--write-behind", "--dir", str(work), "--json"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "vs passthrough" in proc.stdout
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res, out = _bench_mount(work, "--phases", "namespace", "--namespace-ops", "20",
+                            "--small-write-files", "4", "--layout-files", "2",
+                            "--write-behind")
+    assert "vs passthrough" in out
     for via in ("local", "passthrough", "raw-passthrough", "fuse-rw", "fuse-rw-write-behind"):
         ns = res["phases"][via]["namespace"]
         assert set(ns) == {"create", "mkdir", "stat", "rename", "remove", "rmdir",
@@ -45,7 +51,7 @@ def test_namespace_phase_against_local_and_a_passthrough(tmp_path):
     assert sum(c["mount"] for c in cpu) > 0 and sum(c["shards"] for c in cpu) > 0
     assert sum(r["passthrough_cpu_ms_per_op"] for r in res["phase_ratios"]
                if r["phase"] == "namespace") > 0
-    assert "CPU ms/op" in proc.stdout
+    assert "CPU ms/op" in out
     assert all(r["raw_passthrough"] > 0 for r in res["phase_ratios"])
     # the passthroughs wrote through to their directories, and everything was unmounted
     for src in ("passthrough-src", "raw-src"):
@@ -61,12 +67,8 @@ def test_large_phase_against_local_and_a_passthrough(tmp_path):
     threaded raw-protocol one and read-write and read-only mounts, cold, and reports each mount
     against the local filesystem and the passthroughs."""
     work = tmp_path / "w"
-    proc = subprocess.run(
-        [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", "--phases", "large",
-         "--large-bytes", "6MiB", "--small-read-files", "12", "--dir", str(work), "--json"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res, out = _bench_mount(work, "--phases", "large", "--large-bytes", "6MiB",
+                            "--small-read-files", "12")
     for via in ("local", "passthrough", "raw-passthrough", "fuse-rw", "fuse"):
         large = res["phases"][via]["large"]
         assert large["large_1m"]["bytes"] == 6 << 20 and large["large_1m"]["MBps"] > 0
@@ -80,7 +82,7 @@ def test_large_phase_against_local_and_a_passthrough(tmp_path):
         assert r["ratio"] == pytest.approx(r["fuse"] / r["local"])
         assert r["ratio_passthrough"] == pytest.approx(r["fuse"] / r["passthrough"])
         assert r["raw_passthrough"] > 0
-    assert "raw x4 (vs local)" in proc.stdout
+    assert "raw x4 (vs local)" in out
     with open("/proc/mounts") as f:
         assert str(work) not in f.read()
 
@@ -91,12 +93,7 @@ def test_tree_phase_unpacks_and_removes_a_dataset_through_a_mount(tmp_path):
     removes it with rm -r on the local disk and through a mount (the unpacked tree checked
     whole), and reports each against the local disk with each daemon's CPU per file."""
     work = tmp_path / "w"
-    proc = subprocess.run(
-        [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", "--phases", "tree",
-         "--episodes", "6", "--video-bytes", "20000", "--dir", str(work), "--json"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res, _ = _bench_mount(work, "--phases", "tree", "--episodes", "6", "--video-bytes", "20000")
     tree = res["phases"]["tree"]
     assert tree["entries"] > 6 * 3 and tree["bytes"] > 6 * 2 * 20000
     for via in ("local", "fuse-rw"):
@@ -116,12 +113,7 @@ def test_checkpoint_phase_saves_and_loads_back_through_mounts(tmp_path):
     against the local disk with each daemon's CPU per GB."""
     pytest.importorskip("torch", reason="the checkpoint phase needs the torch extra")
     work = tmp_path / "w"
-    proc = subprocess.run(
-        [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", "--phases", "checkpoint",
-         "--checkpoint-bytes", "20M", "--dir", str(work), "--json"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res, out = _bench_mount(work, "--phases", "checkpoint", "--checkpoint-bytes", "20M")
     ck = res["phases"]["checkpoint"]
     assert ck["replicas"] == 2 and ck["tensor_bytes"] == 20 << 20
     for via in ("local", "fuse-rw"):
@@ -136,7 +128,7 @@ def test_checkpoint_phase_saves_and_loads_back_through_mounts(tmp_path):
     assert rows["save (replicas 2)"]["cpu_s_per_gb"]["storage"] > 0  # two copies stored
     # the mount runs beside the storage nodes: it reads their volumes itself
     assert ck["fuse-rw"]["load"]["short_circuit_bytes"] >= ck["tensor_bytes"]
-    assert "s/GB" in proc.stdout
+    assert "s/GB" in out
     with open("/proc/mounts") as f:
         assert str(work) not in f.read()
 
@@ -161,13 +153,9 @@ def test_a_failing_namespace_worker_stops_the_phase_at_once(tmp_path):
 @requires_fuse
 def test_read_phase_with_each_epochs_order_announced(tmp_path):
     work = tmp_path / "w"
-    proc = subprocess.run(
-        [sys.executable, "-m", "jpfs.cli.main", "bench", "mount", "--episodes", "8",
-         "--cameras", "1", "--frames", "20", "--video-bytes", "16K", "--readers", "2",
-         "--orders", "shuffled", "--via", "local,fuse-hinted", "--dir", str(work), "--json"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res, out = _bench_mount(work, "--episodes", "8", "--cameras", "1", "--frames", "20",
+                            "--video-bytes", "16K", "--readers", "2", "--orders", "shuffled",
+                            "--via", "local,fuse-hinted")
     files = res["dataset"]["files"]
     runs = {(r["via"], r["epoch"]): r for r in res["runs"]}
     for epoch in (1, 2):
@@ -177,6 +165,6 @@ def test_read_phase_with_each_epochs_order_announced(tmp_path):
         for r in (runs[("local", epoch)], hinted):  # how the epoch's time was spread
             assert 0 < r["file_ms_p50"] <= r["file_ms_p99"]
             assert 0 < r["first_tenth_share"] <= 1
-    assert "fuse-hinted  1 (cold)" in proc.stdout and "first 10% took" in proc.stdout
+    assert "fuse-hinted  1 (cold)" in out and "first 10% took" in out
     with open("/proc/mounts") as f:
         assert str(work) not in f.read()
