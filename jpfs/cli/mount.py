@@ -100,6 +100,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kernel-options", metavar="LIST", default="",
                    help="generic mount flags for the kernel, comma-separated: noexec, noatime, "
                    "sync, ... (a FUSE mount is nosuid,nodev unless suid or dev is given)")
+    p.add_argument("--engine", choices=("pyfuse3", "jpfs"), default="pyfuse3",
+                   help="who speaks FUSE to the kernel: pyfuse3 (libfuse's loop in one "
+                   "process, the default) or jpfs (JPFS's own engine in worker processes, "
+                   "one per core: read-only mounts, whose cold reads then use more than one "
+                   "core)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="--engine jpfs: worker processes (default: one per core, at most 16)")
     p.add_argument("--max-tasks", type=int, default=256, help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_mount)
@@ -129,6 +136,11 @@ def _options(args: argparse.Namespace):
     if unknown:
         raise ValueError(f"--kernel-options: unknown {', '.join(unknown)} (known: "
                          f"{', '.join(sorted(KERNEL_OPTIONS))})")
+    if args.engine == "jpfs" and not args.read_only:
+        raise ValueError("--engine jpfs serves read-only mounts: add --read-only (read-write "
+                         "mounts use the pyfuse3 engine)")
+    if args.workers < 0:
+        raise ValueError("--workers must be 0 (one per core) or more")
     cluster_arg = args.paths[0] if len(args.paths) == 2 else args.cluster
     cluster = config.load(cluster_arg)
     return MountOptions(
@@ -142,7 +154,8 @@ def _options(args: argparse.Namespace):
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
         max_tasks=args.max_tasks, nonempty=args.nonempty, cache_admit=args.cache_admit,
         dir_leases=args.dir_leases, write_behind=args.write_behind,
-        short_circuit=args.short_circuit, kernel_options=kernel)
+        short_circuit=args.short_circuit, kernel_options=kernel, engine=args.engine,
+        workers=args.workers)
 
 
 def cmd_mount(args: argparse.Namespace) -> int:

@@ -44,6 +44,7 @@ from prometheus_client import generate_latest
 
 from ..errors import JPFSError, error
 from ..types import ROOT_INO, Attr
+from .dirreply import readdir_reply
 from .stats import registry_for
 
 log = logging.getLogger(__name__)
@@ -319,7 +320,7 @@ class ControlTree:
         entries += [(n, self._file_entry(i)) for n, i in FILES.items()]
         for k in range(start_id, len(entries)):
             name, e = entries[k]
-            if not pyfuse3.readdir_reply(token, name, e, k + 1):
+            if not readdir_reply(token, name, e, k + 1):
                 return
 
     async def releasedir(self, fh: int) -> None:

@@ -26,7 +26,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ import trio
 
 from .. import config
 from ..client.data.cache import BlobCache
-from ..client.vfs.core import VFS, VFSConfig
+from ..client.vfs.core import VFS, Notifier, VFSConfig
 from ..errors import error
 from . import hints
 from .lowlevel import Fallocate, InodeReads, NoFlushOnRead
@@ -88,6 +89,11 @@ class MountOptions:
     write_behind: bool = False
     kernel_options: tuple[str, ...] = ()
     """Members of ``KERNEL_OPTIONS``: flags of the kernel's mount (noexec, noatime, ...)."""
+    engine: str = "pyfuse3"
+    """Who speaks FUSE: ``pyfuse3`` (libfuse's loop, the reference) or ``jpfs`` (the engine of
+    ``engine.py`` in worker processes: read-only mounts)."""
+    workers: int = 0
+    """``engine`` jpfs: worker processes (0: one per core, at most ``workers.MAX_WORKERS``)."""
 
     def child_argv(self) -> list[str]:
         """Arguments for ``jpfs`` that run this mount in the foreground."""
@@ -101,7 +107,8 @@ class MountOptions:
                             ("--attr-timeout", self.attr_timeout),
                             ("--small-file", self.small_file), ("--metrics", self.metrics),
                             ("--kernel-ahead", self.kernel_ahead),
-                            ("--kernel-options", ",".join(self.kernel_options) or None)):
+                            ("--kernel-options", ",".join(self.kernel_options) or None),
+                            ("--engine", self.engine), ("--workers", self.workers or None)):
             if value is not None:
                 a += [flag, str(value)]
         for flag, on in (("--read-only", self.read_only),
@@ -237,53 +244,81 @@ async def _tune_after_init(ops: Operations, mp: str, nbytes: int) -> None:
 
 async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> None:
     """Mount and serve until unmounted or signalled; ``ready`` is called once the mount is live."""
-    cluster = config.load(opts.cluster)
     mp = os.path.abspath(opts.mountpoint)
     check_mountpoint(mp, opts.nonempty)
+    # a read-only mount stops the kernel's OPENs where READs can be made to name their inode
+    # (installed in the session once it exists)
+    reads = InodeReads() if opts.read_only and not opts.open_requests else None
+    async with trio.open_nursery() as nursery:
+        async with mount_parts(opts, nursery, KernelNotifier(mp), reads) as (ops, cache_dir):
+            await _serve_mounted(ops, mp, opts, fuse_options(opts), nursery, cache_dir, ready,
+                                 reads)
+
+
+@dataclass(frozen=True)
+class Share:
+    """A worker's part of a mount served by several processes: its own slice of the caches
+    (a disk cache directory each), and worker 0 alone takes prefetch hints."""
+
+    index: int = 0
+    count: int = 1
+
+
+@asynccontextmanager
+async def mount_parts(opts: MountOptions, nursery: trio.Nursery, notifier: Notifier,
+                      reads, share: Share = Share()
+                      ) -> AsyncIterator[tuple[Operations, Path]]:
+    """The cache, the VFS and the adapter of a mount, built in ``nursery`` and closed after;
+    yields the adapter and the disk cache directory."""
+    cluster = config.load(opts.cluster)
+    mp = os.path.abspath(opts.mountpoint)
     entry_t, attr_t, neg_t = _timeouts(opts)
     small = opts.small_file or cluster.chunk_size
     cache_dir = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir(cluster)
+    if share.count > 1:
+        cache_dir = cache_dir / f"worker-{share.index}"
     if not cluster.n_nodes:
         raise error(errno.ENODEV, "this cluster has no storage nodes: nothing to mount")
-    async with trio.open_nursery() as nursery:
-        cache = BlobCache(opts.memory_cache, cache_dir if opts.cache_size > 0 else None,
-                          opts.cache_size, admit=opts.cache_admit)
-        vfs: VFS | None = None
-        try:
-            await cache.open(nursery)
-            vfs = await VFS.connect(nursery, cluster, cache, VFSConfig(
-                read_only=opts.read_only, attr_timeout=attr_t, entry_timeout=entry_t,
-                open_cache=opts.open_cache, small_file=small, notify_store=opts.notify_store,
-                kernel_ahead=opts.kernel_ahead if opts.kernel_ahead is not None
-                else default_kernel_ahead(opts.memory_cache),
-                dir_leases=opts.dir_leases, write_behind=opts.write_behind,
-                short_circuit=opts.short_circuit),
-                KernelNotifier(mp), prefetch=opts.prefetch)
-            sock = hints.socket_path(state_dir(), mp)
-            if len(sock) > hints.MAX_PATH:
-                sock = ""
-            # a read-only mount stops the kernel's OPENs where READs can be made to name
-            # their inode (installed in the session once it exists)
-            reads = InodeReads() if opts.read_only and not opts.open_requests else None
-            ops = Operations(vfs, FuseConfig(mountpoint=mp, cluster=str(cluster.path or ""),
-                                             entry_timeout=entry_t, attr_timeout=attr_t,
-                                             negative_timeout=neg_t),
-                             hint_socket=sock, storage=vfs.client.storage, reads=reads)
-            fuse_options = {f"fsname={FSNAME}", f"subtype={FSNAME}", "default_permissions"}
-            if opts.allow_other:
-                fuse_options.add("allow_other")
-            if opts.read_only:
-                fuse_options.add("ro")  # hints still arrive, on the socket
-            fuse_options.update(opts.kernel_options)
-            await _serve_mounted(ops, mp, opts, fuse_options, nursery, cache_dir, ready,
-                                 reads)
-        finally:
-            if vfs is not None:
-                if vfs.client.storage is not None:  # before the connections close
-                    await vfs.client.storage.reports_answered()
-                vfs.close()
-            cache.close()
-            nursery.cancel_scope.cancel()
+    cache = BlobCache(opts.memory_cache // share.count,
+                      cache_dir if opts.cache_size > 0 else None,
+                      opts.cache_size // share.count, admit=opts.cache_admit)
+    vfs: VFS | None = None
+    try:
+        await cache.open(nursery)
+        kernel_ahead = opts.kernel_ahead if opts.kernel_ahead is not None \
+            else default_kernel_ahead(opts.memory_cache)
+        vfs = await VFS.connect(nursery, cluster, cache, VFSConfig(
+            read_only=opts.read_only, attr_timeout=attr_t, entry_timeout=entry_t,
+            open_cache=opts.open_cache, small_file=small, notify_store=opts.notify_store,
+            kernel_ahead=kernel_ahead // share.count,
+            dir_leases=opts.dir_leases, write_behind=opts.write_behind,
+            short_circuit=opts.short_circuit),
+            notifier, prefetch=opts.prefetch)
+        sock = hints.socket_path(state_dir(), mp) if share.index == 0 else ""
+        if len(sock) > hints.MAX_PATH:
+            sock = ""
+        yield Operations(vfs, FuseConfig(mountpoint=mp, cluster=str(cluster.path or ""),
+                                         entry_timeout=entry_t, attr_timeout=attr_t,
+                                         negative_timeout=neg_t),
+                         hint_socket=sock, storage=vfs.client.storage, reads=reads), cache_dir
+    finally:
+        if vfs is not None:
+            if vfs.client.storage is not None:  # before the connections close
+                await vfs.client.storage.reports_answered()
+            vfs.close()
+        cache.close()
+        nursery.cancel_scope.cancel()
+
+
+def fuse_options(opts: MountOptions) -> set[str]:
+    """The kernel mount's options (mount(8)'s ``-o``)."""
+    options = {f"fsname={FSNAME}", f"subtype={FSNAME}", "default_permissions"}
+    if opts.allow_other:
+        options.add("allow_other")
+    if opts.read_only:
+        options.add("ro")  # hints still arrive, on the socket
+    options.update(opts.kernel_options)
+    return options
 
 
 KERNEL_AHEAD_SHARE = 8
@@ -456,6 +491,10 @@ def run_foreground(opts: MountOptions, ready_fd: int | None = None) -> int:
         log.info("freed buffers go back to the system (the C library is not glibc)")
     if not os.environ.get("JPFS_TMP_NOGC"):
         quiet_collector()
+    if opts.engine == "jpfs":
+        from . import workers  # the engine's supervisor, which builds on this module
+
+        return workers.run(opts, ready)
     trio.run(serve, opts, ready)
     return 0
 

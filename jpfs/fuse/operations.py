@@ -38,6 +38,7 @@ from ..errors import JPFSError, errno_name, error
 from ..types import ROOT_INO, Attr
 from . import control
 from .control import ControlTree
+from .dirreply import readdir_reply
 from .stats import MountStats
 
 if TYPE_CHECKING:
@@ -457,7 +458,7 @@ class Operations(pyfuse3.Operations):
             async for name, attr, nxt in it:
                 if name == control.CONTROL_NAME and in_root:
                     continue
-                if not pyfuse3.readdir_reply(token, name, self._entry(attr), nxt):
+                if not readdir_reply(token, name, self._entry(attr), nxt):
                     return
 
     @fuse_op("releasedir", _handle)
