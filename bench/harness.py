@@ -204,6 +204,8 @@ class Mount:
                                open_requests=via == "fuse-open",
                                short_circuit=via != "fuse-socket",
                                write_behind=via == "fuse-rw-write-behind",
+                               engine="jpfs" if via.startswith("fuse-jpfs") else "pyfuse3",
+                               workers=1 if via == "fuse-jpfs1" else 0,
                                log_file=str(work / f"mount-{via}.log"))
         self.pid = fm.start_background(opts)
 

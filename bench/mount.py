@@ -23,7 +23,10 @@ The same files in the same order are read
   fuse-open        the same mount with --open-requests (the kernel sends OPEN and RELEASE per
                    open, as before no-open mode; only with --via fuse-open);
   fuse-rw          a read-write mount (opens revalidate, FLUSH is answered): what unchanged
-                   training code gets without --read-only (only with --via fuse-rw).
+                   training code gets without --read-only (only with --via fuse-rw);
+  fuse-jpfs        the read-only mount served by JPFS's own FUSE engine (--engine jpfs), a
+                   worker process per core (only with --via fuse-jpfs);
+  fuse-jpfs1       the same engine with one worker (only with --via fuse-jpfs1).
 
 Reported per order, readers and via: files/s and MB/s of each epoch and their ratio to local in
 the same epoch, FUSE requests per file opened (the mount's own counters: the cost that bounds a
@@ -58,7 +61,7 @@ log = logging.getLogger(__name__)
 HELP = "FUSE mount files/s and FUSE requests per file, cold and warm, prefetch on/off, vs local"
 DESCRIPTION = __doc__
 VIAS = ("local", "fuse", "fuse-noprefetch", "fuse-socket", "fuse-hinted", "fuse-open",
-        "fuse-rw")
+        "fuse-rw", "fuse-jpfs", "fuse-jpfs1")
 PHASES = ("read", "namespace", "large", "checkpoint", "tree")
 
 
@@ -227,6 +230,9 @@ def _counted(before: dict, after: dict) -> dict:
 def _fuse_delta(before: dict, after: dict, files: int, cpu: float) -> dict:
     from .aggregate_setup import prefetch_summary
 
+    if after["mount"].get("workers", 1) > 1:  # each worker counts its own requests
+        return {"mount_cpu_us_per_file": cpu / files * 1e6,
+                "workers": after["mount"]["workers"]}
     fb, fa = before["fuse"], after["fuse"]
     reqs = {k: fa["requests"][k] - fb["requests"][k] for k in fa["requests"]}
     pf = prefetch_summary(before, after)
@@ -248,7 +254,7 @@ def _measure(via: str, order_name: str, readers: int, ds, local_root: str, clust
              work: Path, args, generation: int) -> list[dict]:
     from .aggregate import drop_caches
     from .harness import Mount
-    from .readers import epoch_order, proc_cpu
+    from .readers import epoch_order, tree_cpu
 
     mount = None
     try:
@@ -264,7 +270,7 @@ def _measure(via: str, order_name: str, readers: int, ds, local_root: str, clust
             hinted = mount.hint([os.path.join(root, rel) for i in order for rel in ds.units[i]]
                                 ) if mount and via == "fuse-hinted" else None
             before = mount.stats() if mount else None
-            cpu0 = proc_cpu(mount.pid) if mount else 0.0
+            cpu0 = tree_cpu(mount.pid) if mount else 0.0
             r = read_epoch(root, ds, order, readers, args.read_size)
             if hinted is not None:
                 r["hinted_paths"] = hinted
@@ -273,7 +279,7 @@ def _measure(via: str, order_name: str, readers: int, ds, local_root: str, clust
                      cold=cold["cold"] if epoch == 1 else False)
             if mount:
                 r.update(_fuse_delta(before, mount.stats(), r["files"],
-                                     proc_cpu(mount.pid) - cpu0))
+                                     tree_cpu(mount.pid) - cpu0))
             out.append(r)
         return out
     finally:

@@ -171,6 +171,17 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds used so far by a process and its live children (a mount's workers)."""
+    total = proc_cpu(pid)
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        children = []
+    return total + sum(proc_cpu(c) for c in children)
+
+
 def page_cache_drops() -> int:
     """How many times anyone on this machine dropped the page cache (``/proc/vmstat``): a
     change during a warm measurement means another process made it (partly) cold."""

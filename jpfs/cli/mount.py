@@ -176,6 +176,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
         fh = logging.FileHandler(args.log_file)
         fh.setFormatter(fmt)
         root.addHandler(fh)
+    if opts.engine == "jpfs":
+        from ..fuse import workers
+
+        return workers.run_foreground(opts, args.ready_fd)
     return m.run_foreground(opts, args.ready_fd)
 
 

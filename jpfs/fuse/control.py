@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 import pyfuse3
@@ -200,12 +201,14 @@ class ControlTree:
         prefetch: the prefetcher that hints go to, and whose counters ``.jpfs/prefetch`` shows.
         mountpoint: where the mount is (hint paths may be absolute under it).
         hint_socket: the socket that takes hints ("" when there is none; ``.jpfs/socket``).
+        shared_snapshots: a directory for the files' snapshots, when several processes serve
+            the mount (None: kept in memory).
     """
 
     def __init__(self, *, entry: Callable[[Attr], pyfuse3.EntryAttributes],
                  root_attr: Callable[[], Attr], kernel_opens: Callable[[], bool],
                  stats: Callable[[], dict], prefetch: Prefetch, mountpoint: str,
-                 hint_socket: str = ""):
+                 hint_socket: str = "", shared_snapshots: Path | None = None):
         self._entry = entry
         self._root_attr = root_attr
         self._kernel_opens = kernel_opens
@@ -213,6 +216,9 @@ class ControlTree:
         self._prefetch = prefetch
         self.mountpoint = mountpoint
         self.hint_socket = hint_socket
+        self.shared_snapshots = shared_snapshots
+        """Where snapshots go when several processes serve the mount: the one that answers a
+        lookup takes the snapshot, another may answer its READs."""
         self.registry = registry_for(stats)
         """The Prometheus registry ``.jpfs/metrics`` shows."""
         self.hint_errors: deque[str] = deque(maxlen=20)
@@ -375,11 +381,35 @@ class ControlTree:
     def _snapshot(self, inode: int, fresh: bool = False) -> tuple[bytes, int]:
         """A control file's content and its mtime, taken now if ``fresh`` or never taken (the
         mtime always moves, so the kernel drops the pages of the previous one)."""
+        if self.shared_snapshots is not None:
+            return self._shared_snapshot(inode, fresh)
         snap = self._snapshots.get(inode)
         if snap is None or fresh:
             self._last_snapshot_ns = max(time.time_ns(), self._last_snapshot_ns + 1)
             snap = self._snapshots[inode] = (self._content(inode), self._last_snapshot_ns)
         return snap
+
+    def _shared_snapshot(self, inode: int, fresh: bool) -> tuple[bytes, int]:
+        """``_snapshot`` through files every worker reads: the latest any of them took."""
+        assert self.shared_snapshots is not None
+        path = self.shared_snapshots / str(inode)
+        if not fresh:
+            try:
+                with open(path, "rb") as f:
+                    return f.read(), os.fstat(f.fileno()).st_mtime_ns
+            except FileNotFoundError:
+                pass
+        try:
+            last = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            last = 0
+        content = self._content(inode)
+        mtime_ns = max(time.time_ns(), last + 1)
+        tmp = path.with_name(f".{inode}.{os.getpid()}")
+        tmp.write_bytes(content)
+        os.utime(tmp, ns=(mtime_ns, mtime_ns))
+        os.replace(tmp, path)
+        return content, mtime_ns
 
     def _file_entry(self, inode: int, fresh: bool = False) -> pyfuse3.EntryAttributes:
         """A control inode's entry; where the kernel opens files itself, a file's has its

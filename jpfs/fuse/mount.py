@@ -141,6 +141,11 @@ def state_file(mountpoint: str) -> Path:
     return state_dir() / "mounts" / f"{_key(mountpoint)}.json"
 
 
+def control_snapshots(mountpoint: str) -> Path:
+    """Where the workers of a mount keep the ``.jpfs`` files' snapshots."""
+    return state_dir() / "control" / _key(mountpoint)
+
+
 def default_log_file(mountpoint: str) -> Path:
     return state_dir() / "logs" / f"mount-{_key(mountpoint)}.log"
 
@@ -258,7 +263,9 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
 @dataclass(frozen=True)
 class Share:
     """A worker's part of a mount served by several processes: its own slice of the caches
-    (a disk cache directory each), and worker 0 alone takes prefetch hints."""
+    (a disk cache directory each); worker 0 alone prefetches and takes prefetch hints (each
+    worker sees a share of the opens, and sweeps of the same directories by every worker
+    would fetch them once per worker)."""
 
     index: int = 0
     count: int = 1
@@ -293,14 +300,18 @@ async def mount_parts(opts: MountOptions, nursery: trio.Nursery, notifier: Notif
             kernel_ahead=kernel_ahead // share.count,
             dir_leases=opts.dir_leases, write_behind=opts.write_behind,
             short_circuit=opts.short_circuit),
-            notifier, prefetch=opts.prefetch)
+            notifier, prefetch=opts.prefetch and share.index == 0)
         sock = hints.socket_path(state_dir(), mp) if share.index == 0 else ""
         if len(sock) > hints.MAX_PATH:
             sock = ""
+        snapshots = control_snapshots(mp) if share.count > 1 else None
+        if snapshots is not None:
+            snapshots.mkdir(parents=True, exist_ok=True)
         yield Operations(vfs, FuseConfig(mountpoint=mp, cluster=str(cluster.path or ""),
                                          entry_timeout=entry_t, attr_timeout=attr_t,
                                          negative_timeout=neg_t),
-                         hint_socket=sock, storage=vfs.client.storage, reads=reads), cache_dir
+                         hint_socket=sock, storage=vfs.client.storage, reads=reads,
+                         shared_snapshots=snapshots), cache_dir
     finally:
         if vfs is not None:
             if vfs.client.storage is not None:  # before the connections close
@@ -477,6 +488,23 @@ def quiet_collector() -> None:
 
 def run_foreground(opts: MountOptions, ready_fd: int | None = None) -> int:
     """Serve in this process (``--foreground``); ``ready_fd`` gets "ok" once the mount is live."""
+    prepare_daemon(opts)
+    trio.run(serve, opts, ready_callback(ready_fd))
+    return 0
+
+
+def prepare_daemon(opts: MountOptions) -> None:
+    """What a mount daemon does before it mounts: clear a dead mount at its mount point, keep
+    freed buffers, quiet the garbage collector."""
+    _clear_dead_mount(opts.mountpoint)
+    if not keep_freed_buffers():
+        log.info("freed buffers go back to the system (the C library is not glibc)")
+    if not os.environ.get("JPFS_TMP_NOGC"):
+        quiet_collector()
+
+
+def ready_callback(ready_fd: int | None) -> Callable[[], None]:
+    """What tells the starter the mount is live: "ok" written to ``ready_fd`` (if any)."""
 
     def ready() -> None:
         if ready_fd is not None:
@@ -486,17 +514,7 @@ def run_foreground(opts: MountOptions, ready_fd: int | None = None) -> int:
             except OSError:
                 pass
 
-    _clear_dead_mount(opts.mountpoint)
-    if not keep_freed_buffers():
-        log.info("freed buffers go back to the system (the C library is not glibc)")
-    if not os.environ.get("JPFS_TMP_NOGC"):
-        quiet_collector()
-    if opts.engine == "jpfs":
-        from . import workers  # the engine's supervisor, which builds on this module
-
-        return workers.run(opts, ready)
-    trio.run(serve, opts, ready)
-    return 0
+    return ready
 
 
 def _clear_dead_mount(mountpoint: str) -> None:

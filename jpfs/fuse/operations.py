@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pyfuse3
@@ -167,6 +168,8 @@ class Operations(pyfuse3.Operations):
         reads: on a read-only mount that stops the kernel's OPENs, what makes READs name their
             inode; the kernel opens files itself once it is installed in the session (after
             ``pyfuse3.init``, before the first request). None: the kernel always sends OPEN.
+        shared_snapshots: where the control files' snapshots are kept when several processes
+            serve the mount (None: in memory).
     """
 
     supports_dot_lookup = False
@@ -174,6 +177,7 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, vfs: VFS, config: FuseConfig, *, hint_socket: str = "",
+                 shared_snapshots: Path | None = None,
                  storage: HasStats | None = None, reads: InodeReads | None = None):
         super().__init__()
         self.vfs = vfs
@@ -183,12 +187,16 @@ class Operations(pyfuse3.Operations):
         """Set when the kernel's INIT has been answered (its settings then apply)."""
         self._storage = storage
         self._reads = reads
+        self.serving: dict = {"engine": "pyfuse3"}
+        """Who answers the kernel, for the stats: the engine, and which of its workers this is
+        (each worker of the jpfs engine counts its own requests)."""
         self._read_pids: dict[int, int] = reads.pids if reads is not None else {}
         """Inode -> the process of its latest READ (``reads`` fills it)."""
         self.control = ControlTree(
             entry=self._entry, root_attr=lambda: vfs.inodes.root.attr,
             kernel_opens=lambda: self.kernel_opens, stats=self.snapshot,
-            prefetch=vfs.prefetcher, mountpoint=config.mountpoint, hint_socket=hint_socket)
+            prefetch=vfs.prefetcher, mountpoint=config.mountpoint, hint_socket=hint_socket,
+            shared_snapshots=shared_snapshots)
         """The ``.jpfs`` directory: ``fuse_op`` sends it the requests that are its."""
 
     @property
@@ -292,7 +300,7 @@ class Operations(pyfuse3.Operations):
                 "small_file": vc.small_file, "notify_store": vc.notify_store,
                 "dir_leases": vc.dir_leases, "write_behind": vc.write_behind,
                 "inodes": v["inodes"], "handles": v["handles"] + self.control.open_handles,
-                "cluster": self.config.cluster,
+                "cluster": self.config.cluster, **self.serving,
             },
             "fuse": self.stats.as_dict(v),
             "cache": vfs.cache.as_dict(),

@@ -28,6 +28,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -42,9 +43,12 @@ from .mount import (
     MountOptions,
     Share,
     check_mountpoint,
+    control_snapshots,
     fuse_options,
     is_jpfs_mount,
     mount_parts,
+    prepare_daemon,
+    ready_callback,
     state_file,
     tune_readahead,
 )
@@ -71,6 +75,13 @@ def default_workers() -> int:
 
 class _Stop(Exception):
     """A signal asked the supervisor to unmount."""
+
+
+def run_foreground(opts: MountOptions, ready_fd: int | None = None) -> int:
+    """Serve in this process and its workers (``--foreground``); ``ready_fd`` gets "ok" once
+    every worker serves."""
+    prepare_daemon(opts)
+    return run(opts, ready_callback(ready_fd))
 
 
 def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
@@ -114,6 +125,7 @@ def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
                 sf.unlink()
         except (OSError, ValueError):
             pass
+        shutil.rmtree(control_snapshots(mp), ignore_errors=True)
         log.info("unmounted %s", mp)
     return 0
 
@@ -255,6 +267,7 @@ async def _serve_worker(opts: MountOptions, fd: int, share: Share, ready_fd: int
     async with trio.open_nursery() as nursery:
         async with mount_parts(opts, nursery, notifier, EngineReads(), share) as (ops, _):
             ops.init()
+            ops.serving = {"engine": "jpfs", "worker": share.index, "workers": share.count}
             engine = Engine(ops, fd, max_tasks=opts.max_tasks)
             if ops.control.hint_socket:
                 from . import hints
@@ -278,4 +291,4 @@ async def _on_sigterm(scope: trio.CancelScope) -> None:
             return
 
 
-__all__ = ["MAX_WORKERS", "default_workers", "run"]
+__all__ = ["MAX_WORKERS", "default_workers", "run", "run_foreground"]
