@@ -141,6 +141,31 @@ def test_a_tree_reads_through_the_engine_as_the_cluster_holds_it(cluster, source
         assert len(_children(m.pid)) == 2
 
 
+def test_every_worker_lets_go_of_the_inodes_the_kernel_forgets(cluster, source, tmp_path):
+    """The kernel sends an evicted inode's FORGET to any one worker; the others hear of it."""
+    with mounted(cluster, tmp_path / "mnt", "--read-only", "--engine", "jpfs",
+                 "--workers", "2") as m:
+        for name in os.listdir(m.path / "ds" / "wide"):
+            os.stat(m.path / "ds" / "wide" / name)
+
+        def held() -> dict[int, int]:
+            """Each worker's node count, as its own stats say (whichever worker answers)."""
+            out: dict[int, int] = {}
+            deadline = time.monotonic() + 10
+            while len(out) < 2:
+                s = m.stats()["mount"]
+                out[s["worker"]] = s["inodes"]
+                assert time.monotonic() < deadline, f"only worker {list(out)} answered"
+            return out
+
+        assert sum(held().values()) >= WIDE
+        Path("/proc/sys/vm/drop_caches").write_text("2")  # dentries and inodes: FORGETs
+        deadline = time.monotonic() + 20
+        while max((now := held()).values()) > 10:
+            assert time.monotonic() < deadline, f"nodes still held: {now}"
+            time.sleep(0.1)
+
+
 def test_a_killed_worker_is_started_again_while_the_others_serve(cluster, source, tmp_path):
     with mounted(cluster, tmp_path / "mnt", "--read-only", "--engine", "jpfs",
                  "--workers", "2") as m:

@@ -26,6 +26,7 @@ import errno
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -169,13 +170,19 @@ class Engine:
         max_tasks: requests answered at once; more wait in the kernel's queue.
         kernel_opens: whether OPEN and OPENDIR are served (a read-write mount) or answered
             ENOSYS (a read-only one).
+        forgotten: where several workers serve the session, what tells the others of the
+            inodes a FORGET names (the kernel counts lookups over all workers, and sends the
+            FORGET of an evicted inode to any of them): each then drops every lookup of those
+            inodes (``forget_all``). None: one worker, whose counts are the kernel's.
     """
 
     def __init__(self, ops: Operations, fd: int, *, max_tasks: int = 256,
-                 kernel_opens: bool = False):
+                 kernel_opens: bool = False,
+                 forgotten: Callable[[list[int]], None] | None = None):
         self.ops = ops
         self.fd = fd
         self.kernel_opens = kernel_opens
+        self.forgotten = forgotten
         self.reads: EngineReads | None = ops._reads if isinstance(ops._reads, EngineReads) \
             else None
         self.listings = Listings(ops)
@@ -233,15 +240,28 @@ class Engine:
         acted on, as pyfuse3 does not: the request ends when its answer does)."""
         try:
             if req.opcode == p.FORGET:
-                self.ops.vfs.forget([(req.nodeid, p.FORGET_IN.unpack_from(req.body)[0])])
+                items = [(req.nodeid, p.FORGET_IN.unpack_from(req.body)[0])]
             elif req.opcode == p.BATCH_FORGET:
                 count = p.BATCH_FORGET_IN.unpack_from(req.body)[0]
                 off = p.BATCH_FORGET_IN.size
                 items = [p.FORGET_ONE.unpack_from(req.body, off + k * p.FORGET_ONE.size)
                          for k in range(count)]
+            else:
+                return
+            if self.forgotten is None:
                 self.ops.vfs.forget(items)
+            else:
+                inos = [ino for ino, _ in items]
+                self.forget_all(inos)
+                self.forgotten(inos)
         except Exception:  # noqa: BLE001 - nothing a request carries may end the worker
             log.exception("%s of inode %d failed", req.name, req.nodeid)
+
+    def forget_all(self, inos: list[int]) -> None:
+        """The kernel evicted these inodes: drop every lookup this worker counted of them."""
+        inodes = self.ops.vfs.inodes
+        self.ops.vfs.forget([(ino, node.lookups) for ino in inos
+                             if (node := inodes.get(ino)) is not None])
 
     async def _answer(self, req: p.Request) -> None:
         """Serve one request and write its answer; the engine's error boundary."""

@@ -30,6 +30,8 @@ import logging
 import os
 import shutil
 import signal
+import socket
+import struct
 import time
 from collections.abc import Callable
 
@@ -262,13 +264,60 @@ def _worker(session: kernel.Session, opts: MountOptions, share: Share, ready_fd:
     return 0
 
 
+class ForgetRelay:
+    """Tells a session's other workers which inodes the kernel forgot, and hears of theirs.
+
+    The kernel counts the lookups of an inode over every worker's answers and sends the FORGET
+    of an evicted inode to whichever worker reads next; without word of it, the worker that
+    answered the lookups would keep the node (attributes, layout) for good. Each worker binds a
+    datagram socket in the abstract namespace, named by the supervisor's pid and its index.
+    A datagram lost (a worker starting again, a full queue) leaves a node held longer, no more.
+    """
+
+    PER_DATAGRAM = 8192
+    """Inode numbers per datagram (64 KiB)."""
+
+    def __init__(self, tag: str, index: int, count: int):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK
+                                  | socket.SOCK_CLOEXEC)
+        self.sock.bind(self._name(tag, index))
+        self.peers = [self._name(tag, i) for i in range(count) if i != index]
+
+    @staticmethod
+    def _name(tag: str, index: int) -> bytes:
+        return f"\0jpfs-forget-{tag}-{index}".encode()
+
+    def send(self, inos: list[int]) -> None:
+        """Tell the other workers (never blocks)."""
+        for k in range(0, len(inos), self.PER_DATAGRAM):
+            chunk = inos[k:k + self.PER_DATAGRAM]
+            data = struct.pack(f"<{len(chunk)}Q", *chunk)
+            for peer in self.peers:
+                try:
+                    self.sock.sendto(data, peer)
+                except OSError as e:  # not bound yet (starting again), or its queue is full
+                    log.debug("telling a worker of %d forgotten inodes: %s", len(chunk), e)
+
+    async def receive(self, engine: Engine) -> None:
+        """Forget what the other workers were told to, until cancelled."""
+        sock = trio.socket.from_stdlib_socket(self.sock)
+        while True:
+            data = await sock.recv(self.PER_DATAGRAM * 8)
+            engine.forget_all(list(struct.unpack(f"<{len(data) // 8}Q", data)))
+
+
 async def _serve_worker(opts: MountOptions, fd: int, share: Share, ready_fd: int) -> None:
     notifier = EngineNotifier(fd, os.path.abspath(opts.mountpoint))
     async with trio.open_nursery() as nursery:
         async with mount_parts(opts, nursery, notifier, EngineReads(), share) as (ops, _):
             ops.init()
             ops.serving = {"engine": "jpfs", "worker": share.index, "workers": share.count}
-            engine = Engine(ops, fd, max_tasks=opts.max_tasks)
+            relay = ForgetRelay(str(os.getppid()), share.index, share.count) \
+                if share.count > 1 else None
+            engine = Engine(ops, fd, max_tasks=opts.max_tasks,
+                            forgotten=relay.send if relay is not None else None)
+            if relay is not None:
+                nursery.start_soon(relay.receive, engine)
             if ops.control.hint_socket:
                 from . import hints
                 await nursery.start(hints.serve, ops.control.hint_socket,
