@@ -199,13 +199,13 @@ class Mount:
         self.mp.mkdir(parents=True, exist_ok=True)
         self.cache = work / f"cache-{via}-{generation}"
         opts = fm.MountOptions(mountpoint=str(self.mp), cluster=cluster_file,
-                               cache_dir=str(self.cache), prefetch=via != "fuse-noprefetch",
+                               cache_dir=str(self.cache), prefetch="noprefetch" not in via,
                                read_only=not via.startswith("fuse-rw"),
                                open_requests=via == "fuse-open",
                                short_circuit=via != "fuse-socket",
                                write_behind=via == "fuse-rw-write-behind",
                                engine="jpfs" if via.startswith("fuse-jpfs") else "pyfuse3",
-                               workers=1 if via == "fuse-jpfs1" else 0,
+                               workers=1 if via == "fuse-jpfs1" else 0,  # 0: one per core
                                log_file=str(work / f"mount-{via}.log"))
         self.pid = fm.start_background(opts)
 

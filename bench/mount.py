@@ -26,7 +26,8 @@ The same files in the same order are read
                    training code gets without --read-only (only with --via fuse-rw);
   fuse-jpfs        the read-only mount served by JPFS's own FUSE engine (--engine jpfs), a
                    worker process per core (only with --via fuse-jpfs);
-  fuse-jpfs1       the same engine with one worker (only with --via fuse-jpfs1).
+  fuse-jpfs1       the same engine with one worker (only with --via fuse-jpfs1);
+  fuse-jpfs-noprefetch  fuse-jpfs with --no-prefetch.
 
 Reported per order, readers and via: files/s and MB/s of each epoch and their ratio to local in
 the same epoch, FUSE requests per file opened (the mount's own counters: the cost that bounds a
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 HELP = "FUSE mount files/s and FUSE requests per file, cold and warm, prefetch on/off, vs local"
 DESCRIPTION = __doc__
 VIAS = ("local", "fuse", "fuse-noprefetch", "fuse-socket", "fuse-hinted", "fuse-open",
-        "fuse-rw", "fuse-jpfs", "fuse-jpfs1")
+        "fuse-rw", "fuse-jpfs", "fuse-jpfs1", "fuse-jpfs-noprefetch")
 PHASES = ("read", "namespace", "large", "checkpoint", "tree")
 
 

@@ -168,3 +168,22 @@ def test_read_phase_with_each_epochs_order_announced(tmp_path):
     assert "fuse-hinted  1 (cold)" in out and "first 10% took" in out
     with open("/proc/mounts") as f:
         assert str(work) not in f.read()
+
+
+@requires_fuse
+def test_read_phase_through_each_engine(tmp_path):
+    """The read phase through pyfuse3 and JPFS's own engine (one worker, and one per core):
+    every file read in both epochs, the engine's CPU counted over its workers."""
+    work = tmp_path / "w"
+    res, out = _bench_mount(work, "--episodes", "6", "--cameras", "1", "--frames", "20",
+                            "--video-bytes", "16K", "--readers", "2", "--orders", "shuffled",
+                            "--no-drop-caches", "--via", "local,fuse,fuse-jpfs1,fuse-jpfs")
+    files = res["dataset"]["files"]
+    runs = {(r["via"], r["epoch"]): r for r in res["runs"]}
+    for via in ("fuse", "fuse-jpfs1", "fuse-jpfs"):
+        for epoch in (1, 2):
+            assert runs[(via, epoch)]["files"] == files  # a read error fails the run
+        assert runs[(via, 1)]["mount_cpu_us_per_file"] > 0
+    assert "fuse-jpfs1  1 (warm)" in out
+    with open("/proc/mounts") as f:
+        assert str(work) not in f.read()

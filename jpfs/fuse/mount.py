@@ -92,7 +92,7 @@ class MountOptions:
     engine: str = "pyfuse3"
     """Who speaks FUSE: ``pyfuse3`` (libfuse's loop, the reference) or ``jpfs`` (the engine of
     ``engine.py`` in worker processes: read-only mounts)."""
-    workers: int = 0
+    workers: int = 1
     """``engine`` jpfs: worker processes (0: one per core, at most ``workers.MAX_WORKERS``)."""
 
     def child_argv(self) -> list[str]:
@@ -108,7 +108,7 @@ class MountOptions:
                             ("--small-file", self.small_file), ("--metrics", self.metrics),
                             ("--kernel-ahead", self.kernel_ahead),
                             ("--kernel-options", ",".join(self.kernel_options) or None),
-                            ("--engine", self.engine), ("--workers", self.workers or None)):
+                            ("--engine", self.engine), ("--workers", self.workers)):
             if value is not None:
                 a += [flag, str(value)]
         for flag, on in (("--read-only", self.read_only),
