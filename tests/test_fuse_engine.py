@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import signal
 import stat
 import subprocess
@@ -31,7 +32,17 @@ WIDE = 700
 def cluster(tmp_path_factory):
     d = tmp_path_factory.mktemp("enginecluster")
     localcluster.up(d, meta_shards=2, storage_nodes=2, chunk_size=CHUNK, sync=False)
-    rng = __import__("random").Random(7)
+    try:
+        _fill(d)
+        yield d
+    finally:
+        localcluster.down(d, timeout=5)
+
+
+def _fill(d: Path) -> None:
+    """The tree the tests read: nested directories, files of every size class, a wide
+    directory, an empty one, a symlink, an xattr, odd times."""
+    rng = random.Random(7)
     with jpfs.connect(d) as c:
         c.makedirs("/ds/videos/chunk-000")
         c.makedirs("/ds/wide")
@@ -43,8 +54,6 @@ def cluster(tmp_path_factory):
         c.symlink("videos/chunk-000/f1", "/ds/link")
         c.setxattr("/ds/videos/chunk-000/f1", "user.origin", b"camera-0")
         c.utime("/ds/videos/chunk-000/f0", (1_000_000_000_000_000_123, 1_500_000_000_999_999_999))
-    yield d
-    localcluster.down(d, timeout=5)
 
 
 @pytest.fixture(scope="module")

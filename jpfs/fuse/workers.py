@@ -145,6 +145,7 @@ class Supervisor:
         self.stopping = False
 
     def pids(self) -> list[int]:
+        """The workers' process ids."""
         return sorted(self.workers)
 
     def stop(self, signum: int, frame) -> None:
@@ -156,11 +157,17 @@ class Supervisor:
 
     def start_all(self) -> None:
         """Start every worker and wait until each serves (or raise what stopped one)."""
+        try:  # each worker clones the descriptor: say plainly if it cannot
+            os.close(self.session.clone())
+        except PermissionError:
+            raise error(errno.EACCES, "the jpfs engine's workers open /dev/fuse, which this "
+                        "user may not (most distributions make it mode 0666); mount as root, "
+                        "or use --engine pyfuse3", self.opts.mountpoint) from None
         pipes = {i: self._start(i, report=True) for i in range(self.count)}
         deadline = time.monotonic() + START_TIMEOUT
-        for i, r in pipes.items():
-            got = b""
-            try:
+        try:
+            for i, r in pipes.items():
+                got = b""
                 while b"\n" not in got:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -172,7 +179,8 @@ class Supervisor:
                         raise error(errno.EIO, f"worker {i} failed to start (its log says "
                                     "why)", self.opts.mountpoint)
                     got += piece
-            finally:
+        finally:
+            for r in pipes.values():
                 os.close(r)
 
     def _start(self, index: int, *, report: bool) -> int:
