@@ -78,6 +78,14 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in f.read().split()]
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _errno(fn, *args) -> int:
     try:
         fn(*args)
@@ -200,10 +208,12 @@ def test_the_engine_ends_with_its_mount(cluster, tmp_path):
     mp = tmp_path / "mnt"
     with mounted(cluster, mp, "--read-only", "--engine", "jpfs", "--workers", "2") as m:
         workers = _children(m.pid)
-    # unmounted (fusermount3 -u): the supervisor and its workers are gone
-    for pid in (m.pid, *workers):
-        assert not Path(f"/proc/{pid}").exists() or \
-            Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", pid
+    # unmounted (fusermount3 -u): the supervisor and its workers end (the supervisor a moment
+    # after its state file goes, which is what the unmount above waited for)
+    deadline = time.monotonic() + 20
+    while live := [pid for pid in (m.pid, *workers) if _running(pid)]:
+        assert time.monotonic() < deadline, f"still running: {live}"
+        time.sleep(0.05)
 
     with mounted(cluster, mp, "--read-only", "--engine", "jpfs", "--workers", "2") as m:
         workers = _children(m.pid)
@@ -217,7 +227,7 @@ def test_the_engine_ends_with_its_mount(cluster, tmp_path):
         workers = _children(m.pid)
         os.kill(m.pid, signal.SIGKILL)  # the workers die with it: the mount is left dead
         deadline = time.monotonic() + 20
-        while any(Path(f"/proc/{w}").exists() for w in workers):
+        while any(_running(w) for w in workers):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert _errno(os.listdir, mp) == errno.ENOTCONN
