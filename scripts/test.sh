@@ -36,9 +36,10 @@ py312=$(./scripts/find_python.sh 3.12) || {
 start=$SECONDS
 VENV=.venv312 PYTHON="$py312" EXTRAS=video,test,plot ./scripts/setup.sh
 echo "== Python $(.venv312/bin/python -c 'import sys; print(sys.version.split()[0])') (no torch; PY312_TESTS, less FUSE suites and slow tests)"
-default_312="tests/test_imports.py tests/test_placement.py tests/test_rpc.py tests/test_meta.py
-  tests/test_meta_leases.py tests/test_heal_plan.py tests/test_storage.py tests/test_storage_store.py
-  tests/test_data.py tests/test_fuse_units.py tests/test_fuse_requests.py tests/test_blocking_api.py
+default_312="tests/test_imports.py tests/test_placement.py tests/test_rpc.py tests/test_rpc_buffers.py
+  tests/test_meta.py tests/test_meta_leases.py tests/test_heal_plan.py tests/test_storage.py
+  tests/test_storage_store.py tests/test_data.py tests/test_fuse_units.py tests/test_fuse_protocol.py
+  tests/test_fuse_requests.py tests/test_blocking_api.py
   tests/test_fsspec_clusters.py tests/test_lerobot_convert.py tests/test_cli_errors.py
   tests/test_daemon_abuse.py"
 # shellcheck disable=SC2086  # a list of paths
