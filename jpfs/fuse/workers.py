@@ -278,8 +278,12 @@ class ForgetRelay:
     The kernel counts the lookups of an inode over every worker's answers and sends the FORGET
     of an evicted inode to whichever worker reads next; without word of it, the worker that
     answered the lookups would keep the node (attributes, layout) for good. Each worker binds a
-    datagram socket in the abstract namespace, named by the supervisor's pid and its index.
-    A datagram lost (a worker starting again, a full queue) leaves a node held longer, no more.
+    datagram socket in the abstract namespace, named by the supervisor's pid and its index, and
+    feeds each other worker from a queue of its own through a socket connected to that
+    worker's: a connected datagram socket waits while the receiver's queue is full (at most
+    ``net.unix.max_dgram_qlen`` datagrams, 10 by default) where an unconnected one would drop
+    the datagram, and what piles up meanwhile goes in one datagram. Only a worker that is
+    starting again misses what was sent to it, and it starts with no nodes.
     """
 
     PER_DATAGRAM = 8192
@@ -289,29 +293,49 @@ class ForgetRelay:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK
                                   | socket.SOCK_CLOEXEC)
         self.sock.bind(self._name(tag, index))
-        self.peers = [self._name(tag, i) for i in range(count) if i != index]
+        self._queues = [(self._name(tag, i), trio.open_memory_channel[list[int]](float("inf")))
+                        for i in range(count) if i != index]
 
     @staticmethod
     def _name(tag: str, index: int) -> bytes:
         return f"\0jpfs-forget-{tag}-{index}".encode()
 
     def send(self, inos: list[int]) -> None:
-        """Tell the other workers (never blocks)."""
-        for k in range(0, len(inos), self.PER_DATAGRAM):
-            chunk = inos[k:k + self.PER_DATAGRAM]
-            data = struct.pack(f"<{len(chunk)}Q", *chunk)
-            for peer in self.peers:
-                try:
-                    self.sock.sendto(data, peer)
-                except OSError as e:  # not bound yet (starting again), or its queue is full
-                    log.debug("telling a worker of %d forgotten inodes: %s", len(chunk), e)
+        """Tell the other workers (queued: never blocks)."""
+        for _, (put, _) in self._queues:
+            put.send_nowait(inos)
 
-    async def receive(self, engine: Engine) -> None:
-        """Forget what the other workers were told to, until cancelled."""
-        sock = trio.socket.from_stdlib_socket(self.sock)
-        while True:
-            data = await sock.recv(self.PER_DATAGRAM * 8)
-            engine.forget_all(list(struct.unpack(f"<{len(data) // 8}Q", data)))
+    async def run(self, engine: Engine) -> None:
+        """Feed the other workers and forget what they were told to, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            for peer, (_, take) in self._queues:
+                nursery.start_soon(self._feed, peer, take)
+            sock = trio.socket.from_stdlib_socket(self.sock)
+            while True:
+                data = await sock.recv(self.PER_DATAGRAM * 8)
+                engine.forget_all(list(struct.unpack(f"<{len(data) // 8}Q", data)))
+
+    async def _feed(self, peer: bytes, take: trio.MemoryReceiveChannel[list[int]]) -> None:
+        sock: trio.socket.SocketType | None = None
+        async for first in take:
+            batch = list(first)
+            while len(batch) < self.PER_DATAGRAM:  # what piled up goes in one datagram
+                try:
+                    batch += take.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            for k in range(0, len(batch), self.PER_DATAGRAM):
+                chunk = batch[k:k + self.PER_DATAGRAM]
+                try:
+                    if sock is None:
+                        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                        await sock.connect(peer)
+                    await sock.send(struct.pack(f"<{len(chunk)}Q", *chunk))
+                except OSError as e:  # the worker is starting again: it holds no nodes yet
+                    log.debug("telling a worker of %d forgotten inodes: %s", len(chunk), e)
+                    if sock is not None:
+                        sock.close()
+                    sock = None
 
 
 async def _serve_worker(opts: MountOptions, fd: int, share: Share, ready_fd: int) -> None:
@@ -325,7 +349,7 @@ async def _serve_worker(opts: MountOptions, fd: int, share: Share, ready_fd: int
             engine = Engine(ops, fd, max_tasks=opts.max_tasks,
                             forgotten=relay.send if relay is not None else None)
             if relay is not None:
-                nursery.start_soon(relay.receive, engine)
+                nursery.start_soon(relay.run, engine)
             if ops.control.hint_socket:
                 from . import hints
                 await nursery.start(hints.serve, ops.control.hint_socket,
