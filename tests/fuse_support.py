@@ -122,6 +122,15 @@ def mounted(cluster: Path, path: Path, *options: str, cache_dir: Path | None = N
         force_unmount(path)
 
 
+def errno_of(fn, *args) -> int:
+    """The errno ``fn(*args)`` fails with (an AssertionError if it succeeds)."""
+    try:
+        fn(*args)
+    except OSError as e:
+        return e.errno
+    raise AssertionError(f"{fn.__name__}{args} did not fail")
+
+
 def tree_files(root: Path) -> dict[str, bytes]:
     out = {}
     for dirpath, _dirs, names in os.walk(root):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fuse_support import jpfs_cli, mounted, requires_fuse, tree_files
+from fuse_support import errno_of, jpfs_cli, mounted, requires_fuse, tree_files
 
 import jpfs
 from jpfs import localcluster
@@ -86,13 +86,6 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _errno(fn, *args) -> int:
-    try:
-        fn(*args)
-    except OSError as e:
-        return e.errno
-    raise AssertionError(f"{fn.__name__}{args} did not fail")
-
 
 def _walk_and_read(root: str) -> dict[str, str]:
     """What another process reads (run in a subprocess)."""
@@ -130,12 +123,12 @@ def test_a_tree_reads_through_the_engine_as_the_cluster_holds_it(cluster, source
         assert stat.S_ISLNK(os.lstat(root / "link").st_mode)
         assert os.getxattr(root / "videos/chunk-000/f1", "user.origin") == b"camera-0"
         assert "user.origin" in os.listxattr(root / "videos/chunk-000/f1")
-        assert _errno(os.getxattr, root / "videos/chunk-000/f1", "user.none") == errno.ENODATA
+        assert errno_of(os.getxattr, root / "videos/chunk-000/f1", "user.none") == errno.ENODATA
         assert os.statvfs(m.path).f_blocks > 0
-        assert _errno(os.stat, root / "missing") == errno.ENOENT
-        assert _errno(os.listdir, root / "videos/chunk-000/f1") == errno.ENOTDIR
-        assert _errno(os.open, root / "new", os.O_CREAT | os.O_WRONLY) == errno.EROFS
-        assert _errno(os.mkdir, root / "newdir") == errno.EROFS
+        assert errno_of(os.stat, root / "missing") == errno.ENOENT
+        assert errno_of(os.listdir, root / "videos/chunk-000/f1") == errno.ENOTDIR
+        assert errno_of(os.open, root / "new", os.O_CREAT | os.O_WRONLY) == errno.EROFS
+        assert errno_of(os.mkdir, root / "newdir") == errno.EROFS
         with open(root / "videos/chunk-000" / f"f{3 * CHUNK + 17}", "rb") as f:
             f.seek(CHUNK - 10)  # a read across a chunk boundary
             assert f.read(20) == source[f"videos/chunk-000/f{3 * CHUNK + 17}"][CHUNK - 10:
@@ -230,7 +223,7 @@ def test_the_engine_ends_with_its_mount(cluster, tmp_path):
         while any(_running(w) for w in workers):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert _errno(os.listdir, mp) == errno.ENOTCONN
+        assert errno_of(os.listdir, mp) == errno.ENOTCONN
         # mounting again clears the dead mount first
         res = jpfs_cli("--cluster", str(cluster), "mount", str(mp), "--read-only", "--engine",
                        "jpfs", "--workers", "1", "--cache-dir", str(tmp_path / "c2"),

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from fuse_support import force_unmount, jpfs_cli, mounted, requires_fuse, tree_files
+from fuse_support import errno_of, force_unmount, jpfs_cli, mounted, requires_fuse, tree_files
 
 import jpfs
 from jpfs import localcluster
@@ -50,13 +50,6 @@ def d(mnt, request):
     return p
 
 
-def _errno(fn, *args) -> int:
-    try:
-        fn(*args)
-    except OSError as e:
-        return e.errno
-    raise AssertionError(f"{fn.__name__}{args} did not fail")
-
 
 # ---- each operation, with its errors -------------------------------------------------------------
 
@@ -64,9 +57,9 @@ def test_lookup_getattr(d):
     (d / "f").write_bytes(b"abc")
     st = os.stat(d / "f")
     assert st.st_size == 3 and st.st_nlink == 1 and st.st_ino > 1
-    assert _errno(os.stat, d / "missing") == errno.ENOENT
-    assert _errno(os.stat, d / "f" / "x") == errno.ENOTDIR
-    assert _errno(os.stat, d / ("n" * 300)) == errno.ENAMETOOLONG
+    assert errno_of(os.stat, d / "missing") == errno.ENOENT
+    assert errno_of(os.stat, d / "f" / "x") == errno.ENOTDIR
+    assert errno_of(os.stat, d / ("n" * 300)) == errno.ENAMETOOLONG
 
 
 def test_create_open_read_write_release(d):
@@ -77,9 +70,9 @@ def test_create_open_read_write_release(d):
     assert os.read(fd, 100) == b"hello world"
     os.close(fd)
     assert (os.stat(p).st_mode & 0o777) == 0o640
-    assert _errno(os.open, p, os.O_CREAT | os.O_EXCL | os.O_WRONLY) == errno.EEXIST
-    assert _errno(os.open, d / "nope", os.O_RDONLY) == errno.ENOENT
-    assert _errno(os.open, d, os.O_WRONLY) == errno.EISDIR
+    assert errno_of(os.open, p, os.O_CREAT | os.O_EXCL | os.O_WRONLY) == errno.EEXIST
+    assert errno_of(os.open, d / "nope", os.O_RDONLY) == errno.ENOENT
+    assert errno_of(os.open, d, os.O_WRONLY) == errno.EISDIR
     with open(p, "ab") as f:  # O_APPEND
         f.write(b"!")
     assert p.read_bytes() == b"hello world!"
@@ -127,23 +120,23 @@ def test_setattr_chmod_chown_truncate_utimens(d):
         f.write(b"abcdefgh")
         f.truncate(3)
     assert p.read_bytes() == b"abc"
-    assert _errno(os.truncate, d, 0) in (errno.EISDIR, errno.EINVAL)
-    assert _errno(os.chmod, d / "missing", 0o600) == errno.ENOENT
+    assert errno_of(os.truncate, d, 0) in (errno.EISDIR, errno.EINVAL)
+    assert errno_of(os.chmod, d / "missing", 0o600) == errno.ENOENT
 
 
 def test_mkdir_rmdir_readdir(d):
     os.mkdir(d / "sub", 0o750)
     assert os.stat(d / "sub").st_mode & 0o777 == 0o750
-    assert _errno(os.mkdir, d / "sub") == errno.EEXIST
+    assert errno_of(os.mkdir, d / "sub") == errno.EEXIST
     names = [f"f{i:04d}" for i in range(1100)]  # more than one readdir page
     for n in names:
         (d / "sub" / n).write_bytes(b"")
     assert sorted(os.listdir(d / "sub")) == names
     with os.scandir(d / "sub") as it:
         assert sum(1 for e in it if e.is_file()) == 1100
-    assert _errno(os.rmdir, d / "sub") == errno.ENOTEMPTY
-    assert _errno(os.rmdir, d / "sub" / "f0000") == errno.ENOTDIR
-    assert _errno(os.rmdir, d / "missing") == errno.ENOENT
+    assert errno_of(os.rmdir, d / "sub") == errno.ENOTEMPTY
+    assert errno_of(os.rmdir, d / "sub" / "f0000") == errno.ENOTDIR
+    assert errno_of(os.rmdir, d / "missing") == errno.ENOENT
     shutil.rmtree(d / "sub")
     assert not (d / "sub").exists()
     assert ".jpfs" not in os.listdir(d.parent)
@@ -153,8 +146,8 @@ def test_unlink(d):
     (d / "f").write_bytes(b"x")
     os.mkdir(d / "dir")
     os.unlink(d / "f")
-    assert _errno(os.unlink, d / "f") == errno.ENOENT
-    assert _errno(os.unlink, d / "dir") in (errno.EISDIR, errno.EPERM)
+    assert errno_of(os.unlink, d / "f") == errno.ENOENT
+    assert errno_of(os.unlink, d / "dir") in (errno.EISDIR, errno.EPERM)
 
 
 def test_unlinked_but_open_file_keeps_reading(d):
@@ -177,10 +170,10 @@ def test_rename(d):
     os.mkdir(d / "x")
     os.mkdir(d / "y")
     (d / "y" / "f").write_bytes(b"")
-    assert _errno(os.rename, d / "x", d / "y") == errno.ENOTEMPTY
-    assert _errno(os.rename, d / "x", d / "b") == errno.ENOTDIR
-    assert _errno(os.rename, d / "b", d / "y") == errno.EISDIR
-    assert _errno(os.rename, d / "missing", d / "z") == errno.ENOENT
+    assert errno_of(os.rename, d / "x", d / "y") == errno.ENOTEMPTY
+    assert errno_of(os.rename, d / "x", d / "b") == errno.ENOTDIR
+    assert errno_of(os.rename, d / "b", d / "y") == errno.EISDIR
+    assert errno_of(os.rename, d / "missing", d / "z") == errno.ENOENT
     os.rename(d / "y", d / "x" / "moved")  # a directory into another one
     assert os.listdir(d / "x" / "moved") == ["f"]
     libc = ctypes.CDLL(None, use_errno=True)
@@ -198,16 +191,16 @@ def test_link_symlink_readlink(d):
     os.link(d / "f", d / "h")
     assert os.stat(d / "f").st_nlink == 2 and (d / "h").read_bytes() == b"data"
     assert os.stat(d / "f").st_ino == os.stat(d / "h").st_ino
-    assert _errno(os.link, d / "f", d / "h") == errno.EEXIST
+    assert errno_of(os.link, d / "f", d / "h") == errno.EEXIST
     os.mkdir(d / "dir")
-    assert _errno(os.link, d / "dir", d / "dl") == errno.EPERM
+    assert errno_of(os.link, d / "dir", d / "dl") == errno.EPERM
     os.symlink("f", d / "s")
     assert os.readlink(d / "s") == "f" and (d / "s").read_bytes() == b"data"
     assert os.lstat(d / "s").st_size == 1
-    assert _errno(os.symlink, "x", d / "s") == errno.EEXIST
-    assert _errno(os.readlink, d / "f") == errno.EINVAL
+    assert errno_of(os.symlink, "x", d / "s") == errno.EEXIST
+    assert errno_of(os.readlink, d / "f") == errno.EINVAL
     os.symlink("loop", d / "loop")
-    assert _errno(os.stat, d / "loop") == errno.ELOOP
+    assert errno_of(os.stat, d / "loop") == errno.ELOOP
 
 
 def test_xattrs(d):
@@ -218,10 +211,10 @@ def test_xattrs(d):
     assert os.getxattr(p, "user.a") == b"1"
     assert sorted(os.listxattr(p)) == ["user.a", "user.b"]
     os.removexattr(p, "user.a")
-    assert _errno(os.getxattr, p, "user.a") == errno.ENODATA
-    assert _errno(os.removexattr, p, "user.a") == errno.ENODATA
+    assert errno_of(os.getxattr, p, "user.a") == errno.ENODATA
+    assert errno_of(os.removexattr, p, "user.a") == errno.ENODATA
     acl = bytes.fromhex("02000000" "01000600ffffffff" "04000400ffffffff" "20000400ffffffff")
-    assert _errno(os.setxattr, p, "system.posix_acl_access", acl) == errno.EOPNOTSUPP
+    assert errno_of(os.setxattr, p, "system.posix_acl_access", acl) == errno.EOPNOTSUPP
 
 
 def test_statfs_fsync(d, cluster):
@@ -256,8 +249,8 @@ def test_fifo_and_device_nodes(d):
     # and opening one is refused by the kernel, as on any nodev filesystem
     assert "nodev" in Path("/proc/self/mounts").read_text().split(str(d.parent), 1)[1] \
         .splitlines()[0]
-    assert _errno(open, d / "null", "rb") == errno.EACCES
-    assert _errno(os.mknod, d / "null", 0o020666, os.makedev(1, 3)) == errno.EEXIST
+    assert errno_of(open, d / "null", "rb") == errno.EACCES
+    assert errno_of(os.mknod, d / "null", 0o020666, os.makedev(1, 3)) == errno.EEXIST
     src = d / "tree"
     src.mkdir()
     os.mknod(src / "zero", 0o020666, os.makedev(1, 5))
@@ -369,8 +362,8 @@ def test_stats_metrics_and_bad_hints(mnt, d):
     status = json.loads(ctl.read_text())
     assert any("not under the mount point" in m for m in status["last_errors"])
     assert any("no such file" in m for m in status["last_errors"])
-    assert _errno(os.open, mnt.path / ".jpfs" / "stats", os.O_WRONLY) == errno.EACCES
-    assert _errno(os.unlink, mnt.path / ".jpfs" / "stats") == errno.EPERM
+    assert errno_of(os.open, mnt.path / ".jpfs" / "stats", os.O_WRONLY) == errno.EACCES
+    assert errno_of(os.unlink, mnt.path / ".jpfs" / "stats") == errno.EPERM
     (d / "ok").write_bytes(b"fine")  # the mount lives on
     assert (d / "ok").read_bytes() == b"fine"
 
@@ -417,10 +410,10 @@ def test_read_only_mount(cluster, tmp_path):
         assert (m.path / "ro-data").read_bytes() == b"frozen"
         opts = Path("/proc/self/mounts").read_text().split(f" {m.path} ", 1)[1].split()[1]
         assert "ro" in opts.split(","), opts  # read-only in the kernel too
-        assert _errno(os.open, m.path / "ro-data", os.O_WRONLY) == errno.EROFS
-        assert _errno(os.mkdir, m.path / "newdir") == errno.EROFS
-        assert _errno(os.unlink, m.path / "ro-data") == errno.EROFS
-        assert _errno(os.open, m.path / "new", os.O_CREAT | os.O_WRONLY) == errno.EROFS
+        assert errno_of(os.open, m.path / "ro-data", os.O_WRONLY) == errno.EROFS
+        assert errno_of(os.mkdir, m.path / "newdir") == errno.EROFS
+        assert errno_of(os.unlink, m.path / "ro-data") == errno.EROFS
+        assert errno_of(os.open, m.path / "new", os.O_CREAT | os.O_WRONLY) == errno.EROFS
         assert m.stats()["mount"]["kernel_opens"] is False  # OPEN is answered ENOSYS
         ctl = os.stat(m.path / ".jpfs")
         assert stat.S_ISDIR(ctl.st_mode) and ctl.st_size == 0
@@ -521,7 +514,7 @@ def test_killed_daemon_never_leaves_a_hung_mountpoint(cluster, tmp_path):
             time.sleep(0.05)
         # ENOTCONN once the connection is gone; ECONNABORTED when the request was queued while
         # the daemon's other threads were still exiting (its main thread a zombie already)
-        got = _errno(os.listdir, mp)
+        got = errno_of(os.listdir, mp)
         assert got in (errno.ENOTCONN, errno.ECONNABORTED), (os.strerror(got), _threads(m.pid))
         res = jpfs_cli("umount", str(mp))
         assert "lazily" in res.stdout

@@ -165,37 +165,31 @@ class Engine:
     """Serves one descriptor of a session with ``ops`` (see the module docstring).
 
     Args:
-        ops: the adapter (its VFS, control tree and error boundary).
+        ops: the adapter (its VFS, control tree and error boundary), built with ``reads``.
         fd: a non-blocking descriptor of the session (a clone).
+        reads: what tells the adapter which inode, and which process, each READ names.
         max_tasks: requests answered at once; more wait in the kernel's queue.
-        kernel_opens: whether OPEN and OPENDIR are served (a read-write mount) or answered
-            ENOSYS (a read-only one).
         forgotten: where several workers serve the session, what tells the others of the
             inodes a FORGET names (the kernel counts lookups over all workers, and sends the
             FORGET of an evicted inode to any of them): each then drops every lookup of those
             inodes (``forget_all``). None: one worker, whose counts are the kernel's.
     """
 
-    def __init__(self, ops: Operations, fd: int, *, max_tasks: int = 256,
-                 kernel_opens: bool = False,
+    def __init__(self, ops: Operations, fd: int, reads: EngineReads, *, max_tasks: int = 256,
                  forgotten: Callable[[list[int]], None] | None = None):
         self.ops = ops
         self.fd = fd
-        self.kernel_opens = kernel_opens
+        self.reads = reads
         self.forgotten = forgotten
-        self.reads: EngineReads | None = ops._reads if isinstance(ops._reads, EngineReads) \
-            else None
         self.listings = Listings(ops)
         self._slots = trio.Semaphore(max_tasks)
-        self.requests = 0
-        self.errors = 0
         self._handlers = {
             p.LOOKUP: self._lookup, p.GETATTR: self._getattr, p.READLINK: self._readlink,
-            p.OPEN: self._open, p.READ: self._read, p.RELEASE: self._release,
+            p.OPEN: self._open, p.READ: self._read, p.RELEASE: self._nothing,
             p.OPENDIR: self._opendir, p.READDIR: self._readdir, p.READDIRPLUS: self._readdir,
-            p.RELEASEDIR: self._releasedir, p.STATFS: self._statfs, p.GETXATTR: self._getxattr,
+            p.RELEASEDIR: self._nothing, p.STATFS: self._statfs, p.GETXATTR: self._getxattr,
             p.LISTXATTR: self._listxattr, p.FLUSH: self._flush, p.FSYNC: self._fsync,
-            p.FSYNCDIR: self._fsyncdir, p.DESTROY: self._nothing,
+            p.FSYNCDIR: self._nothing, p.DESTROY: self._nothing,
         }
 
     async def serve(self) -> None:
@@ -224,7 +218,6 @@ class Engine:
                         if unique:
                             self._write(unique, [], errno.EIO)
                         continue
-                    self.requests += 1
                     if req.opcode in p.NO_REPLY:
                         self._no_reply(req)
                         continue
@@ -281,7 +274,6 @@ class Engine:
                 self._write(req.unique, [], errno.ERANGE)
                 return
             except Exception:  # noqa: BLE001 - the boundary: answered, logged, the worker goes on
-                self.errors += 1
                 log.exception("%s of inode %d failed; answered EIO", req.name, req.nodeid)
                 self._write(req.unique, [], errno.EIO)
                 return
@@ -311,23 +303,13 @@ class Engine:
         return [await self.ops.readlink(req.nodeid, ctx)]
 
     async def _open(self, req: p.Request, ctx: Context) -> list:
-        if not self.kernel_opens:
-            raise pyfuse3.FUSEError(errno.ENOSYS)  # the kernel opens files itself from now on
-        flags = p.OPEN_IN.unpack_from(req.body)[0]
-        fi = await self.ops.open(req.nodeid, flags, ctx)
-        return [p.open_out(fi.fh, keep_cache=fi.keep_cache, direct_io=fi.direct_io)]
+        raise pyfuse3.FUSEError(errno.ENOSYS)  # the kernel opens files itself from now on
 
     async def _read(self, req: p.Request, ctx: Context) -> list:
-        fh, offset, size = p.READ_IN.unpack_from(req.body)[:3]
-        if self.reads is not None and fh == 0:  # no OPEN: the READ names its inode
-            fh = req.nodeid
-            self.reads.pids[fh] = req.pid
-        data = await self.ops.read(fh, offset, size)
+        offset, size = p.READ_IN.unpack_from(req.body)[1:3]
+        self.reads.pids[req.nodeid] = req.pid  # no OPEN: the READ names its inode
+        data = await self.ops.read(req.nodeid, offset, size)
         return [data] if len(data) else []
-
-    async def _release(self, req: p.Request, ctx: Context) -> list:
-        await self.ops.release(p.RELEASE_IN.unpack_from(req.body)[0])
-        return []
 
     async def _flush(self, req: p.Request, ctx: Context) -> list:
         await self.ops.flush(p.RELEASE_IN.unpack_from(req.body)[0])
@@ -339,31 +321,15 @@ class Engine:
         return []
 
     async def _opendir(self, req: p.Request, ctx: Context) -> list:
-        if not self.kernel_opens:
-            raise pyfuse3.FUSEError(errno.ENOSYS)  # the kernel opens directories itself
-        return [p.open_out(await self.ops.opendir(req.nodeid, ctx))]
+        raise pyfuse3.FUSEError(errno.ENOSYS)  # the kernel opens directories itself
 
     async def _readdir(self, req: p.Request, ctx: Context) -> list:
-        fh, offset, size = p.READ_IN.unpack_from(req.body)[:3]
+        offset, size = p.READ_IN.unpack_from(req.body)[1:3]
         out = DirBuffer(size, req.opcode == p.READDIRPLUS)
-        if fh == 0 and not self.kernel_opens:  # no OPENDIR: the engine's own handle
-            listing = await self.listings.get(req.nodeid, offset, ctx)
-            async with listing.lock:
-                await self.ops.readdir(listing.fh, offset, out)
-        else:
-            await self.ops.readdir(fh, offset, out)
+        listing = await self.listings.get(req.nodeid, offset, ctx)  # no OPENDIR: our handle
+        async with listing.lock:
+            await self.ops.readdir(listing.fh, offset, out)
         return out.parts
-
-    async def _releasedir(self, req: p.Request, ctx: Context) -> list:
-        await self.ops.releasedir(p.RELEASE_IN.unpack_from(req.body)[0])
-        return []
-
-    async def _fsyncdir(self, req: p.Request, ctx: Context) -> list:
-        fh, flags = p.FSYNC_IN.unpack_from(req.body)[:2]
-        if fh == 0 and not self.kernel_opens:
-            return []  # a read-only mount has nothing to make durable
-        await self.ops.fsyncdir(fh, bool(flags & 1))
-        return []
 
     async def _statfs(self, req: p.Request, ctx: Context) -> list:
         s = await self.ops.statfs(ctx)
@@ -381,6 +347,8 @@ class Engine:
         return [p.xattr_answer(b"".join(n + b"\0" for n in names), size)]
 
     async def _nothing(self, req: p.Request, ctx: Context) -> list:
+        """RELEASE and RELEASEDIR of what the kernel opened itself, FSYNCDIR of a read-only
+        mount, DESTROY: nothing to do."""
         return []
 
 

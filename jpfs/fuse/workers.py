@@ -28,6 +28,7 @@ import errno
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -38,7 +39,7 @@ from collections.abc import Callable
 import trio
 
 from ..errors import error
-from . import kernel
+from . import hints, kernel
 from .engine import Engine, EngineNotifier, EngineReads
 from .mount import (
     FSNAME,
@@ -251,8 +252,6 @@ class Supervisor:
 
 
 def _wait_readable(fd: int, timeout: float) -> bool:
-    import select
-
     r, _, _ = select.select([fd], [], [], timeout)
     return bool(r)
 
@@ -341,17 +340,17 @@ class ForgetRelay:
 async def _serve_worker(opts: MountOptions, fd: int, share: Share, ready_fd: int) -> None:
     notifier = EngineNotifier(fd, os.path.abspath(opts.mountpoint))
     async with trio.open_nursery() as nursery:
-        async with mount_parts(opts, nursery, notifier, EngineReads(), share) as (ops, _):
+        reads = EngineReads()
+        async with mount_parts(opts, nursery, notifier, reads, share) as (ops, _):
             ops.init()
             ops.serving = {"engine": "jpfs", "worker": share.index, "workers": share.count}
             relay = ForgetRelay(str(os.getppid()), share.index, share.count) \
                 if share.count > 1 else None
-            engine = Engine(ops, fd, max_tasks=opts.max_tasks,
+            engine = Engine(ops, fd, reads, max_tasks=opts.max_tasks,
                             forgotten=relay.send if relay is not None else None)
             if relay is not None:
                 nursery.start_soon(relay.run, engine)
             if ops.control.hint_socket:
-                from . import hints
                 await nursery.start(hints.serve, ops.control.hint_socket,
                                     ops.control.submit_hints)
             nursery.start_soon(_on_sigterm, nursery.cancel_scope)
