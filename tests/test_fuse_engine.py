@@ -26,6 +26,8 @@ pytestmark = [requires_fuse, pytest.mark.fuse]
 CHUNK = 1 << 20
 WIDE = 700
 """Entries of the wide directory: many READDIRPLUS answers."""
+EPOCH = 300
+"""Files of the directory a shuffled epoch reads (8-24 KB each)."""
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,10 @@ def _fill(d: Path) -> None:
             c.write_bytes(f"/ds/videos/chunk-000/f{size}", rng.randbytes(size))
         for i in range(WIDE):
             c.write_bytes(f"/ds/wide/episode_{i:06d}.parquet", rng.randbytes(i % 50))
+        c.makedirs("/ds/epoch")
+        for i in range(EPOCH):
+            c.write_bytes(f"/ds/epoch/sample_{i:05d}.bin", rng.randbytes(rng.randrange(8000,
+                                                                                    24000)))
         c.symlink("videos/chunk-000/f1", "/ds/link")
         c.setxattr("/ds/videos/chunk-000/f1", "user.origin", b"camera-0")
         c.utime("/ds/videos/chunk-000/f0", (1_000_000_000_000_000_123, 1_500_000_000_999_999_999))
@@ -174,6 +180,43 @@ def test_every_worker_lets_go_of_the_inodes_the_kernel_forgets(cluster, source, 
         while max((now := held()).values()) > 10:
             assert time.monotonic() < deadline, f"nodes still held: {now}"
             time.sleep(0.1)
+
+
+def _stats_of(m, worker: int) -> dict:
+    """One worker's stats (the control file is answered by whichever worker the kernel asks)."""
+    deadline = time.monotonic() + 20
+    while (s := m.stats())["mount"]["worker"] != worker:
+        assert time.monotonic() < deadline, f"worker {worker} never answered"
+    return s
+
+
+def test_prefetch_hears_every_worker(cluster, source, tmp_path):
+    """A shuffled epoch through two workers: worker 0 prefetches for both. It hears of the
+    entries and the opens the other worker serves, so it sweeps the directory and hands it to
+    the kernel's page cache ahead of the reader, and it answers the pages it held back
+    whichever worker the kernel asks: the rest of the epoch waits for almost no fetch, and
+    every byte reads right."""
+    names = sorted(n for n in source if n.startswith("epoch/"))
+    random.Random(3).shuffle(names)
+    rest = len(names) - 30
+    with mounted(cluster, tmp_path / "mnt", "--read-only", "--engine", "jpfs",
+                 "--workers", "2") as m:
+        root = m.path / "ds"
+        for n in names[:30]:  # out of name order: enough for the directory's sweep
+            assert (root / n).read_bytes() == source[n]
+        deadline = time.monotonic() + 30
+        while (handed := _stats_of(m, 0)["fuse"]["handed_files"]) < 0.8 * rest:
+            assert time.monotonic() < deadline, f"{handed} files handed to the kernel"
+            time.sleep(0.05)
+        before = [_stats_of(m, k)["fuse"]["opens"] for k in (0, 1)]
+        for n in names[30:]:
+            assert (root / n).read_bytes() == source[n]
+        after = [_stats_of(m, k)["fuse"]["opens"] for k in (0, 1)]
+        waited = {k: sum(after[k][o] - before[k][o] for o in ("fetched", "joined", "disk"))
+                  for k in (0, 1)}
+        assert sum(waited.values()) <= 0.1 * rest, waited
+        link = _stats_of(m, 1)["mount"]["relay"]
+        assert link["connected"] and link["entries"] > 0, link
 
 
 def test_a_killed_worker_is_started_again_while_the_others_serve(cluster, source, tmp_path):

@@ -142,6 +142,7 @@ class EngineNotifier(KernelNotifier):
     def __init__(self, fd: int, mountpoint: str = ""):
         super().__init__(mountpoint)
         self.fd = fd
+        self.introduced: Callable[[], None] | None = None
 
     def store(self, ino: int, data: memoryview) -> bool:
         """NOTIFY_STORE of a whole file into the kernel's page cache (from a worker thread:
@@ -152,6 +153,14 @@ class EngineNotifier(KernelNotifier):
             log.debug("notify_store of inode %d failed: %s", ino, e)
             return False
         return True
+
+    async def introduce(self, path: str) -> bool:
+        """``KernelNotifier.introduce``, then ``introduced()`` (``relay.Desk.drain``: where
+        other workers answered the listing, the entries they handed are in by then)."""
+        ok = await super().introduce(path)
+        if self.introduced is not None:
+            self.introduced()
+        return ok
 
     def invalidate_attr(self, ino: int) -> None:
         """NOTIFY_INVAL_INODE of the attributes only."""
@@ -173,11 +182,15 @@ class Engine:
             inodes a FORGET names (the kernel counts lookups over all workers, and sends the
             FORGET of an evicted inode to any of them): each then drops every lookup of those
             inodes (``forget_all``). None: one worker, whose counts are the kernel's.
+        before_reply: called before each answer is written (``relay.Link.flush``: worker 0
+            hears of the entries an answer hands the kernel before the kernel has them).
     """
 
     def __init__(self, ops: Operations, fd: int, reads: EngineReads, *, max_tasks: int = 256,
-                 forgotten: Callable[[list[int]], None] | None = None):
+                 forgotten: Callable[[list[int]], None] | None = None,
+                 before_reply: Callable[[], None] | None = None):
         self.ops = ops
+        self.before_reply = before_reply
         self.fd = fd
         self.reads = reads
         self.forgotten = forgotten
@@ -282,6 +295,8 @@ class Engine:
             self._slots.release()
 
     def _write(self, unique: int, parts: list, err: int = 0) -> None:
+        if self.before_reply is not None:
+            self.before_reply()
         size = sum(len(x) for x in parts)
         try:
             os.writev(self.fd, [p.header(unique, size, err), *parts])

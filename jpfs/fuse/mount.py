@@ -262,9 +262,9 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
 @dataclass(frozen=True)
 class Share:
     """A worker's part of a mount served by several processes: its own slice of the caches
-    (a disk cache directory each); worker 0 alone prefetches and takes prefetch hints (each
-    worker sees a share of the opens, and sweeps of the same directories by every worker
-    would fetch them once per worker)."""
+    (a disk cache directory each); worker 0 alone prefetches and takes prefetch hints (sweeps
+    of the same directories by every worker would fetch them once per worker), and hears what
+    the others see (``relay.py``)."""
 
     index: int = 0
     count: int = 1
@@ -296,7 +296,7 @@ async def mount_parts(opts: MountOptions, nursery: trio.Nursery, notifier: Notif
         vfs = await VFS.connect(nursery, cluster, cache, VFSConfig(
             read_only=opts.read_only, attr_timeout=attr_t, entry_timeout=entry_t,
             open_cache=opts.open_cache, small_file=small, notify_store=opts.notify_store,
-            kernel_ahead=kernel_ahead // share.count,
+            kernel_ahead=kernel_ahead if share.index == 0 else 0,
             dir_leases=opts.dir_leases, write_behind=opts.write_behind,
             short_circuit=opts.short_circuit),
             notifier, prefetch=opts.prefetch and share.index == 0)

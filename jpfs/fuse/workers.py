@@ -40,6 +40,7 @@ import trio
 
 from ..errors import error
 from . import hints, kernel
+from . import relay as relay_
 from .engine import Engine, EngineNotifier, EngineReads
 from .mount import (
     FSNAME,
@@ -55,6 +56,7 @@ from .mount import (
     state_file,
     tune_readahead,
 )
+from .operations import Operations
 
 log = logging.getLogger(__name__)
 
@@ -344,10 +346,13 @@ async def _serve_worker(opts: MountOptions, fd: int, share: Share, ready_fd: int
         async with mount_parts(opts, nursery, notifier, reads, share) as (ops, _):
             ops.init()
             ops.serving = {"engine": "jpfs", "worker": share.index, "workers": share.count}
-            relay = ForgetRelay(str(os.getppid()), share.index, share.count) \
-                if share.count > 1 else None
+            tag = str(os.getppid())
+            relay = ForgetRelay(tag, share.index, share.count) if share.count > 1 else None
+            link = await _prefetch_relay(nursery, ops, notifier, tag, share) \
+                if share.count > 1 and opts.prefetch else None
             engine = Engine(ops, fd, reads, max_tasks=opts.max_tasks,
-                            forgotten=relay.send if relay is not None else None)
+                            forgotten=relay.send if relay is not None else None,
+                            before_reply=link.flush if link is not None else None)
             if relay is not None:
                 nursery.start_soon(relay.run, engine)
             if ops.control.hint_socket:
@@ -362,6 +367,27 @@ async def _serve_worker(opts: MountOptions, fd: int, share: Share, ready_fd: int
             finally:
                 with trio.CancelScope(shield=True), trio.move_on_after(10):
                     await notifier.close()
+
+
+async def _prefetch_relay(nursery: trio.Nursery, ops: Operations, notifier: EngineNotifier,
+                          tag: str, share: Share) -> relay_.Link | None:
+    """Worker 0 prefetches for the mount and hears the others' evidence on its desk; each
+    other worker links to it (``relay.py``). Returns the link (None in worker 0)."""
+    if share.index == 0:
+        try:
+            desk = relay_.Desk(ops.vfs, tag)
+        except OSError as e:  # the name is taken: prefetch sees only this worker's requests
+            log.warning("prefetch hears only worker 0's requests: %s", e.strerror)
+            return None
+        await nursery.start(desk.run)
+        notifier.introduced = desk.drain
+        ops.serving["relay"] = desk.counters
+        return None
+    link = relay_.Link(tag)
+    ops.vfs.attach_owner(link)
+    nursery.start_soon(link.run)
+    ops.serving["relay"] = link.counters
+    return link
 
 
 async def _on_sigterm(scope: trio.CancelScope) -> None:

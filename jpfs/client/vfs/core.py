@@ -56,6 +56,7 @@ from .types import (
     Notifier,
     NullNotifier,
     OpenFile,
+    PrefetchOwner,
     VFSConfig,
     VFSStats,
 )
@@ -106,6 +107,8 @@ class VFS:
                              self.names, self.namespace)
         self.directories = Directories(shared, self.leasing)
         self.capacity = Capacity(shared)
+        self.owner: PrefetchOwner | None = None
+        """Where prefetch runs, when another process does it (``attach_owner``)."""
         if prefetcher.config.handoff:  # a read-only mount's kernel takes files ahead
             client.nursery.start_soon(self.handoff.run)
 
@@ -242,7 +245,29 @@ class VFS:
         tail = self.handoff.read_tail(ino, off, size, stream)  # a page held back
         if tail is not None:
             return tail
+        owner = self.owner
+        if owner is not None and self.reads.unopened_handle(ino) is None \
+                and not self.reads.is_opening(ino):
+            tail = await owner.first_read(ino, off, size, stream)  # its hand-off's page
+            if tail is not None:
+                return tail  # (counted by the owner, as its hand-off's)
         return await self.reads.read_unopened(ino, off, size, stream)
+
+    def attach_owner(self, owner: PrefetchOwner) -> None:
+        """Prefetch runs in another process that serves this mount (``PrefetchOwner``): tell it
+        each entry handed to the kernel and each file a READ opens here, and answer the page its
+        hand-off held back from what it says. This VFS's own prefetcher is off."""
+        self.owner = owner
+        self.inodes.named = owner.named
+
+    def peer_read(self, ino: int, off: int, size: int, stream: int) -> bytes | None:
+        """Another process serving this mount had the first READ of ``ino``
+        (``PrefetchOwner.first_read``): the page this VFS's hand-off held back, if it is that
+        page; else the read counts as the file's open for prefetch here, and None."""
+        tail = self.handoff.read_tail(ino, off, size, stream)
+        if tail is None:
+            self.reads.opened_elsewhere(ino, stream)
+        return tail
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
                      gid: int) -> tuple[OpenFile, Attr]:

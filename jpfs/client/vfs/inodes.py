@@ -15,6 +15,7 @@ its own changes at once; only other nodes' changes wait for the attribute timeou
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...types import ROOT_INO, Attr, Layout
@@ -49,6 +50,8 @@ class Inodes:
                                                        lookups=1 << 62)}
         self._paths: dict[int, str] = {ROOT_INO: ""}
         self._names: dict[tuple[int, bytes], int] = {}
+        self.named: Callable[[Attr, int, bytes], None] | None = None
+        """Told of every entry handed to the kernel (``VFS.attach_owner``)."""
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -80,6 +83,8 @@ class Inodes:
                     self._paths.clear()
         if lookup:
             node.lookups += 1
+            if self.named is not None and parent:
+                self.named(attr, parent, name)
         return node
 
     def update(self, attr: Attr) -> Node | None:

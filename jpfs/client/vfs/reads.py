@@ -172,6 +172,16 @@ class Reads:
             self.close_unopened(ino)
         return out
 
+    def opened_elsewhere(self, ino: int, stream: int) -> None:
+        """Another process serving this mount opened ``ino`` for ``stream`` with its first READ
+        (``VFS.peer_read``): what prefetch learns from an open, where the name is known here."""
+        node = self.inodes.get(ino)
+        if node is None or not node.parent or not self.prefetcher.enabled:
+            return
+        path = self.inodes.path(node)
+        if path is not None:
+            self.prefetcher.opened(stream, ino, node.parent, node.name, path, node.attr)
+
     def is_opening(self, ino: int) -> bool:
         """Whether a READ of ``ino`` is opening it here now."""
         return ino in self._opening

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from ...types import Attr
+
 
 class Notifier(Protocol):
     """How the VFS reaches the kernel's caches (the FUSE mount passes its own)."""
@@ -28,6 +30,21 @@ class Notifier(Protocol):
 
     async def close(self) -> None:
         """No more notifications (the mount is ending); waits for any under way."""
+        ...
+
+
+class PrefetchOwner(Protocol):
+    """Where prefetch runs when a mount is served by several processes (the jpfs engine's
+    worker 0): another worker tells it the entries it hands the kernel and the files its READs
+    open, and asks it for the page a hand-off held back (``VFS.attach_owner``)."""
+
+    def named(self, attr: Attr, parent: int, name: bytes) -> None:
+        """An entry was handed to the kernel (a lookup it counts): queued, never blocks."""
+        ...
+
+    async def first_read(self, ino: int, off: int, size: int, stream: int) -> bytes | None:
+        """The first READ of a file the kernel opened itself: the held-back page the owner
+        answers (None when it holds none; the owner counts the read as the file's open)."""
         ...
 
 
@@ -152,4 +169,5 @@ def outcome_of(sources: set[str]) -> str:
     return "memory"
 
 
-__all__ = ["OPEN_OUTCOMES", "Notifier", "NullNotifier", "OpenFile", "VFSConfig", "VFSStats"]
+__all__ = ["OPEN_OUTCOMES", "Notifier", "NullNotifier", "OpenFile", "PrefetchOwner", "VFSConfig",
+           "VFSStats"]
