@@ -174,9 +174,13 @@ class Reads:
 
     def opened_elsewhere(self, ino: int, stream: int) -> None:
         """Another process serving this mount opened ``ino`` for ``stream`` with its first READ
-        (``VFS.peer_read``): what prefetch learns from an open, where the name is known here."""
+        (``VFS.peer_read``): its READs fill the kernel's pages of this version, which hand-offs
+        and prefetch then skip, and prefetch learns from the open, where the name is known."""
         node = self.inodes.get(ino)
-        if node is None or not node.parent or not self.prefetcher.enabled:
+        if node is None:
+            return
+        node.kernel_version = node.attr.version
+        if not node.parent or not self.prefetcher.enabled:
             return
         path = self.inodes.path(node)
         if path is not None:
