@@ -107,8 +107,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=1,
                    help="--engine jpfs: worker processes, each with its own connection to the "
                    "cluster and a share of the caches (default 1; 0: one per core, at most "
-                   "16). Requests then run on several cores, but only worker 0 prefetches and "
-                   "it sees only the reads it serves: a shuffled cold epoch is faster with 1")
+                   "16). Requests then run on several cores; worker 0 prefetches for all, told "
+                   "by the others what they serve. Each worker costs CPU of its own: where the "
+                   "training job needs every core, 1 is faster (docs/perf.md)")
     p.add_argument("--max-tasks", type=int, default=256, help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_mount)
