@@ -262,9 +262,10 @@ async def serve(opts: MountOptions, ready: Callable[[], None] | None = None) -> 
 @dataclass(frozen=True)
 class Share:
     """A worker's part of a mount served by several processes: its own slice of the caches
-    (a disk cache directory each); worker 0 alone prefetches and takes prefetch hints (sweeps
-    of the same directories by every worker would fetch them once per worker), and hears what
-    the others see (``relay.py``)."""
+    (a disk cache directory each); worker 0 alone fetches ahead and takes prefetch hints
+    (sweeps of the same directories by every worker would fetch them once per worker), and
+    hears what the others see (``relay.py``); every worker lists directories for its lookups
+    and reads large files ahead."""
 
     index: int = 0
     count: int = 1
@@ -299,7 +300,7 @@ async def mount_parts(opts: MountOptions, nursery: trio.Nursery, notifier: Notif
             kernel_ahead=kernel_ahead if share.index == 0 else 0,
             dir_leases=opts.dir_leases, write_behind=opts.write_behind,
             short_circuit=opts.short_circuit),
-            notifier, prefetch=opts.prefetch and share.index == 0)
+            notifier, prefetch=opts.prefetch, ahead=share.index == 0)
         sock = hints.socket_path(state_dir(), mp) if share.index == 0 else ""
         if len(sock) > hints.MAX_PATH:
             sock = ""

@@ -20,8 +20,9 @@ Each other worker therefore keeps a stream connection to worker 0 (``Link``, the
   so the worker waits for worker 0's answer: the page, or nil, and then reads the file itself.
 
 Worker 0 answers on its ``Desk``, to its siblings only: the socket's name is open to every
-process of the host, and a held-back page is a file's bytes. Prefetch is a hint: a link that is down (worker 0 starting
-again) or an answer later than ``ANSWER_WITHIN`` costs only a fetch, never a failed READ.
+process of the host, and a held-back page is a file's bytes. Prefetch is a hint: a link that
+is down (worker 0 starting again) or an answer later than ``ANSWER_WITHIN`` costs only a
+fetch, never a failed READ.
 """
 
 from __future__ import annotations

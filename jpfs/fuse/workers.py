@@ -10,6 +10,8 @@ share; each has a slice of the memory and disk caches.
 This suits a read-only mount, where any worker can serve any request: FUSE inode numbers are
 JPFS's, the kernel opens files and directories itself (so no request names a handle another
 worker made), and a READ of an inode a worker never looked up fetches its attributes by number.
+Worker 0 alone fetches ahead; the others tell it what they serve (``relay.py``), and every
+worker tells the others of the inodes the kernel forgot (``ForgetRelay``).
 A read-write mount keeps per-handle state (writers, leases), so the engine serves read-only
 mounts only; pyfuse3 serves the rest.
 
@@ -39,8 +41,7 @@ from collections.abc import Callable
 import trio
 
 from ..errors import error
-from . import hints, kernel
-from . import relay as relay_
+from . import hints, kernel, relay
 from .engine import Engine, EngineNotifier, EngineReads
 from .mount import (
     FSNAME,
@@ -347,14 +348,14 @@ async def _serve_worker(opts: MountOptions, fd: int, share: Share, ready_fd: int
             ops.init()
             ops.serving = {"engine": "jpfs", "worker": share.index, "workers": share.count}
             tag = str(os.getppid())
-            relay = ForgetRelay(tag, share.index, share.count) if share.count > 1 else None
+            forgets = ForgetRelay(tag, share.index, share.count) if share.count > 1 else None
             link = await _prefetch_relay(nursery, ops, notifier, tag, share) \
                 if share.count > 1 and opts.prefetch else None
             engine = Engine(ops, fd, reads, max_tasks=opts.max_tasks,
-                            forgotten=relay.send if relay is not None else None,
+                            forgotten=forgets.send if forgets is not None else None,
                             before_reply=link.flush if link is not None else None)
-            if relay is not None:
-                nursery.start_soon(relay.run, engine)
+            if forgets is not None:
+                nursery.start_soon(forgets.run, engine)
             if ops.control.hint_socket:
                 await nursery.start(hints.serve, ops.control.hint_socket,
                                     ops.control.submit_hints)
@@ -370,12 +371,12 @@ async def _serve_worker(opts: MountOptions, fd: int, share: Share, ready_fd: int
 
 
 async def _prefetch_relay(nursery: trio.Nursery, ops: Operations, notifier: EngineNotifier,
-                          tag: str, share: Share) -> relay_.Link | None:
+                          tag: str, share: Share) -> relay.Link | None:
     """Worker 0 prefetches for the mount and hears the others' evidence on its desk; each
     other worker links to it (``relay.py``). Returns the link (None in worker 0)."""
     if share.index == 0:
         try:
-            desk = relay_.Desk(ops.vfs, tag)
+            desk = relay.Desk(ops.vfs, tag)
         except OSError as e:  # the name is taken: prefetch sees only this worker's requests
             log.warning("prefetch hears only worker 0's requests: %s", e.strerror)
             return None
@@ -383,7 +384,7 @@ async def _prefetch_relay(nursery: trio.Nursery, ops: Operations, notifier: Engi
         notifier.introduced = desk.drain
         ops.serving["relay"] = desk.counters
         return None
-    link = relay_.Link(tag)
+    link = relay.Link(tag)
     ops.vfs.attach_owner(link)
     nursery.start_soon(link.run)
     ops.serving["relay"] = link.counters

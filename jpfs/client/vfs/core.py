@@ -115,8 +115,9 @@ class VFS:
     @classmethod
     async def connect(cls, nursery: trio.Nursery, cluster: Cluster, cache: BlobCache,
                       config: VFSConfig, notifier: Notifier | None = None, *,
-                      prefetch: bool = True) -> VFS:
-        """Connect to ``cluster`` and build the VFS over ``cache`` (an opened BlobCache)."""
+                      prefetch: bool = True, ahead: bool = True) -> VFS:
+        """Connect to ``cluster`` and build the VFS over ``cache`` (an opened BlobCache);
+        ``prefetch`` and ``ahead``: ``PrefetchConfig.enabled`` and ``ahead``."""
         if not cluster.n_nodes:
             raise error(errno.ENODEV, "this cluster has no storage nodes: nothing to mount")
         client = AsyncClient(nursery, cluster, dir_cache_ttl=config.entry_timeout, cache=cache,
@@ -131,7 +132,8 @@ class VFS:
         # the mount's prefetcher skips what the kernel holds, and on a read-only mount hands
         # what sweeps and scans fetch on to it (``Handoff``)
         prefetcher = Prefetcher(client.meta, client.storage.get, cache, PrefetchConfig(
-            enabled=prefetch, small_file=config.small_file, layouts=config.read_only,
+            enabled=prefetch, ahead=ahead, small_file=config.small_file,
+            layouts=config.read_only,
             kernel_ahead=config.kernel_ahead,
             handoff=config.read_only and config.notify_store), inodes.kernel_has)
         nursery.start_soon(prefetcher.run)

@@ -10,6 +10,10 @@ class PrefetchConfig:
     """Limits and switches. Sizes are bytes."""
 
     enabled: bool = True
+    ahead: bool = True
+    """Learn from opens and fetch files ahead of their readers (scans, sweeps, co-access, hints).
+    Off where another process does that for the same mount (a worker of the jpfs engine other
+    than worker 0): lookups answered from listings and read-ahead of large files stay on."""
     small_file: int = 4 << 20
     """Files up to this size are fetched whole (on open, and when predicted)."""
     inflight_bytes: int = 64 << 20

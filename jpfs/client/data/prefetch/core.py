@@ -65,8 +65,8 @@ class Prefetcher:
 
     @property
     def enabled(self) -> bool:
-        """Whether prefetching is on (``config.enabled``)."""
-        return self.config.enabled
+        """Whether prefetching learns from opens here (``config.enabled`` and ``ahead``)."""
+        return self.config.enabled and self.config.ahead
 
     @property
     def handoffs(self) -> trio.MemoryReceiveChannel[KernelBatch]:
@@ -111,7 +111,7 @@ class Prefetcher:
                ready: bool = False) -> None:
         """A reader (``stream``: its thread id) opened ``path`` (file ``ino`` in ``parent``);
         ``ready``: its bytes were prefetched already (or are on their way)."""
-        if not self.config.enabled:
+        if not self.enabled:
             return
         hinted = self.hints.opened(ino)
         rule = self.partners.hit(ino)
