@@ -243,7 +243,9 @@ class VFS:
         OPEN with ENOSYS): the first READ opens it here (what prefetch learns from an open, a
         small file fetched whole), and that handle is closed once the reads have covered the
         file (the kernel's pages hold it), when the kernel forgets the inode, or when it is the
-        oldest past ``UNOPENED_MAX`` handles or ``UNOPENED_BYTES``."""
+        oldest past ``UNOPENED_MAX`` handles or ``UNOPENED_BYTES``. Where another process
+        prefetches (``attach_owner``), a file's first READ here is told to it, and one past the
+        first page waits for its answer: the page its hand-off held back, perhaps."""
         tail = self.handoff.read_tail(ino, off, size, stream)  # a page held back
         if tail is not None:
             return tail
@@ -258,7 +260,8 @@ class VFS:
     def attach_owner(self, owner: PrefetchOwner) -> None:
         """Prefetch runs in another process that serves this mount (``PrefetchOwner``): tell it
         each entry handed to the kernel and each file a READ opens here, and answer the page its
-        hand-off held back from what it says. This VFS's own prefetcher is off."""
+        hand-off held back from what it says. This VFS's own prefetcher fetches nothing ahead
+        (``PrefetchConfig.ahead``)."""
         self.owner = owner
         self.inodes.named = owner.named
 
