@@ -92,7 +92,6 @@ def _running(pid: int) -> bool:
         return False
 
 
-
 def _walk_and_read(root: str) -> dict[str, str]:
     """What another process reads (run in a subprocess)."""
     import hashlib

@@ -177,7 +177,16 @@ class Desk:
                         sock, _ = self.listener.accept()
                     except BlockingIOError:
                         continue
-                    if not _is_sibling(sock):
+                    except OSError as e:  # out of descriptors, say: the desk waits, not dies
+                        log.warning("taking a prefetch link: %s", e.strerror)
+                        await trio.sleep(0.1)
+                        continue
+                    try:
+                        sibling = _is_sibling(sock)
+                    except OSError as e:
+                        log.warning("checking a prefetch link's peer: %s", e.strerror)
+                        sibling = False
+                    if not sibling:
                         sock.close()
                         continue
                     sock.setblocking(False)
